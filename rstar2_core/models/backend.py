@@ -1,0 +1,170 @@
+"""Training backends: one optimizer/scheduler/clip/precision wrapper shared by SFT and RL.
+
+`TrainBackend` is the protocol the trainers code against; `TorchBackend` is plain PyTorch (CPU or one
+GPU); `DeepSpeedBackend` (ZeRO, `models/deepspeed_backend.py`, the production part) implements the same
+protocol. `make_backend(model, train_cfg, total_steps, warmup_steps, schedule)` picks one from
+`train_cfg.backend` (`SFTConfig` or `RLConfig`).
+
+Schedule (the paper): linear warm-up from 0 over `warmup_steps` optimizer steps, then cosine decay to
+`min_lr_ratio * lr` at `total_steps` (SFT) or constant (RL). The lr factor of step `s` (0-based, the
+step about to be taken) is `lr_factor(s, ...)`.
+
+Precision: parameters stay in the model's dtype; on a CUDA device with bf16 support the forward runs
+under `torch.autocast(bfloat16)` (`backend.autocast()`); on CPU it is a no-op (bf16 autocast on CPU is
+slower than fp32 for our tiny shapes and changes numerics, which the resume tests rely on).
+
+Usage:
+    backend = make_backend(model, cfg.sft, total_steps=100, warmup_steps=4, schedule="cosine")
+    with backend.autocast():
+        loss = model(**batch).loss
+    backend.backward(loss)
+    grad_norm = backend.step()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+SCHEDULES = ("cosine", "constant")
+
+
+@runtime_checkable
+class TrainBackend(Protocol):
+    model: nn.Module
+
+    def backward(self, loss: torch.Tensor) -> None: ...
+
+    def step(self) -> float:
+        """Clip, optimizer step, scheduler step, zero grad; returns the pre-clip global grad norm."""
+        ...
+
+    def reset_optimizer(self) -> None: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, d: dict) -> None: ...
+
+    def save_hf(self, local_dir: str | Path) -> None: ...
+
+
+def lr_factor(step: int, total_steps: int, warmup_steps: int, schedule: str, min_lr_ratio: float = 0.0) -> float:
+    """Multiplier of the peak lr for optimizer step `step` (0-based)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown lr schedule {schedule!r}; valid: {list(SCHEDULES)}")
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    decay = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / decay)
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def bf16_autocast_supported(model: nn.Module) -> bool:
+    p = next(model.parameters(), None)
+    return (p is not None and p.device.type == "cuda" and p.dtype == torch.float32
+            and torch.cuda.is_bf16_supported())
+
+
+class TorchBackend:
+    """AdamW + warm-up/cosine-or-constant LambdaLR + global grad-norm clip, on one device."""
+
+    def __init__(self, model: nn.Module, *, lr: float, total_steps: int, warmup_steps: int = 0,
+                 schedule: str = "cosine", weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
+                 grad_clip: float = 1.0, min_lr_ratio: float = 0.0, use_autocast: bool | None = None):
+        if schedule not in SCHEDULES:
+            raise ValueError(f"unknown lr schedule {schedule!r}; valid: {list(SCHEDULES)}")
+        if total_steps < 1:
+            raise ValueError(f"total_steps={total_steps} must be >= 1")
+        self.model = model
+        self.lr, self.total_steps, self.warmup_steps = lr, total_steps, warmup_steps
+        self.schedule, self.weight_decay, self.betas = schedule, weight_decay, tuple(betas)
+        self.grad_clip, self.min_lr_ratio = grad_clip, min_lr_ratio
+        self.use_autocast = bf16_autocast_supported(model) if use_autocast is None else use_autocast
+        self.global_step = 0
+        self._build_optimizer()
+
+    def _build_optimizer(self) -> None:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        fused = bool(params) and params[0].device.type == "cuda"
+        self.optimizer = torch.optim.AdamW(params, lr=self.lr, betas=self.betas,
+                                           weight_decay=self.weight_decay, fused=fused or None)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_factor(s, self.total_steps, self.warmup_steps, self.schedule,
+                                                self.min_lr_ratio))
+
+    # training --------------------------------------------------------------------------------------
+    def autocast(self):
+        if self.use_autocast:
+            return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    @property
+    def current_lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self) -> float:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.global_step += 1
+        return float(norm)
+
+    def reset_optimizer(self) -> None:
+        """Fresh AdamW moments (the paper, at stage 3); the lr schedule position is kept."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self._build_optimizer()
+        self.scheduler.last_epoch = self.global_step  # keep the schedule position
+        for g, f in zip(self.optimizer.param_groups, self.scheduler.lr_lambdas):
+            g["lr"] = self.lr * f(self.global_step)
+
+    # state -----------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "step": self.global_step}
+
+    def load_state_dict(self, d: dict) -> None:
+        missing = {"optimizer", "scheduler", "step"} - set(d)
+        if missing:
+            raise ValueError(f"backend state is missing {sorted(missing)}; was it saved by TorchBackend.state_dict()?")
+        self.optimizer.load_state_dict(d["optimizer"])
+        self.scheduler.load_state_dict(d["scheduler"])
+        self.global_step = int(d["step"])
+
+    def save_hf(self, local_dir: str | Path) -> None:
+        """Write the model as an HF folder (config + safetensors) into `local_dir` (no tokenizer)."""
+        self.model.save_pretrained(str(local_dir), safe_serialization=True)
+
+
+def make_backend(model: nn.Module, train_cfg: Any, total_steps: int, warmup_steps: int,
+                 schedule: str) -> TrainBackend:
+    """Backend for `train_cfg` (`SFTConfig` or `RLConfig`: fields lr, weight_decay, grad_clip, backend,
+    zero_stage, optional betas/min_lr_ratio). `deepspeed` imports `models/deepspeed_backend.py` lazily."""
+    kind = getattr(train_cfg, "backend", "torch")
+    kwargs = dict(lr=train_cfg.lr, total_steps=total_steps, warmup_steps=warmup_steps, schedule=schedule,
+                  weight_decay=getattr(train_cfg, "weight_decay", 0.0),
+                  betas=tuple(getattr(train_cfg, "betas", (0.9, 0.999))),
+                  grad_clip=getattr(train_cfg, "grad_clip", 1.0),
+                  min_lr_ratio=getattr(train_cfg, "min_lr_ratio", 0.0))
+    if kind == "torch":
+        return TorchBackend(model, **kwargs)
+    if kind == "deepspeed":
+        try:
+            from rstar2_core.models.deepspeed_backend import DeepSpeedBackend
+        except ImportError as e:
+            raise ImportError(f"backend = \"deepspeed\" needs the deepspeed extra and "
+                              f"rstar2_core/models/deepspeed_backend.py ({e}); install with "
+                              "`pip install -e .[deepspeed]` or set backend = \"torch\"") from e
+        return DeepSpeedBackend(model, zero_stage=getattr(train_cfg, "zero_stage", 2), **kwargs)
+    raise ValueError(f"unknown training backend {kind!r}; valid: ['torch', 'deepspeed']")

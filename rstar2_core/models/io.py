@@ -1,0 +1,119 @@
+"""Checkpoint read/write: HF checkpoint folders at fsspec URLs, published atomically.
+
+A checkpoint is a normal HF folder (config.json, model.safetensors, tokenizer files) plus optional
+extra files (trainer state, RNG) and a `_COMPLETE` marker written last (its JSON body holds `meta`).
+Readers ignore folders without the marker, so a crash mid-write leaves the previous checkpoint the
+latest complete one. Remote URLs (s3://) are staged in a local temp folder and uploaded file by file
+with the marker last; reads of remote checkpoints are cached under $RSTAR2_HOME/cache/checkpoints.
+
+    save_checkpoint(model, tok, "file:///tmp/run/step-000050", extra={"trainer.pt": b"..."}, meta={"step": 50})
+    url = latest_complete("file:///tmp/run")       # -> ".../step-000050" or None
+    model, tok = load_model_and_tokenizer(url)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+from rstar2_core import storage
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _resolve_dtype(dtype):
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; valid: {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def _cache_root() -> Path:
+    home = os.environ.get("RSTAR2_HOME") or str(Path(__file__).resolve().parents[2] / ".rstar2")
+    return Path(home) / "cache"
+
+
+def local_checkpoint_dir(checkpoint_url: str) -> Path:
+    """Local folder holding a complete checkpoint (downloaded once for remote URLs)."""
+    if not storage.is_complete(checkpoint_url):
+        raise FileNotFoundError(f"{checkpoint_url} is not a complete checkpoint (no {storage.COMPLETE_MARKER} "
+                                "marker): it is missing or was interrupted mid-write; use latest_complete() "
+                                "on its parent folder to find the last good one")
+    local = storage.to_local_path(checkpoint_url)
+    if local is not None:
+        return local
+    key = hashlib.sha256((checkpoint_url + storage.read_text(storage.join(checkpoint_url, storage.COMPLETE_MARKER)))
+                         .encode()).hexdigest()[:16]
+    dst = _cache_root() / "checkpoints" / key
+    if not (dst / storage.COMPLETE_MARKER).exists():
+        tmp = dst.parent / f".{key}.{os.getpid()}.tmp"
+        storage.download_dir(checkpoint_url, tmp)
+        if dst.exists():  # another process finished first
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            os.replace(tmp, dst)
+    return dst
+
+
+def load_model_and_tokenizer(checkpoint_url: str, dtype=None, device: str = "cpu"):
+    """(model in eval mode on `device`, tokenizer) from a complete HF checkpoint URL or local folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = local_checkpoint_dir(checkpoint_url)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=_resolve_dtype(dtype) or "auto")
+    model.to(device).eval()
+    tok = AutoTokenizer.from_pretrained(str(path))
+    return model, tok
+
+
+def read_extra(checkpoint_url: str, name: str) -> bytes:
+    """One extra file saved with `save_checkpoint(extra={name: ...})`."""
+    return storage.read_bytes(storage.join(checkpoint_url, name))
+
+
+def read_meta(checkpoint_url: str) -> dict:
+    """The `meta` dict stored in the checkpoint's `_COMPLETE` marker."""
+    return storage.read_json(storage.join(checkpoint_url, storage.COMPLETE_MARKER))
+
+
+def save_checkpoint(model, tokenizer, out_url: str, extra: dict[str, bytes] | None = None,
+                    meta: dict | None = None) -> str:
+    """Publish model (+ tokenizer, + extra files) at `out_url` atomically; returns `out_url`.
+
+    `model` may be an nn.Module with `save_pretrained` or a `TrainBackend` (its `save_hf` is used)."""
+    with storage.staging_dir() as d:
+        if hasattr(model, "save_hf"):
+            model.save_hf(d)
+        else:
+            model.save_pretrained(str(d), safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(d))
+        for name, data in (extra or {}).items():
+            if "/" in name or name.startswith(".") or name == storage.COMPLETE_MARKER:
+                raise ValueError(f"extra file name {name!r} must be a plain file name")
+            (d / name).write_bytes(data)
+        storage.write_dir_atomic(d, out_url, meta=meta)
+    return out_url
+
+
+_NUM = re.compile(r"(\d+)$")
+
+
+def _order(url: str) -> tuple[int, str]:
+    name = url.rstrip("/").rsplit("/", 1)[-1]
+    m = _NUM.search(name)
+    return (int(m.group(1)) if m else -1, name)
+
+
+def latest_complete(dir_url: str) -> str | None:
+    """URL of the complete sub-folder of `dir_url` with the highest trailing step number (then name);
+    None when there is none. Hidden (temp) folders and folders without `_COMPLETE` are ignored."""
+    cands = [u for u in storage.list_dirs(dir_url)
+             if not u.rstrip("/").rsplit("/", 1)[-1].startswith(".") and storage.is_complete(u)]
+    return max(cands, key=_order) if cands else None

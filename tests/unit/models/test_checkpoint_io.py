@@ -1,0 +1,70 @@
+"""Checkpoint I/O: HF round trip, extra files and meta, interrupted writes ignored by readers."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from rstar2_core import storage
+from rstar2_core.models.io import (latest_complete, load_model_and_tokenizer, read_extra, read_meta,
+                                   save_checkpoint)
+
+
+def _tiny_model():
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=2, intermediate_size=48, max_position_embeddings=64)
+    return Qwen2ForCausalLM(cfg)
+
+
+def test_save_then_load_round_trip(tmp_path):
+    m = _tiny_model()
+    url = (tmp_path / "run" / "step-000001").as_uri()
+    save_checkpoint(m, None, url, extra={"trainer.pt": b"abc"}, meta={"step": 1})
+    assert storage.is_complete(url)
+    assert read_extra(url, "trainer.pt") == b"abc" and read_meta(url) == {"step": 1}
+    m2 = AutoModelForCausalLM.from_pretrained(str(tmp_path / "run" / "step-000001"))
+    for (k, a), b in zip(m.state_dict().items(), m2.state_dict().values()):
+        assert torch.equal(a, b), k
+
+
+def test_latest_complete_orders_by_step_and_skips_incomplete(tmp_path):
+    run = tmp_path / "run"
+    m = _tiny_model()
+    for step in (2, 10):
+        save_checkpoint(m, None, (run / f"step-{step:06d}").as_uri(), meta={"step": step})
+    assert latest_complete(run.as_uri()).endswith("step-000010")
+    # A write interrupted midway: files copied but no _COMPLETE marker (a crash before the rename/marker).
+    broken = run / "step-000020"
+    shutil.copytree(run / "step-000010", broken)
+    (broken / storage.COMPLETE_MARKER).unlink()
+    (broken / "model.safetensors").write_bytes(b"half")
+    # A staging temp folder left behind by a killed writer.
+    shutil.copytree(run / "step-000010", run / ".step-000030.abcd.tmp")
+    assert latest_complete(run.as_uri()).endswith("step-000010")
+    with pytest.raises(FileNotFoundError, match="latest_complete"):
+        load_model_and_tokenizer(broken.as_uri())
+    assert latest_complete((tmp_path / "nothing").as_uri()) is None
+
+
+def test_interrupted_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
+    m = _tiny_model()
+    url = (tmp_path / "run" / "step-000001").as_uri()
+    save_checkpoint(m, None, url, meta={"step": 1})
+
+    def boom(*a, **k):
+        raise KeyboardInterrupt("killed mid-write")
+
+    monkeypatch.setattr(shutil, "copytree", boom)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(m, None, (tmp_path / "run" / "step-000002").as_uri(), meta={"step": 2})
+    monkeypatch.undo()
+    assert latest_complete((tmp_path / "run").as_uri()) == url
+    assert json.loads((tmp_path / "run" / "step-000001" / storage.COMPLETE_MARKER).read_text()) == {"step": 1}
+
+
+def test_extra_names_must_be_plain(tmp_path):
+    with pytest.raises(ValueError, match="plain file name"):
+        save_checkpoint(_tiny_model(), None, (tmp_path / "c").as_uri(), extra={"../x": b""})
