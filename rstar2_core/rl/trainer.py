@@ -1,0 +1,170 @@
+"""The RL policy update: log-probs of sampled tokens, the clipped loss over micro-batches, one optimizer step.
+
+`rl_update(backend, trajectories, advantages, ...)` does one RL step's update, as in the paper (one
+optimizer step per RL step, grad clip from the config):
+
+1. `old_logprobs` are *recomputed* with the policy before the update (one no-grad forward), the verl
+   choice: the engine's sampling log-probs come from a KV-cached decode (and, with vLLM, another
+   kernel set and precision), so their ratio to the trainer's forward is not exactly 1 even for
+   identical weights, and clipping would then act on numerical noise. With `old_logprobs="engine"` the
+   sampling log-probs are used instead (cheaper by one forward; the ratio then also measures
+   engine/trainer mismatch). Either way `actor/engine_logprob_gap` (mean |engine - trainer| over
+   sampled tokens) is logged, which catches a temperature or template mismatch at once.
+2. The loss is `policy_loss` per micro-batch with `total_tokens` = the mask sum over *all* kept
+   trajectories, so the accumulated gradient is that of the token-level mean over the whole step (not
+   a mean of per-micro-batch means).
+3. `backend.step()` clips, steps AdamW and the LR schedule, and zeroes the gradients.
+
+Log-probs (`sequence_logprobs`): one forward over prompt + response per trajectory (right-padded),
+logits shifted by one, divided by the sampling temperature (so they are the log-probs of the
+distribution the engine sampled from; top_p is not modelled: the paper samples with top_p = 1), then
+log-softmax and gather. Shapes: trajectories of prompt length P_b and response length R_b give
+`logprobs: (B, R_max)` with 0 beyond R_b; `loss_mask: (B, R_max)` from `Trajectory.loss_mask` (tool
+output tokens 0).
+
+Departure: the model is kept in `train()` mode for the gradient forward (gradient checkpointing needs
+it); RL assumes dropout probabilities of 0 (true of Qwen2/Qwen3 configs), otherwise the recomputed
+`old_logprobs` and the training forward would see different dropout masks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from rstar2_core.rl.loss import get_policy_loss
+from rstar2_core.rollout.types import Trajectory
+
+OLD_LOGPROB_SOURCES = ("recompute", "engine")
+
+
+@dataclass(frozen=True)
+class PaddedBatch:
+    """Right-padded tensors for a micro-batch. `input_ids, attention_mask: (B, L)`; `gather_pos, loss_mask,
+    engine_logprobs: (B, R_max)` where `gather_pos[b, j]` is the logits position predicting response token j."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    targets: torch.Tensor
+    gather_pos: torch.Tensor
+    loss_mask: torch.Tensor
+    engine_logprobs: torch.Tensor
+
+
+def collate(trajectories: Sequence[Trajectory], pad_id: int, device: str | torch.device = "cpu") -> PaddedBatch:
+    """Pad `prompt_ids + response_ids` of each trajectory to one `(B, L)` batch (see PaddedBatch)."""
+    if not trajectories:
+        raise ValueError("collate: no trajectories")
+    B = len(trajectories)
+    L = max(len(t.prompt_ids) + len(t.response_ids) for t in trajectories)
+    R = max(max(len(t.response_ids) for t in trajectories), 1)
+    ids = torch.full((B, L), pad_id, dtype=torch.long)
+    att = torch.zeros((B, L), dtype=torch.long)
+    tgt = torch.full((B, R), pad_id, dtype=torch.long)
+    pos = torch.zeros((B, R), dtype=torch.long)
+    mask = torch.zeros((B, R), dtype=torch.float32)
+    eng = torch.zeros((B, R), dtype=torch.float32)
+    for b, t in enumerate(trajectories):
+        P, n = len(t.prompt_ids), len(t.response_ids)
+        if P < 1:
+            raise ValueError("collate: a trajectory has an empty prompt; the first response token needs a "
+                             "prompt token to be predicted from")
+        if not (len(t.loss_mask) == len(t.logprobs) == n):
+            raise ValueError(f"collate: trajectory {b} has response_ids ({n}), loss_mask ({len(t.loss_mask)}) "
+                             f"and logprobs ({len(t.logprobs)}) of different lengths")
+        ids[b, :P + n] = torch.tensor(t.prompt_ids + t.response_ids, dtype=torch.long)
+        att[b, :P + n] = 1
+        if n:
+            tgt[b, :n] = torch.tensor(t.response_ids, dtype=torch.long)
+            pos[b, :n] = torch.arange(P - 1, P - 1 + n)
+            mask[b, :n] = torch.tensor(t.loss_mask, dtype=torch.float32)
+            eng[b, :n] = torch.tensor(t.logprobs, dtype=torch.float32)
+    return PaddedBatch(ids.to(device), att.to(device), tgt.to(device), pos.to(device), mask.to(device),
+                       eng.to(device))
+
+
+def batch_logprobs(model: torch.nn.Module, batch: PaddedBatch, temperature: float = 1.0) -> torch.Tensor:
+    """`(B, R_max)` log-probs of the response tokens under `model` at `temperature` (0 where padded)."""
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+    logits = out.logits
+    idx = batch.gather_pos.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
+    picked = torch.gather(logits, 1, idx).float() / temperature          # (B, R, V)
+    lp = torch.log_softmax(picked, dim=-1)
+    tok = torch.gather(lp, 2, batch.targets.unsqueeze(-1)).squeeze(-1)   # (B, R)
+    return tok
+
+
+def _chunks(n: int, size: int) -> list[slice]:
+    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+@torch.no_grad()
+def sequence_logprobs(model: torch.nn.Module, trajectories: Sequence[Trajectory], pad_id: int,
+                      temperature: float = 1.0, micro_batch_size: int = 8) -> list[torch.Tensor]:
+    """Per trajectory, the `(R_b,)` log-probs of its response tokens under `model` (no gradient)."""
+    device = _model_device(model)
+    out: list[torch.Tensor] = []
+    for sl in _chunks(len(trajectories), micro_batch_size):
+        chunk = trajectories[sl]
+        lp = batch_logprobs(model, collate(chunk, pad_id, device), temperature).cpu()
+        out.extend(lp[b, :len(t.response_ids)] for b, t in enumerate(chunk))
+    return out
+
+
+def rl_update(backend, trajectories: Sequence[Trajectory], advantages: Sequence[float], *, pad_id: int,
+              temperature: float = 1.0, micro_batch_size: int = 8, clip_low: float = 0.2,
+              clip_high: float = 0.28, loss_key: str = "ppo_clip", old_logprobs: str = "recompute"
+              ) -> dict[str, float]:
+    """One optimizer step on `trajectories` with per-trajectory `advantages` `(B,)`; returns `actor/...` metrics.
+
+    `backend`: a `TrainBackend` (`model`, `backward`, `step`). Trajectories with no sampled token
+    contribute nothing; with none at all in the batch, no step is taken (`actor/skipped` = 1)."""
+    if old_logprobs not in OLD_LOGPROB_SOURCES:
+        raise ValueError(f"rl_update: old_logprobs={old_logprobs!r}; valid: {list(OLD_LOGPROB_SOURCES)}")
+    if len(trajectories) != len(advantages):
+        raise ValueError(f"rl_update: {len(trajectories)} trajectories but {len(advantages)} advantages")
+    loss_fn = get_policy_loss(loss_key)
+    model = backend.model
+    device = _model_device(model)
+    total_tokens = float(sum(sum(t.loss_mask) for t in trajectories))
+    if total_tokens == 0:
+        return {"actor/skipped": 1.0, "actor/tokens": 0.0}
+    model.train()
+    recomputed = sequence_logprobs(model, trajectories, pad_id, temperature, micro_batch_size)
+    gap_sum = 0.0
+    sums = {"actor/pg_clipfrac": 0.0, "actor/ratio_mean": 0.0, "actor/ppo_kl": 0.0, "actor/pg_loss": 0.0}
+    adv_all = torch.tensor(list(advantages), dtype=torch.float32)
+    for sl in _chunks(len(trajectories), micro_batch_size):
+        chunk = trajectories[sl]
+        batch = collate(chunk, pad_id, device)
+        if float(batch.loss_mask.sum()) == 0:
+            continue
+        old = torch.zeros_like(batch.engine_logprobs)
+        for b, t in enumerate(chunk):
+            old[b, :len(t.response_ids)] = recomputed[sl.start + b].to(device)
+        gap_sum += float(((old - batch.engine_logprobs).abs() * batch.loss_mask).sum())
+        if old_logprobs == "engine":
+            old = batch.engine_logprobs
+        with backend.autocast() if hasattr(backend, "autocast") else contextlib.nullcontext():
+            lp = batch_logprobs(model, batch, temperature)
+        loss, m = loss_fn(lp, old, adv_all[sl].to(device), batch.loss_mask, clip_low=clip_low,
+                          clip_high=clip_high, total_tokens=total_tokens)
+        backend.backward(loss)
+        for k in sums:
+            sums[k] += m[k] * m["actor/tokens"]
+    lr = float(getattr(backend, "current_lr", float("nan")))  # the lr this step uses
+    grad_norm = backend.step()
+    model.eval()
+    metrics = {k: v / total_tokens for k, v in sums.items()}
+    metrics.update({"actor/grad_norm": float(grad_norm), "actor/tokens": total_tokens,
+                    "actor/engine_logprob_gap": gap_sum / total_tokens, "actor/skipped": 0.0,
+                    "actor/lr": lr})
+    return metrics
