@@ -1,0 +1,170 @@
+"""`ChatFormat`: the ChatML conversation of RECIPE.md as token ids, token-in/token-out.
+
+    chat = ChatFormat(tokenizer)                       # any HF tokenizer with <|im_start|>/<|im_end|>
+    ids = chat.prompt_ids("What is 2^10?")            # ... <|im_start|>assistant\\n<reason>
+    ids += generated_ids                              # the model's turn, up to </tool_call>
+    ids += chat.tool_response_ids([result_text])      # loss_mask 0
+    ids += more_generated_ids ...
+
+Layout (one string per turn, `\\n` after each `<|im_end|>`):
+
+    <|im_start|>system\\n{system prompt with <tools>}<|im_end|>\\n
+    <|im_start|>user\\n{problem}\\n\\n{answer instruction}<|im_end|>\\n
+    <|im_start|>assistant\\n<reason>{generated ...<tool_call>...</tool_call>}<|im_end|>\\n
+    <|im_start|>user\\n<tool_response>\\n{result 1}\\n</tool_response>\\n<tool_response>\\n{result 2}\\n</tool_response><|im_end|>\\n
+    <|im_start|>assistant\\n{generated ...</answer>}<|im_end|>
+
+Token-in/token-out: the agent loop never re-tokenizes what the model generated; the sequence is the
+concatenation of pieces, each tokenized on its own: prompt_ids, generated ids, tool_response_ids, ...
+SFT (`render_trajectory`) builds demonstrations from exactly these pieces, so training and rollout see
+the same segmentation. The pieces meet the rest of the conversation at `<|im_start|>`/`<|im_end|>`
+(special tokens split the text for every HF tokenizer), so concatenating the pieces equals tokenizing
+the whole conversation text, with two documented exceptions (tested in tests/unit/chat/):
+1. the boundary where generation starts, right after `<reason>` or `assistant\\n`: a byte-level BPE
+   may merge the last prompt characters with the first generated ones when the whole text is
+   tokenized at once (e.g. `>` followed by `**`); the piecewise ids are the ones the model produced,
+   so they are the right ones, and their decoded text is identical;
+2. text that spells a special token (a program printing `<|im_end|>`, a problem quoting it) is
+   tokenized as plain text here (no control-token injection), while tokenizing the whole text would
+   turn it into the control token.
+
+Departures from the paper: only the first assistant turn is opened with `<reason>` (RECIPE.md says
+generation starts with it; later turns continue the same reasoning after the tool output). Tool
+response turns do not repeat the answer instruction (only problem-bearing user turns do).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from rstar2_core.chat.prompt import system_prompt, user_message
+from rstar2_core.chat.tokens import (
+    ANSWER_CLOSE,
+    IM_END,
+    IM_START,
+    REASON_OPEN,
+    TOOL_CALL_CLOSE,
+    TOOL_RESPONSE_CLOSE,
+    TOOL_RESPONSE_OPEN,
+)
+
+_Piece = tuple[str, bool]  # (text, is_special_token)
+
+
+class ChatFormat:
+    """Renders prompts, tool-response turns and SFT demonstrations for one tokenizer."""
+
+    def __init__(self, tokenizer, with_tools: bool = True):
+        self.tokenizer = tokenizer
+        self.with_tools = with_tools
+        self.im_start_id = self._special_id(IM_START)
+        self.im_end_id = self._special_id(IM_END)
+        self.system_prompt: str = system_prompt(with_tools)
+        self._prefix_ids = self._encode_pieces([(IM_START, True), ("system\n" + self.system_prompt, False),
+                                                (IM_END, True), ("\n", False), (IM_START, True)])
+        self._gen_start_ids = self._encode_pieces([(IM_END, True), ("\n", False), (IM_START, True),
+                                                   ("assistant\n" + REASON_OPEN, False)])
+
+    # ------------------------------------------------------------------ tokens
+    def _special_id(self, token: str) -> int:
+        tok = self.tokenizer
+        tid = tok.convert_tokens_to_ids(token)
+        if tid is None or tid == tok.unk_token_id or tok.encode(token, add_special_tokens=False) != [tid]:
+            raise ValueError(
+                f"tokenizer {type(tok).__name__} has no single special token for {token!r}; add the ChatML "
+                "markers with tokenizer.add_special_tokens({'additional_special_tokens': "
+                "['<|im_start|>', '<|im_end|>']}) and resize the model's embeddings")
+        return int(tid)
+
+    def encode_text(self, text: str) -> list[int]:
+        """Ids of plain text: no BOS/EOS added, and text spelling a special token stays plain text."""
+        if not text:
+            return []
+        return list(self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
+
+    def _encode_pieces(self, pieces: Sequence[_Piece]) -> list[int]:
+        ids: list[int] = []
+        for text, special in pieces:
+            if special:
+                ids.append(self.im_start_id if text == IM_START else self.im_end_id)
+            else:
+                ids.extend(self.encode_text(text))
+        return ids
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        """Generation stops after a tool call or after the final answer."""
+        return (TOOL_CALL_CLOSE, ANSWER_CLOSE)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """`<|im_end|>` and the tokenizer's own EOS (when different)."""
+        ids = [self.im_end_id]
+        eos = self.tokenizer.eos_token_id
+        if eos is not None and eos not in ids:
+            ids.append(int(eos))
+        return tuple(ids)
+
+    # ------------------------------------------------------------------ text
+    def prompt_text(self, problem: str) -> str:
+        """System turn, user turn, then `<|im_start|>assistant\\n<reason>` (generation continues from here)."""
+        return (f"{IM_START}system\n{self.system_prompt}{IM_END}\n"
+                f"{IM_START}user\n{user_message(problem)}{IM_END}\n{IM_START}assistant\n{REASON_OPEN}")
+
+    def tool_response_text(self, texts: list[str], turn_closed: bool = False) -> str:
+        """Text of `tool_response_ids(texts)`: closes the assistant turn, one user turn, opens the next."""
+        if not texts:
+            raise ValueError("tool_response_text needs at least one tool result text (one per tool call)")
+        blocks = "\n".join(f"{TOOL_RESPONSE_OPEN}\n{t}\n{TOOL_RESPONSE_CLOSE}" for t in texts)
+        return ("" if turn_closed else IM_END) + f"\n{IM_START}user\n{blocks}{IM_END}\n{IM_START}assistant\n"
+
+    # ------------------------------------------------------------------ ids
+    def prompt_ids(self, problem: str) -> list[int]:
+        """Token ids of `prompt_text(problem)` (the problem text cannot inject control tokens)."""
+        return self._prefix_ids + self.encode_text("user\n" + user_message(problem)) + self._gen_start_ids
+
+    def tool_response_ids(self, texts: list[str], turn_closed: bool = False) -> list[int]:
+        """Ids appended (loss_mask 0) after an assistant turn that ended with tool calls.
+
+        `texts`: one rendered result per call of the turn (`render_tool_result`), merged into one user
+        turn. `turn_closed=True` when the generated ids already end with `<|im_end|>` (not repeated).
+        """
+        if not texts:
+            raise ValueError("tool_response_ids needs at least one tool result text (one per tool call)")
+        blocks = "\n".join(f"{TOOL_RESPONSE_OPEN}\n{t}\n{TOOL_RESPONSE_CLOSE}" for t in texts)
+        pieces: list[_Piece] = [] if turn_closed else [(IM_END, True)]
+        pieces += [("\n", False), (IM_START, True), ("user\n" + blocks, False), (IM_END, True), ("\n", False),
+                   (IM_START, True), ("assistant\n", False)]
+        return self._encode_pieces(pieces)
+
+    def render_trajectory(self, problem: str, turns: list[tuple[str, list[str] | None]]
+                          ) -> tuple[list[int], list[int]]:
+        """(ids, loss_mask) of a whole demonstration, prompt included, both of length T.
+
+        `turns`: (assistant text, tool result texts) per turn; the last turn has None instead of
+        results and is closed with `<|im_end|>` (loss_mask 1: the model learns to end its turn). The
+        first turn's text continues after the prompt's `<reason>`. loss_mask is 1 exactly on the
+        assistant text tokens (and the final `<|im_end|>`), 0 on the prompt and tool-response turns.
+        """
+        if not turns:
+            raise ValueError("render_trajectory needs at least one assistant turn")
+        if turns[0][0].startswith(REASON_OPEN):
+            raise ValueError(f"the prompt already opens {REASON_OPEN}; start the first turn's text after it")
+        ids = self.prompt_ids(problem)
+        mask = [0] * len(ids)
+        for k, (text, results) in enumerate(turns):
+            last = k == len(turns) - 1
+            if last != (results is None):
+                raise ValueError(f"turn {k}: only the last turn has no tool results (None); every earlier "
+                                 "turn needs the list of its tool result texts")
+            gen = self.encode_text(text)
+            ids += gen
+            mask += [1] * len(gen)
+            if results is None:
+                ids.append(self.im_end_id)
+                mask.append(1)
+            else:
+                resp = self.tool_response_ids(results)
+                ids += resp
+                mask += [0] * len(resp)
+        return ids, mask
