@@ -1,0 +1,118 @@
+"""Curation filters. Each takes candidates in order and returns `(kept, dropped)` where `dropped` is a
+`Counter` of reasons; the order of the input decides which copy of a duplicate survives (the first).
+
+- `integer_answers`: labels must normalise to an integer with at most `max_digits` digits (RECIPE.md:
+  verifiers cannot reliably match symbolic forms; huge answers time out the verifier).
+- `exact_duplicates`: same normalised text (see `normalize.problem_key`).
+- `near_duplicates`: MinHash over word 5-shingles + LSH (`datasketch`), confirmed by the MinHash
+  Jaccard estimate >= threshold, so an LSH false positive never drops a problem.
+- `decontaminate`: drop a problem sharing a word n-gram (paper: 8) with any evaluation benchmark;
+  the reason names the benchmark. Departure: benchmarks listed in `exact_only` (the synthetic
+  held-out set, whose problems are templates by design and share every 8-gram of template text with
+  the training split) are matched on exact normalised text instead.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import replace
+from typing import Iterable, Sequence
+
+from tqdm import tqdm
+
+from rstar2_core.data.normalize import integer_answer, ngrams, problem_key, words
+from rstar2_core.data.sources import Candidate
+
+SHINGLE_WORDS = 5
+
+
+def integer_answers(cands: Sequence[Candidate], max_digits: int) -> tuple[list[Candidate], Counter]:
+    kept, dropped = [], Counter()
+    for c in cands:
+        value, reason = integer_answer(c.answer, max_digits)
+        if value is None:
+            dropped[reason] += 1
+        else:
+            kept.append(replace(c, answer=value))
+    return kept, dropped
+
+
+def exact_duplicates(cands: Sequence[Candidate]) -> tuple[list[Candidate], Counter]:
+    seen: set[str] = set()
+    kept, dropped = [], Counter()
+    for c in cands:
+        key = problem_key(c.problem)
+        if key in seen:
+            dropped["duplicate_exact"] += 1
+            continue
+        seen.add(key)
+        kept.append(c)
+    return kept, dropped
+
+
+def minhash(text: str, num_perm: int):
+    from datasketch import MinHash
+
+    toks = words(text)
+    shingles = {" ".join(g) for g in ngrams(toks, SHINGLE_WORDS)} or {""}
+    m = MinHash(num_perm=num_perm, seed=1)
+    m.update_batch([s.encode("utf-8") for s in sorted(shingles)])
+    return m
+
+
+def near_duplicates(cands: Sequence[Candidate], threshold: float, num_perm: int,
+                    progress: bool = False) -> tuple[list[Candidate], Counter]:
+    """Keep a problem unless an earlier kept one has estimated Jaccard >= threshold (word 5-shingles)."""
+    from datasketch import MinHashLSH
+
+    lsh = MinHashLSH(threshold=threshold, num_perm=num_perm)
+    sigs: dict[str, object] = {}
+    kept, dropped = [], Counter()
+    for i, c in enumerate(tqdm(cands, desc="near-duplicates", unit="problem", disable=not progress)):
+        m = minhash(c.problem, num_perm)
+        if any(m.jaccard(sigs[k]) >= threshold for k in lsh.query(m)):
+            dropped["duplicate_near"] += 1
+            continue
+        key = str(i)
+        lsh.insert(key, m)
+        sigs[key] = m
+        kept.append(c)
+    return kept, dropped
+
+
+def decontaminate(cands: Sequence[Candidate], benchmarks: dict[str, Iterable[str]], n: int,
+                  exact_only: Iterable[str] = ()) -> tuple[list[Candidate], Counter]:
+    """Drop candidates sharing a word n-gram (or, for `exact_only` benchmarks, the whole normalised
+    text) with a benchmark problem. Reason: `contaminated:<benchmark>`."""
+    exact_only = set(exact_only)
+    grams: dict[tuple[str, ...], str] = {}
+    exact: dict[str, str] = {}
+    for name, texts in benchmarks.items():
+        for t in texts:
+            if name in exact_only:
+                exact.setdefault(problem_key(t), name)
+            else:
+                for g in ngrams(words(t), n):
+                    grams.setdefault(g, name)
+    kept, dropped = [], Counter()
+    for c in cands:
+        hit = exact.get(problem_key(c.problem))
+        if hit is None:
+            hit = next((grams[g] for g in ngrams(words(c.problem), n) if g in grams), None)
+        if hit is not None:
+            dropped[f"contaminated:{hit}"] += 1
+        else:
+            kept.append(c)
+    return kept, dropped
+
+
+def unique_ids(cands: Sequence[Candidate]) -> tuple[list[Candidate], Counter]:
+    seen: set[str] = set()
+    kept, dropped = [], Counter()
+    for c in cands:
+        if c.id in seen:
+            dropped["duplicate_id"] += 1
+            continue
+        seen.add(c.id)
+        kept.append(c)
+    return kept, dropped

@@ -1,0 +1,50 @@
+"""Sampling-based label check (RECIPE.md: sample a strong model 16 times per problem and keep the
+problem only if at least 2 answers agree with its label).
+
+`label_check(cands, sampler, grade, k, min_agree, limits, seed)` samples `k` trajectories per problem
+with a `PolicySampler` (the real agent loop, tools included), grades each final answer against the
+label with `grade(items) -> list[GradeResult]` (a `GraderPool.grade_many`), and drops problems with
+fewer than `min_agree` correct samples (reason `label_disagree`). Returns the kept candidates, the
+drop counter and the number of agreeing samples per candidate id (written to the manifest).
+
+Departure: the paper checks with a separate strong model; here the checking model is
+`data.label_check.model` or, by default, the configured base model.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Callable, Sequence
+
+from tqdm import tqdm
+
+from rstar2_core.data.sources import Candidate
+
+GradeFn = Callable[[list[tuple[str, str]]], list[Any]]
+
+
+def label_check(cands: Sequence[Candidate], sampler: Any, grade: GradeFn, *, k: int, min_agree: int,
+                limits: Any, seed: int, batch_size: int = 64,
+                progress: bool = True) -> tuple[list[Candidate], Counter, dict[str, int]]:
+    if min_agree > k:
+        raise ValueError(f"data.label_check.min_agree={min_agree} exceeds k={k}: no problem could pass; "
+                         "lower min_agree or raise k")
+    kept, dropped, agree = [], Counter(), {}
+    bar = tqdm(total=len(cands), desc="label check", unit="problem", disable=not progress)
+    for start in range(0, len(cands), batch_size):
+        batch = list(cands[start:start + batch_size])
+        groups = sampler.sample([c.problem for c in batch], k, limits, seed + start)
+        items = [(t.response_text, c.answer) for c, g in zip(batch, groups) for t in g]
+        results = grade(items)
+        pos = 0
+        for c, g in zip(batch, groups):
+            n_ok = sum(r.reward >= 1.0 for r in results[pos:pos + len(g)])
+            pos += len(g)
+            agree[c.id] = n_ok
+            if n_ok >= min_agree:
+                kept.append(c)
+            else:
+                dropped["label_disagree"] += 1
+        bar.update(len(batch))
+    bar.close()
+    return kept, dropped, agree

@@ -1,0 +1,112 @@
+"""Evaluation metrics over k sampled trajectories per problem.
+
+- `pass_at_k(n, c, k)`: the unbiased estimator `1 - C(n-c, k) / C(n, k)` (Chen et al. 2021), computed
+  as a product so that n = 1000 does not overflow.
+- mean pass@1 = avg@k: the mean over problems of c/n (RECIPE.md: the paper reports avg@16).
+- mean response length: tokens after the prompt (generated + tool-response tokens), as the paper's
+  "response length"; `mean_generated_tokens` counts only what the model sampled.
+- tool calls per trajectory; tool-error ratio = failed calls / calls (the service's own failures,
+  `infra`, are excluded from both); truncation rate = share of trajectories that hit a limit.
+
+`ProblemRow` is one row of the per-problem table; `BenchmarkMetrics` the aggregate. Both are frozen
+and JSON-able (`asdict`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Probability that at least one of k samples drawn without replacement from n (c correct) is correct."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+    if n - c < k:
+        return 1.0
+    p_fail = 1.0
+    for i in range(n - c + 1, n + 1):
+        p_fail *= 1.0 - k / i
+    return 1.0 - p_fail
+
+
+@dataclass(frozen=True)
+class ProblemRow:
+    id: str
+    answer: str
+    n: int
+    n_correct: int
+    pass1: float
+    pass_k: float
+    mean_response_tokens: float
+    mean_tool_calls: float
+    tool_errors: int
+    tool_calls: int
+    truncated: int
+    top_answer: str | None     # the most frequent extracted answer (ties: first seen)
+    reasons: dict              # grade reason -> count
+
+
+@dataclass(frozen=True)
+class BenchmarkMetrics:
+    name: str
+    n_problems: int
+    k: int
+    pass1: float               # mean pass@1 = avg@k
+    pass_k: float              # mean unbiased pass@k
+    mean_response_tokens: float
+    mean_generated_tokens: float
+    tool_calls_per_traj: float
+    tool_error_ratio: float
+    truncation_rate: float
+    no_answer_rate: float
+    grader_timeouts: int
+
+    def as_metrics(self, prefix: str = "eval") -> dict[str, float]:
+        """Flat `eval/<bench>/<metric>` dict for `log_metrics`."""
+        keys = ("pass1", "pass_k", "mean_response_tokens", "mean_generated_tokens", "tool_calls_per_traj",
+                "tool_error_ratio", "truncation_rate", "no_answer_rate")
+        return {f"{prefix}/{self.name}/{k}": float(getattr(self, k)) for k in keys}
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def problem_row(pid: str, answer: str, trajs: Sequence[Any], grades: Sequence[Any], k: int) -> ProblemRow:
+    n = len(trajs)
+    if n == 0 or len(grades) != n:
+        raise ValueError(f"problem {pid}: {n} trajectories and {len(grades)} grades; need n >= 1 of each")
+    c = sum(g.reward >= 1.0 for g in grades)
+    calls = [[tc for tc in t.tool_calls if not tc.infra] for t in trajs]
+    extracted = Counter(g.extracted for g in grades if g.extracted is not None)
+    return ProblemRow(
+        id=pid, answer=answer, n=n, n_correct=c, pass1=c / n, pass_k=pass_at_k(n, c, min(k, n)),
+        mean_response_tokens=_mean([len(t.response_ids) for t in trajs]),
+        mean_tool_calls=_mean([len(cs) for cs in calls]),
+        tool_errors=sum(tc.failed for cs in calls for tc in cs), tool_calls=sum(len(cs) for cs in calls),
+        truncated=sum(bool(t.truncated) for t in trajs),
+        top_answer=extracted.most_common(1)[0][0] if extracted else None,
+        reasons=dict(Counter(g.reason for g in grades)),
+    )
+
+
+def aggregate(name: str, rows: Sequence[ProblemRow], trajs: Sequence[Sequence[Any]], k: int) -> BenchmarkMetrics:
+    flat = [t for g in trajs for t in g]
+    n_traj = len(flat)
+    calls = sum(r.tool_calls for r in rows)
+    reasons: Counter = Counter()
+    for r in rows:
+        reasons.update(r.reasons)
+    return BenchmarkMetrics(
+        name=name, n_problems=len(rows), k=k,
+        pass1=_mean([r.pass1 for r in rows]), pass_k=_mean([r.pass_k for r in rows]),
+        mean_response_tokens=_mean([len(t.response_ids) for t in flat]),
+        mean_generated_tokens=_mean([t.n_generated_tokens for t in flat]),
+        tool_calls_per_traj=calls / n_traj if n_traj else 0.0,
+        tool_error_ratio=sum(r.tool_errors for r in rows) / calls if calls else 0.0,
+        truncation_rate=sum(r.truncated for r in rows) / n_traj if n_traj else 0.0,
+        no_answer_rate=reasons["no_answer"] / n_traj if n_traj else 0.0,
+        grader_timeouts=reasons["grader_timeout"],
+    )

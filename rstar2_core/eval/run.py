@@ -1,0 +1,167 @@
+"""Evaluate a checkpoint on the configured benchmarks with the paper's protocol.
+
+    report = evaluate(cfg, checkpoint_url="file:///.../rl-stage-3/final", out_url="file:///tmp/eval")
+    report.metrics["aime24"].pass1   # mean pass@1 = avg@k
+
+Protocol (RECIPE.md "Evaluation", from `cfg.eval`): k samples per problem (paper 16), temperature 0.6,
+top_p, up to `max_turns` assistant turns (paper 30) and `max_tokens` response tokens (paper 30K),
+tools on; seeded, so the same checkpoint, config and seed give the same table. Every benchmark is
+loaded (and a missing file reported) before the model is loaded. Answers are graded by
+`reward.GraderPool` (math) or by letter (GPQA); metrics are in `eval.metrics`.
+
+Writes under `out_url`: `report.md` (tables), `report.json` (everything, reloadable with
+`EvalReport.load`), `summary.png`, and `samples/<benchmark>.jsonl` (every sampled response with its
+grade). How to run: `rstar2 eval --model <checkpoint or models:/rstar2-agent@champion> --bench aime24`.
+
+Departure: the paper does not say how it seeded sampling; here problem chunk i of a benchmark uses
+seed `eval.seed + i * CHUNK` and the rollout loop derives per-sample seeds from it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Sequence
+
+from tqdm import tqdm
+
+from rstar2_core import storage
+from rstar2_core.config import Config
+from rstar2_core.eval.benchmarks import Benchmark, load_benchmark, resolve_benchmarks
+from rstar2_core.eval.grading import grade_all
+from rstar2_core.eval.metrics import BenchmarkMetrics, ProblemRow, aggregate, problem_row
+
+CHUNK = 32  # problems per rollout call (progress granularity; fixed so that seeds are reproducible)
+LogMetrics = Callable[[dict[str, float], int], None]
+
+
+@dataclass(frozen=True)
+class EvalReport:
+    """Per-benchmark metrics and per-problem rows of one checkpoint, and where the report files are."""
+
+    checkpoint_url: str
+    metrics: dict[str, BenchmarkMetrics]
+    rows: dict[str, tuple[ProblemRow, ...]]
+    protocol: dict
+    out_url: str | None = None
+    report_url: str | None = None
+    json_url: str | None = None
+    plot_urls: tuple[str, ...] = ()
+    benchmark_digests: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"checkpoint_url": self.checkpoint_url, "protocol": self.protocol, "out_url": self.out_url,
+                "report_url": self.report_url, "json_url": self.json_url, "plot_urls": list(self.plot_urls),
+                "benchmark_digests": self.benchmark_digests,
+                "metrics": {k: asdict(v) for k, v in self.metrics.items()},
+                "rows": {k: [asdict(r) for r in v] for k, v in self.rows.items()}}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "EvalReport":
+        return cls(checkpoint_url=d["checkpoint_url"], protocol=d["protocol"], out_url=d.get("out_url"),
+                   report_url=d.get("report_url"), json_url=d.get("json_url"),
+                   plot_urls=tuple(d.get("plot_urls", ())), benchmark_digests=d.get("benchmark_digests", {}),
+                   metrics={k: BenchmarkMetrics(**v) for k, v in d["metrics"].items()},
+                   rows={k: tuple(ProblemRow(**r) for r in v) for k, v in d["rows"].items()})
+
+    @classmethod
+    def load(cls, url: str) -> "EvalReport":
+        """Load `report.json` (or the folder holding it)."""
+        if not url.endswith(".json"):
+            url = storage.join(url, "report.json")
+        if not storage.exists(url):
+            raise FileNotFoundError(f"{url}: no evaluation report here; pass the out folder of `rstar2 eval`")
+        return cls.from_json(storage.read_json(url))
+
+
+def protocol_of(cfg: Config, k: int | None = None) -> dict:
+    e = cfg.eval
+    return {"k": k or e.k, "temperature": e.temperature, "top_p": e.top_p, "max_turns": e.max_turns,
+            "max_tokens": e.max_tokens, "seed": e.seed}
+
+
+def evaluate_benchmark(bench: Benchmark, sampler: Any, grade_math: Callable, *, k: int, limits: Any, seed: int,
+                       progress: bool = True) -> tuple[BenchmarkMetrics, tuple[ProblemRow, ...], list[dict]]:
+    """Sample k trajectories per problem, grade, aggregate. Returns metrics, rows and sample records."""
+    rows: list[ProblemRow] = []
+    all_trajs: list[list[Any]] = []
+    samples: list[dict] = []
+    probs = bench.problems
+    bar = tqdm(total=len(probs), desc=f"eval {bench.name}", unit="problem", disable=not progress)
+    for ci, start in enumerate(range(0, len(probs), CHUNK)):
+        chunk = probs[start:start + CHUNK]
+        groups = sampler.sample([p.problem for p in chunk], k, limits, seed + ci * CHUNK)
+        if len(groups) != len(chunk) or any(len(g) != k for g in groups):
+            raise RuntimeError(f"sampler returned {[len(g) for g in groups]} trajectories for {len(chunk)} "
+                               f"problems x k={k}")
+        kinds = [p.kind for p, g in zip(chunk, groups) for _ in g]
+        items = [(t.response_text, p.answer) for p, g in zip(chunk, groups) for t in g]
+        grades = grade_all(kinds, items, grade_math)
+        pos = 0
+        for p, g in zip(chunk, groups):
+            gs = grades[pos:pos + len(g)]
+            pos += len(g)
+            rows.append(problem_row(p.id, p.answer, g, gs, k))
+            all_trajs.append(list(g))
+            samples.extend({"id": p.id, "sample": j, "reward": r.reward, "extracted": r.extracted,
+                            "reason": r.reason, "finish": t.finish, "truncated": t.truncated,
+                            "response_tokens": len(t.response_ids), "tool_calls": t.n_tool_calls,
+                            "response_text": t.response_text} for j, (t, r) in enumerate(zip(g, gs)))
+        bar.update(len(chunk))
+        if progress and rows:
+            bar.set_postfix(pass1=f"{sum(r.pass1 for r in rows) / len(rows):.3f}")
+    bar.close()
+    return aggregate(bench.name, rows, all_trajs, k), tuple(rows), samples
+
+
+def evaluate(cfg: Config, *, checkpoint_url: str, out_url: str, benchmarks: Sequence[Any] | None = None,
+             k: int | None = None, log_metrics: LogMetrics | None = None, sampler: Any | None = None,
+             grade_math: Callable | None = None, progress: bool = True, step: int = 0) -> EvalReport:
+    """Evaluate `checkpoint_url` on `benchmarks` (names, BenchmarkConfigs or file URLs; default: all
+    configured) with k samples (default `eval.k`). `sampler`/`grade_math` replace the model-backed
+    sampler and the grader pool (tests, or a caller that already holds an engine)."""
+    from rstar2_core.eval.report import write_report
+    from rstar2_core.rollout.types import RolloutLimits
+
+    k = k or cfg.eval.k
+    if k < 1:
+        raise ValueError(f"k={k}: need at least one sample per problem")
+    benches = [load_benchmark(bc, cfg) for bc in resolve_benchmarks(cfg, list(benchmarks or []))]
+    for b in benches:
+        if not b.problems:
+            raise ValueError(f"benchmark {b.name!r} has no usable problems (rejected: {dict(b.rejected)})")
+    limits = RolloutLimits.from_config(cfg.rollout, cfg.eval.max_turns, cfg.eval.max_tokens,
+                                       cfg.eval.temperature, cfg.eval.top_p)
+    own_sampler = sampler is None
+    if own_sampler:
+        from rstar2_core.eval.sampler import PolicySampler
+
+        sampler = PolicySampler.open(cfg, checkpoint_url)
+    pool = None
+    if grade_math is None:
+        from rstar2_core.reward import GraderPool
+
+        pool = GraderPool(timeout_s=cfg.eval.grader_timeout_s).__enter__()
+        grade_math = pool.grade_many
+    metrics, rows, samples = {}, {}, {}
+    t0 = time.time()
+    try:
+        for b in benches:
+            m, r, s = evaluate_benchmark(b, sampler, grade_math, k=k, limits=limits, seed=cfg.eval.seed,
+                                         progress=progress)
+            metrics[b.name], rows[b.name], samples[b.name] = m, r, s
+            if log_metrics is not None:
+                log_metrics(m.as_metrics(), step)
+    finally:
+        if pool is not None:
+            pool.__exit__(None, None, None)
+        if own_sampler:
+            sampler.close()
+    proto = protocol_of(cfg, k) | {"seconds": round(time.time() - t0, 2)}
+    report = EvalReport(checkpoint_url, metrics, rows, proto,
+                        benchmark_digests={b.name: b.digest for b in benches})
+    for name, recs in samples.items():
+        storage.write_text_atomic(storage.join(out_url, "samples", f"{name}.jsonl"),
+                                  "".join(json.dumps(x, ensure_ascii=False) + "\n" for x in recs))
+    return write_report(report, out_url)

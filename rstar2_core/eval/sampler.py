@@ -1,0 +1,66 @@
+"""Sample trajectories from a checkpoint with the real agent loop (engine + sandbox + chat format).
+
+Shared by evaluation and the curation label check. `PolicySampler.open(cfg, checkpoint_url)` loads the
+model once (`rstar2_core.models.load_model_and_tokenizer`) and wraps it in an `HFEngine`;
+`PolicySampler(engine, chat, sandbox_cfg)` takes any `Engine` (tests use scripted ones).
+
+    with PolicySampler.open(cfg, url) as s:
+        groups = s.sample(["What is 2+3?"], n=4, limits=RolloutLimits(4, 384, 0.6), seed=0)
+
+`groups[i]` holds the n trajectories of problem i (the rollout contract's order). A fresh sandbox is
+opened per `sample` call and closed before it returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Sequence
+
+from rstar2_core.config import Config, SandboxConfig
+
+
+class PolicySampler:
+    def __init__(self, engine: Any, chat: Any, sandbox_cfg: SandboxConfig, scheduler: str = "kv_aware"):
+        self.engine = engine
+        self.chat = chat
+        self.sandbox_cfg = sandbox_cfg
+        self.scheduler = scheduler
+
+    @classmethod
+    def open(cls, cfg: Config, checkpoint_url: str) -> "PolicySampler":
+        import torch
+
+        from rstar2_core.chat import ChatFormat
+        from rstar2_core.models import load_model_and_tokenizer
+        from rstar2_core.rollout import HFEngine
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        model, tok = load_model_and_tokenizer(checkpoint_url, device=device)
+        model.eval()
+        engine = HFEngine(model, tok, max_batch_size=cfg.rollout.max_batch_size, device=device)
+        return cls(engine, ChatFormat(tok, with_tools=True), cfg.sandbox, cfg.rollout.scheduler)
+
+    def sample(self, problems: Sequence[str], n: int, limits: Any, seed: int) -> list[list[Any]]:
+        """n trajectories per problem, in problem order (list[list[Trajectory]])."""
+        return asyncio.run(self._sample(list(problems), n, limits, seed))
+
+    async def _sample(self, problems: list[str], n: int, limits: Any, seed: int) -> list[list[Any]]:
+        from rstar2_core.rollout import rollout_groups
+        from rstar2_core.sandbox import make_sandbox
+
+        async with make_sandbox(self.sandbox_cfg) as sandbox:
+            return await rollout_groups(self.engine, sandbox, self.chat, problems, n, limits, seed=seed,
+                                        scheduler=self.scheduler)
+
+    def close(self) -> None:
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            res = close()
+            if asyncio.iscoroutine(res):
+                asyncio.run(res)
+
+    def __enter__(self) -> "PolicySampler":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

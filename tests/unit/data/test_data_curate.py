@@ -1,0 +1,120 @@
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from rstar2_core import storage
+from rstar2_core.data.curate import curate, read_dataset
+from rstar2_core.rollout.types import Trajectory
+
+from data_fixtures import FIX, fixture_config
+
+EXPECTED_IDS = ["dapo/dapo-0000", "dapo/dapo-0001", "dapo/dapo-0002", "omr/0", "omr/4", "pe/1", "pe/3", "generic/g1",
+                "generic/g3"]
+
+
+def test_curate_fixture_sources_counts_and_output(cfg, tmp_path):
+    metrics = []
+    ref = curate(cfg, f"file://{tmp_path}/ds", log_metrics=lambda m, s: metrics.append((m, s)), progress=False)
+    rows = read_dataset(ref.url)
+    assert [r["id"] for r in rows] == EXPECTED_IDS
+    assert {r["id"]: r["answer"] for r in rows}["dapo/dapo-0001"] == "1000"
+    assert {r["id"]: r["answer"] for r in rows}["dapo/dapo-0002"] == "2"
+    assert {r["id"]: r["answer"] for r in rows}["omr/0"] == "12"
+    assert {r["id"]: r["answer"] for r in rows}["omr/4"] == "-7"
+    assert set(rows[0]) == {"id", "problem", "answer", "source"}
+    c = ref.counts
+    assert c["read"] == {"dapo": 7, "omr": 5, "pe": 3, "generic": 3}
+    assert c["malformed"] == {"missing_field:reward_model": 1, "problem_type:converted_proof": 1}
+    assert c["answer"] == {"answer_not_integer": 2, "answer_too_many_digits": 1}
+    assert c["exact_dedup"] == {"duplicate_exact": 2}
+    assert c["near_dedup"] == {"duplicate_near": 1}
+    assert c["decontamination"] == {"contaminated:aime24": 1}
+    assert c["kept"] == ref.n_rows == len(EXPECTED_IDS)
+    manifest = storage.read_json(ref.manifest_url)
+    assert manifest["digest"] == ref.digest and ref.url.endswith(f"{ref.digest[:16]}/problems.parquet")
+    import hashlib
+    src = {s["name"]: s["sha256"] for s in manifest["sources"]}
+    assert src["dapo"] == hashlib.sha256((FIX / "dapo_math.jsonl").read_bytes()).hexdigest()
+    assert manifest["config"]["data"]["near_dup_threshold"] == 0.5
+    assert set(manifest["benchmarks"]) == {"aime24", "math500"}
+    assert metrics and metrics[0][0]["data/kept"] == len(EXPECTED_IDS)
+    assert metrics[0][0]["data/dropped/decontamination"] == 1.0
+
+
+def test_version_is_the_content_digest(cfg, tmp_path):
+    a = curate(cfg, str(tmp_path / "a"), progress=False)
+    b = curate(cfg, str(tmp_path / "b"), progress=False)
+    assert a.digest == b.digest and read_dataset(a.url) == read_dataset(b.url)
+    c = curate(fixture_config(max_answer_digits=3), str(tmp_path / "c"), progress=False)
+    assert c.digest != a.digest and c.counts["answer"]["answer_too_many_digits"] == 3  # + 1000, 45486
+
+
+def test_missing_benchmark_fails_before_reading_sources(tmp_path):
+    cfg = fixture_config()
+    cfg.eval.benchmarks[0].url = str(tmp_path / "absent.jsonl")
+    with pytest.raises(FileNotFoundError, match="absent.jsonl"):
+        curate(cfg, str(tmp_path / "out"), progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_empty_result_is_an_error(tmp_path):
+    cfg = fixture_config(max_answer_digits=1)
+    cfg.data.sources = cfg.data.sources[2:3]
+    with pytest.raises(ValueError, match="kept 0 problems"):
+        curate(cfg, str(tmp_path / "out"), progress=False)
+
+
+class KnownLabelSampler:
+    """Answers a problem correctly on the first `n_right[problem]` of its k samples, wrongly after."""
+
+    def __init__(self, n_right):
+        self.n_right = n_right
+        self.calls = []
+
+    def sample(self, problems, n, limits, seed):
+        self.calls.append((list(problems), n, seed))
+        out = []
+        for p in problems:
+            good, ans = self.n_right[p]
+            out.append([_traj(f"<answer>\\boxed{{{ans if j < good else 'wrong'}}}</answer>") for j in range(n)])
+        return out
+
+    def close(self):
+        pass
+
+
+def _traj(text):
+    return Trajectory(prompt_ids=(1,), response_ids=(2, 3), loss_mask=(1, 1), logprobs=(0.0, 0.0), response_text=text,
+                      tool_calls=(), n_turns=1, n_answer_blocks=1, finish="answer", truncated=False)
+
+
+class Graded:
+    def __init__(self, ok):
+        self.reward = 1.0 if ok else 0.0
+        self.extracted = None
+        self.reason = "correct" if ok else "wrong"
+
+
+def exact_grader(items):
+    return [Graded(re.search(r"\\boxed\{(.*?)\}", t).group(1) == gold) for t, gold in items]
+
+
+def test_label_check_keeps_problems_with_enough_agreement(tmp_path):
+    from rstar2_core.data.curate import read_all_sources
+    from rstar2_core.data.label_check import label_check
+
+    cfg = fixture_config()
+    cands = [c for r in read_all_sources(cfg) for c in r.candidates if r.name == "pe"]
+    # pe/1: 3 of 4 agree; pe/2: 1 of 4; pe/3: 2 of 4
+    right = {cands[0].problem: (3, cands[0].answer), cands[1].problem: (1, cands[1].answer),
+             cands[2].problem: (2, cands[2].answer)}
+    sampler = KnownLabelSampler(right)
+    kept, dropped, agree = label_check(cands, sampler, exact_grader, k=4, min_agree=2, limits=None, seed=5,
+                                       batch_size=2, progress=False)
+    assert [c.id for c in kept] == ["pe/1", "pe/3"] and dropped == {"label_disagree": 1}
+    assert agree == {"pe/1": 3, "pe/2": 1, "pe/3": 2}
+    assert [len(c[0]) for c in sampler.calls] == [2, 1] and all(c[1] == 4 for c in sampler.calls)
+    with pytest.raises(ValueError, match="min_agree"):
+        label_check(cands, sampler, exact_grader, k=2, min_agree=3, limits=None, seed=0)
