@@ -158,6 +158,17 @@ class SandboxConfig(_Section):
     """`isolated` puts each call in a fresh network namespace where the kernel allows it."""
     ray_actors_per_node: int = Field(0, ge=0)
     """Sandbox actors per Ray node; 0 = one per node using all its CPUs."""
+    heavy_modules: list[str] = Field(default_factory=lambda: ["sympy", "numpy", "scipy", "mpmath"])
+    """Code naming one of these runs in the heavy template (all of `preload`); other code runs in the
+    light one (only the standard-library part of `preload`), whose forks cost about half as much."""
+    output_drain_mb: float = Field(16.0, gt=0)
+    """Output beyond the kept characters is read and thrown away up to this many MiB per stream; past it
+    the program is killed with status output_limit (a print loop cannot hold a worker until timeout)."""
+    file_size_mb: int = Field(64, ge=1)
+    """RLIMIT_FSIZE per call in MiB: the largest file a program may write."""
+    uid_base: int = Field(1_500_000, ge=1000)
+    """When the service runs as root, each running call gets its own uid from here up (no passwd entry
+    needed), so RLIMIT_NPROC is per call and a program cannot signal the service or other calls."""
 
 
 # ------------------------------------------------------------------------------------------- rollout
