@@ -86,3 +86,34 @@ class Trajectory:
     @property
     def n_generated_tokens(self) -> int:
         return sum(self.loss_mask)
+
+
+@dataclass(frozen=True)
+class RolloutLimits:
+    """Per-trajectory limits and sampling settings of one RL stage (or of evaluation).
+
+    max_response_tokens counts generated *and* tool-response tokens (RECIPE.md's max response
+    length). The tool-response truncation sizes come from `RolloutConfig`.
+    """
+
+    max_turns: int
+    max_response_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    tool_head_chars: int = 128
+    tool_tail_chars: int = 128
+    tool_max_chars: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.max_turns < 1 or self.max_response_tokens < 1:
+            raise ValueError(f"RolloutLimits needs max_turns >= 1 and max_response_tokens >= 1 "
+                             f"(got {self.max_turns}, {self.max_response_tokens})")
+
+    @classmethod
+    def from_config(cls, rollout_cfg: Any, max_turns: int, max_response_tokens: int,
+                    temperature: float = 1.0, top_p: float | None = None) -> RolloutLimits:
+        """Limits for a stage: `RolloutLimits.from_config(cfg.rollout, st.max_turns, st.max_response_tokens,
+        cfg.rl.temperature)`; evaluation passes its own temperature/top_p."""
+        return cls(max_turns, max_response_tokens, temperature,
+                   rollout_cfg.top_p if top_p is None else top_p, rollout_cfg.tool_response_head_chars,
+                   rollout_cfg.tool_response_tail_chars, rollout_cfg.tool_response_max_chars)
