@@ -418,6 +418,11 @@ class ClusterConfig(_Section):
     """`colocated`: engines and trainer share GPUs and take turns; `separate`: disjoint GPU sets."""
     trainer_gpus: int = Field(0, ge=0)
     """GPUs for trainer shards (layout = separate); colocated uses every GPU."""
+    cpus_per_gpu: int = Field(2, ge=1)
+    """CPU cores reserved beside each GPU (trainer shard + engine processes); the rest of a node, less
+    the RL driver's CPUs, goes to the sandbox actors (rstar2_core/cluster/layout.py)."""
+    image: str | None = None
+    """Container image the Ray nodes and the Prefect worker run (infra/); None = local processes."""
     resources: dict[str, TaskResources] = Field(default_factory=dict)
     """Per-task Ray resources by task name (curate, sft, rl, hard_subset, eval)."""
 

@@ -1,0 +1,26 @@
+"""Typed errors of the cluster layer (no ray import, so callers can catch them without Ray).
+
+`ActorFailure` is what any call into a cluster actor raises when the actor died, was killed, or its
+node went away. It subclasses `ConnectionError` on purpose: the pipeline's retry rule
+(tasks/retry.py: OSError/ConnectionError/Ray deaths are infrastructure errors, retried; bad config or
+data is not) recognises it without importing this module, and a retried stage resumes from its last
+checkpoint. `PlacementTimeout` (a `TimeoutError`, also retried) means the cluster did not have the
+resources of a placement group in time, e.g. while an autoscaler adds nodes.
+"""
+
+from __future__ import annotations
+
+
+class ActorFailure(ConnectionError):
+    """A Ray actor of the stage (engine, trainer shard, sandbox) died or became unreachable."""
+
+    def __init__(self, actor: str, cause: BaseException | str):
+        self.actor = actor
+        self.cause = cause
+        super().__init__(f"cluster actor {actor} failed: {type(cause).__name__ if isinstance(cause, BaseException) else ''}"
+                         f"{': ' if isinstance(cause, BaseException) else ''}{cause}. The stage's actors were shut "
+                         "down; a retry resumes from the last checkpoint")
+
+
+class PlacementTimeout(TimeoutError):
+    """A placement group was not scheduled in time; the message lists what the cluster has free."""

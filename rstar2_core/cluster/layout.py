@@ -1,0 +1,250 @@
+"""Actor layout of an RL stage on the cluster: which GPUs/CPUs each engine, trainer shard and sandbox
+actor gets, as Ray placement-group bundles. Pure logic (no ray import): `rstar2 plan` prints it without
+a cluster, `cluster/placement.py` turns it into real placement groups.
+
+One placement group per node, strategy STRICT_PACK (all its bundles on one node), bundles in order:
+
+    [GPU bundle 0 .. GPU bundle g-1]  each {"GPU": 1, "CPU": cluster.cpus_per_gpu}
+    [sandbox bundle 0 .. s-1]         each {"CPU": (free CPUs of the node) // s}
+
+Layouts (`cluster.layout`):
+- `colocated` (the paper's and verl's default): every GPU holds one trainer shard (ZeRO-3 data-parallel
+  rank) *and* a share of one inference engine; they take turns (engines generate, then sleep/free KV
+  cache while the trainer steps). In Ray terms each of the two asks for a fraction of the same GPU
+  bundle (`gpu_fraction` 0.5 + 0.5), which is what pins them to the same physical GPU.
+- `separate`: the first `cluster.trainer_gpus` GPUs hold trainer shards (whole GPUs), the rest hold
+  engines (whole GPUs); generation and training can overlap, at the cost of the weights living twice.
+
+An engine with tensor parallelism `tp` spans `tp` consecutive GPU bundles of one node (never across
+nodes: TP all-reduces every layer and needs the intra-node fabric). With tp > 1 the engine actor itself
+takes no GPU: vLLM's Ray executor starts one worker per TP rank on the listed bundles
+(`VLLM_RAY_BUNDLE_INDICES`, `VLLM_RAY_PER_WORKER_GPUS`), see cluster/engines.py.
+
+CPU-only clusters (`cluster.gpus_per_node = 0`, the tiny profile): engines and trainer run in the RL
+driver process; the placement groups hold only sandbox bundles. On every node the RL driver task's
+CPUs (`cluster.resources.rl.num_cpus`) stay free.
+
+Departure from the paper: the paper does not describe its placement. This follows verl/OpenRLHF.
+
+    layout = compute_layout(cfg)          # raises LayoutError naming the config field to change
+    print("\\n".join(layout.describe()))
+    problems = driver_conflicts(layout, cfg.cluster.resources.get("rl"))   # [] when it fits
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+from rstar2_core.config import Config
+
+COLOCATED_GPU_FRACTION = 0.5  # engine share + trainer share of one GPU bundle in the colocated layout
+
+
+class LayoutError(ValueError):
+    """The config does not describe a layout that fits the cluster; the message names the field to change."""
+
+
+@dataclass(frozen=True)
+class Bundle:
+    gpus: int
+    cpus: int
+    role: Literal["gpu", "sandbox", "cpu"]
+
+    def resources(self) -> dict[str, float]:
+        """Ray bundle dict, e.g. {"CPU": 2, "GPU": 1}."""
+        out: dict[str, float] = {"CPU": float(self.cpus)}
+        if self.gpus:
+            out["GPU"] = float(self.gpus)
+        return out
+
+
+@dataclass(frozen=True)
+class PlacementGroupSpec:
+    name: str
+    node: int
+    bundles: tuple[Bundle, ...]
+    strategy: str = "STRICT_PACK"
+
+    @property
+    def gpus(self) -> int:
+        return sum(b.gpus for b in self.bundles)
+
+    @property
+    def cpus(self) -> int:
+        return sum(b.cpus for b in self.bundles)
+
+
+@dataclass(frozen=True)
+class EngineSlot:
+    """Inference engine `index`: `tp` GPU bundles of node `node`'s placement group."""
+
+    index: int
+    node: int
+    bundle_indices: tuple[int, ...]
+    tp: int
+    gpu_fraction: float
+    """GPU share each TP rank asks of its bundle (1.0 separate, 0.5 colocated; 0 on CPU clusters)."""
+
+
+@dataclass(frozen=True)
+class TrainerShard:
+    """Data-parallel rank `rank` of the actor (ZeRO shard) on one GPU bundle."""
+
+    rank: int
+    node: int
+    bundle_index: int
+    gpu_fraction: float
+
+
+@dataclass(frozen=True)
+class SandboxSlot:
+    node: int
+    bundle_index: int
+    cpus: int
+
+
+@dataclass(frozen=True)
+class ClusterLayout:
+    mode: Literal["colocated", "separate"]
+    nodes: int
+    gpus_per_node: int
+    cpus_per_node: int
+    placement_groups: tuple[PlacementGroupSpec, ...]
+    engines: tuple[EngineSlot, ...]
+    trainer_shards: tuple[TrainerShard, ...]
+    sandbox_actors: tuple[SandboxSlot, ...]
+
+    @property
+    def total_gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def engine_gpus(self) -> int:
+        return sum(e.tp for e in self.engines) if self.gpus_per_node else 0
+
+    @property
+    def trainer_gpus(self) -> int:
+        return len(self.trainer_shards) if self.gpus_per_node else 0
+
+    @property
+    def sandbox_cpus(self) -> int:
+        return sum(s.cpus for s in self.sandbox_actors)
+
+    def pg_name(self, node: int) -> str:
+        return self.placement_groups[node].name
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def describe(self) -> list[str]:
+        """Human-readable summary, one line per node plus totals (what `rstar2 plan` prints)."""
+        lines = [f"layout {self.mode}: {self.nodes} node(s) x {self.gpus_per_node} GPU, {self.cpus_per_node} CPU "
+                 f"= {self.total_gpus} GPUs; {len(self.engines)} engine(s) x TP {self.engines[0].tp} "
+                 f"({self.engine_gpus} GPUs), {len(self.trainer_shards)} trainer shard(s) "
+                 f"({self.trainer_gpus} GPUs), {len(self.sandbox_actors)} sandbox actor(s) "
+                 f"({self.sandbox_cpus} CPUs)"]
+        for pg in self.placement_groups:
+            eng = [e.index for e in self.engines if e.node == pg.node]
+            tr = [t.rank for t in self.trainer_shards if t.node == pg.node]
+            sb = [s for s in self.sandbox_actors if s.node == pg.node]
+            lines.append(f"  node {pg.node} pg {pg.name} {pg.strategy}: {len(pg.bundles)} bundles "
+                         f"({pg.gpus} GPU, {pg.cpus} CPU); engines {_ranges(eng)}; trainer ranks {_ranges(tr)}; "
+                         f"sandbox {len(sb)} x {sb[0].cpus if sb else 0} CPU")
+        return lines
+
+
+def _ranges(xs: list[int]) -> str:
+    if not xs:
+        return "-"
+    return f"{xs[0]}" if len(xs) == 1 else f"{xs[0]}-{xs[-1]}"
+
+
+def _driver(cfg: Config) -> Any | None:
+    return cfg.cluster.resources.get("rl")
+
+
+def compute_layout(cfg: Config) -> ClusterLayout:
+    """The RL stage's actor layout for `cfg.cluster` and `cfg.rollout` (see the module docstring).
+
+    The RL driver task's CPUs (`cluster.resources.rl.num_cpus`, default 1: Ray's default for a task) are
+    kept free on every node, since the driver may land on any of them."""
+    cl, ro = cfg.cluster, cfg.rollout
+    gpn, tp = cl.gpus_per_node, ro.tensor_parallel_size
+    driver = _driver(cfg)
+    driver_cpus = int(-(-float(driver.num_cpus) // 1)) if driver is not None else 1
+    reserved = gpn * cl.cpus_per_gpu + driver_cpus
+    free = cl.cpus_per_node - reserved
+    if free < 1:
+        raise LayoutError(f"cluster.cpus_per_node = {cl.cpus_per_node} leaves no CPU for the sandbox after "
+                          f"{gpn} GPUs x cluster.cpus_per_gpu = {cl.cpus_per_gpu} and {driver_cpus} for the RL "
+                          "driver task (cluster.resources.rl.num_cpus); lower those or raise cluster.cpus_per_node")
+    n_sb = cfg.sandbox.ray_actors_per_node or 1
+    if n_sb > free:
+        raise LayoutError(f"sandbox.ray_actors_per_node = {n_sb} exceeds the {free} free CPUs of a node; "
+                          f"set it to at most {free} (0 = one actor per node)")
+    sb_cpus = free // n_sb
+    if gpn == 0:
+        return _cpu_layout(cfg, sb_cpus, n_sb)
+    if gpn % tp:
+        raise LayoutError(f"rollout.tensor_parallel_size = {tp} must divide cluster.gpus_per_node = {gpn} "
+                          "(an engine's TP ranks stay on one node)")
+    total = cl.nodes * gpn
+    if cl.layout == "colocated":
+        trainer_range, engine_range, frac = range(total), range(total), COLOCATED_GPU_FRACTION
+    else:
+        if not 0 < cl.trainer_gpus < total:
+            raise LayoutError(f"cluster.layout = \"separate\" needs 0 < cluster.trainer_gpus < {total}")
+        if cl.trainer_gpus % tp:
+            raise LayoutError(f"cluster.trainer_gpus = {cl.trainer_gpus} must be a multiple of "
+                              f"rollout.tensor_parallel_size = {tp} so that no engine straddles two nodes")
+        trainer_range, engine_range, frac = range(cl.trainer_gpus), range(cl.trainer_gpus, total), 1.0
+    need = ro.num_engines * tp
+    if need > len(engine_range):
+        fit = len(engine_range) // tp
+        raise LayoutError(f"rollout.num_engines = {ro.num_engines} x rollout.tensor_parallel_size = {tp} needs "
+                          f"{need} GPUs but the {cl.layout} layout has {len(engine_range)} for engines; "
+                          f"set rollout.num_engines = {fit}")
+    pgs = []
+    for node in range(cl.nodes):
+        bundles = [Bundle(1, cl.cpus_per_gpu, "gpu") for _ in range(gpn)]
+        bundles += [Bundle(0, sb_cpus, "sandbox") for _ in range(n_sb)]
+        pgs.append(PlacementGroupSpec(f"rstar2-node{node}", node, tuple(bundles)))
+    engines = []
+    for i in range(ro.num_engines):
+        node, local = divmod(engine_range[i * tp], gpn)
+        engines.append(EngineSlot(i, node, tuple(range(local, local + tp)), tp, frac))
+    shards = [TrainerShard(r, *divmod(g, gpn), frac) for r, g in enumerate(trainer_range)]
+    sandbox = [SandboxSlot(node, gpn + j, sb_cpus) for node in range(cl.nodes) for j in range(n_sb)]
+    return ClusterLayout(cl.layout, cl.nodes, gpn, cl.cpus_per_node, tuple(pgs), tuple(engines), tuple(shards),
+                         tuple(sandbox))
+
+
+def _cpu_layout(cfg: Config, sb_cpus: int, n_sb: int) -> ClusterLayout:
+    """No GPUs: engines and the trainer run in the driver process (bundle index -1); placement groups
+    hold only the sandbox actors."""
+    cl = cfg.cluster
+    if cfg.rollout.tensor_parallel_size != 1:
+        raise LayoutError("rollout.tensor_parallel_size > 1 needs GPUs; set it to 1 or cluster.gpus_per_node > 0")
+    pgs = tuple(PlacementGroupSpec(f"rstar2-node{n}", n, (Bundle(0, sb_cpus, "sandbox"),) * n_sb)
+                for n in range(cl.nodes))
+    engines = tuple(EngineSlot(i, 0, (), 1, 0.0) for i in range(cfg.rollout.num_engines))
+    sandbox = tuple(SandboxSlot(n, j, sb_cpus) for n in range(cl.nodes) for j in range(n_sb))
+    return ClusterLayout(cl.layout, cl.nodes, 0, cl.cpus_per_node, pgs, engines, (TrainerShard(0, 0, -1, 0.0),),
+                         sandbox)
+
+
+def driver_conflicts(layout: ClusterLayout, driver: Any | None) -> list[str]:
+    """Problems when the RL task's own GPU reservation (`cluster.resources.rl`, held by the Prefect->Ray
+    task that drives the stage) leaves too few GPUs for the layout's placement groups."""
+    if driver is None:
+        return []
+    problems = []
+    gpus_left = layout.total_gpus - float(driver.num_gpus)
+    used_gpus = sum(pg.gpus for pg in layout.placement_groups)
+    if used_gpus > gpus_left:
+        problems.append(f"cluster.resources.rl.num_gpus = {driver.num_gpus:g} is held by the RL driver task, "
+                        f"leaving {gpus_left:g} of {layout.total_gpus} GPUs but the layout's placement groups "
+                        f"need {used_gpus}: set cluster.resources.rl.num_gpus = 0 (the stage's actors get their "
+                        "GPUs from the placement groups; the driver only coordinates)")
+    return problems

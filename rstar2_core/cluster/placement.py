@@ -1,0 +1,133 @@
+"""Ray placement groups from a `ClusterLayout`, and `ActorGroup`: the stage's actors with one failure
+rule and one clean shutdown.
+
+- `create_placement_groups(layout)` reserves one STRICT_PACK group per node (layout.py) and waits for
+  them; when the cluster cannot provide them in `timeout_s` it removes what it made and raises
+  `PlacementTimeout` listing the free resources (retryable: an autoscaler may still be adding nodes).
+- `ActorGroup` owns actors and placement groups. `call_all`/`get` turn any actor death (crash, OOM kill,
+  `ray.kill`, lost node) into `ActorFailure` (retryable, errors.py) *after* killing every other actor
+  of the group and removing its placement groups, so no process is left holding GPU memory while
+  Prefect waits to retry. `shutdown()` does the same on the normal path; the group is a context manager.
+
+    with ActorGroup(layout) as group:                       # creates the placement groups
+        a = group.spawn("engine-0", EngineActor, args, **engine_actor_options(slot, group.pg(slot.node)))
+        group.call_all("ping")
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterable
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rstar2_core.cluster.errors import ActorFailure, PlacementTimeout
+from rstar2_core.cluster.layout import ClusterLayout
+
+_ACTOR_DEATHS = tuple(getattr(ray.exceptions, n) for n in
+                      ("RayActorError", "ActorDiedError", "ActorUnavailableError", "WorkerCrashedError",
+                       "NodeDiedError", "OwnerDiedError", "LocalRayletDiedError")
+                      if hasattr(ray.exceptions, n))
+
+
+def create_placement_groups(layout: ClusterLayout, timeout_s: float = 600.0,
+                            prefix: str = "") -> list[PlacementGroup]:
+    """One placement group per node of the layout, ready; `PlacementTimeout` if the cluster lacks them."""
+    pgs = [placement_group([b.resources() for b in spec.bundles], strategy=spec.strategy,
+                           name=f"{prefix}{spec.name}") for spec in layout.placement_groups]
+    deadline = time.monotonic() + timeout_s
+    try:
+        for pg, spec in zip(pgs, layout.placement_groups):
+            left = max(0.0, deadline - time.monotonic())
+            ready, _ = ray.wait([pg.ready()], timeout=left)
+            if not ready:
+                raise PlacementTimeout(
+                    f"placement group {spec.name} ({spec.gpus} GPU, {spec.cpus} CPU on one node) was not scheduled "
+                    f"within {timeout_s:.0f} s; the cluster has free {ray.available_resources()} of "
+                    f"{ray.cluster_resources()}. Add nodes, or shrink cluster.gpus_per_node/cpus_per_node to "
+                    "what the nodes have")
+    except BaseException:
+        remove_placement_groups(pgs)
+        raise
+    return pgs
+
+
+def remove_placement_groups(pgs: Iterable[PlacementGroup]) -> None:
+    for pg in pgs:
+        try:
+            remove_placement_group(pg)
+        except Exception:  # already removed, or the cluster is gone: nothing left to free
+            pass
+
+
+def bundle_strategy(pg: PlacementGroup | None, bundle_index: int) -> dict[str, Any]:
+    """Ray options that pin an actor to one bundle (children such as vLLM's TP workers stay in the group)."""
+    if pg is None or bundle_index < 0:
+        return {}
+    return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
+        placement_group=pg, placement_group_bundle_index=bundle_index,
+        placement_group_capture_child_tasks=True)}
+
+
+class ActorGroup:
+    """Named actors of one stage + the placement groups they live in (see the module docstring)."""
+
+    def __init__(self, layout: ClusterLayout | None = None, *, timeout_s: float = 600.0, prefix: str = ""):
+        self.layout = layout
+        self.actors: dict[str, Any] = {}
+        self.pgs: list[PlacementGroup] = (create_placement_groups(layout, timeout_s, prefix)
+                                          if layout is not None else [])
+
+    def pg(self, node: int) -> PlacementGroup | None:
+        return self.pgs[node] if self.pgs else None
+
+    def spawn(self, name: str, cls: type, *args: Any, **options: Any):
+        """Start `cls` as an actor named `name` with Ray `options` (num_cpus, num_gpus, scheduling...)."""
+        if name in self.actors:
+            raise ValueError(f"actor name {name!r} is already used in this group")
+        remote_cls = cls if hasattr(cls, "remote") else ray.remote(cls)
+        handle = remote_cls.options(max_restarts=0, **options).remote(*args)
+        self.actors[name] = handle
+        return handle
+
+    def get(self, refs: Any, names: list[str] | str, timeout: float | None = None) -> Any:
+        """`ray.get` that turns an actor death into `ActorFailure` after shutting the group down."""
+        try:
+            return ray.get(refs, timeout=timeout)
+        except _ACTOR_DEATHS as e:
+            failed = names if isinstance(names, str) else self._dead_name(names)
+            self.shutdown()
+            raise ActorFailure(failed, e) from e
+
+    def _dead_name(self, names: list[str]) -> str:
+        for n in names:
+            try:
+                ray.get(self.actors[n].__ray_ready__.remote(), timeout=5)
+            except Exception:
+                return n
+        return ",".join(names)
+
+    def call_all(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
+        """Call `method` on every actor (in spawn order) and wait for all results."""
+        names = list(self.actors)
+        refs = [getattr(self.actors[n], method).remote(*args) for n in names]
+        return self.get(refs, names, timeout=timeout)
+
+    def shutdown(self) -> None:
+        """Kill every actor (no restart) and free the placement groups. Idempotent."""
+        for handle in self.actors.values():
+            try:
+                ray.kill(handle, no_restart=True)
+            except Exception:  # already dead
+                pass
+        self.actors.clear()
+        remove_placement_groups(self.pgs)
+        self.pgs = []
+
+    def __enter__(self) -> "ActorGroup":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

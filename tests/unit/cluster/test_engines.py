@@ -1,0 +1,122 @@
+"""Engine actors around a fake engine on a local Ray: the driver-side RemoteEngine behaves as an
+`Engine` (concurrent generate, KV capacity), weight sync reaches every engine once per step through the
+object store or as a checkpoint URI, a dead engine raises ActorFailure, and the Ray options of the
+production layout's TP-2 engines pin vLLM's workers to their bundles."""
+
+from __future__ import annotations
+
+import asyncio
+import pytest
+import torch
+
+from rstar2_core.cluster.errors import ActorFailure
+from rstar2_core.cluster.layout import compute_layout
+from rstar2_core.config import load_config
+from rstar2_core.rollout.types import GenerationOutput, SamplingParams
+
+
+class FakeEngine:
+    """Answers with the prompt reversed, shifted by the sum of its current weights (so a weight update
+    is visible in the output); records every update."""
+
+    def __init__(self, index: int):
+        self.index = index
+        self.shift = 0
+        self.updates: list[str] = []
+
+    async def generate(self, prompt_ids, params):
+        await asyncio.sleep(0.05)
+        ids = tuple(int(t) + self.shift for t in reversed(prompt_ids))[: params.max_new_tokens]
+        return GenerationOutput(ids, tuple(-0.5 for _ in ids), "length")
+
+    def kv_capacity_tokens(self):
+        return 1000 + self.index
+
+    def kv_tokens_per_sequence(self):
+        return 10
+
+    def update_weights(self, weights):
+        if isinstance(weights, str):
+            self.updates.append(f"uri:{weights}")
+        else:
+            self.shift = int(sum(float(t.sum()) for t in weights.values()))
+            self.updates.append(f"state:{len(weights)}")
+
+    async def close(self):
+        pass
+
+
+def _fake_factory(i):
+    def make():
+        return FakeEngine(i)
+    return make
+
+
+def _cpu_layout(n_engines: int):
+    return compute_layout(load_config("tiny", [f"rollout.num_engines={n_engines}"]))
+
+
+@pytest.mark.slow
+def test_remote_engines_generate_and_sync_weights(ray_here):
+    from rstar2_core.cluster.engines import start_engines, sync_weights
+    from rstar2_core.cluster.placement import ActorGroup
+
+    layout = _cpu_layout(2)
+    with ActorGroup(None) as group:
+        engines = start_engines(group, layout, factory=_fake_factory)
+        assert [e.kv_capacity_tokens() for e in engines] == [1000, 1001]
+        assert engines[0].kv_tokens_per_sequence() == 10
+
+        async def many():
+            p = SamplingParams(max_new_tokens=3)
+            return await asyncio.gather(*[engines[i % 2].generate([1, 2, 3, i], p) for i in range(16)])
+
+        import time
+        t0 = time.perf_counter()
+        outs = asyncio.run(many())
+        assert time.perf_counter() - t0 < 0.05 * 16 * 0.75, "requests were not served concurrently"
+        assert outs[5].token_ids == (5, 3, 2) and outs[5].finish_reason == "length"
+
+        weights = {"a": torch.ones(4), "b": torch.full((2, 2), 2.0)}  # sum 12
+        rep = sync_weights(engines, weights, mode="state_dict")
+        assert rep.bytes == 8 * 4 and len(rep.engine_seconds) == 2 and rep.metrics()["rollout/weight_sync_s"] >= 0
+        out = asyncio.run(engines[1].generate([1], SamplingParams(max_new_tokens=1)))
+        assert out.token_ids == (13,)
+        sync_weights(engines, "s3://bucket/ckpt/step-3", mode="checkpoint")
+        hist = group.call_all("pid")
+        assert len(set(hist)) == 2
+        with pytest.raises(ValueError, match="needs a state dict"):
+            sync_weights(engines, "s3://x", mode="state_dict")
+        with pytest.raises(ValueError, match="complete checkpoint"):
+            sync_weights(engines, weights, mode="checkpoint")
+
+
+@pytest.mark.slow
+def test_dead_engine_raises_actor_failure(ray_here):
+    import ray
+
+    from rstar2_core.cluster.engines import start_engines
+    from rstar2_core.cluster.placement import ActorGroup
+
+    with ActorGroup(None) as group:
+        engines = start_engines(group, _cpu_layout(1), factory=_fake_factory)
+        ray.kill(engines[0].handle, no_restart=True)
+        with pytest.raises(ActorFailure, match="engine-0"):
+            asyncio.run(engines[0].generate([1, 2], SamplingParams(max_new_tokens=2)))
+        with pytest.raises(ActorFailure):
+            engines[0].update_weights("s3://x")
+
+
+def test_production_engine_options_pin_tp_workers():
+    from rstar2_core.cluster.engines import EngineSpec, engine_actor_options
+
+    cfg = load_config("qwen3-14b-mi300x")
+    layout = compute_layout(cfg)
+    opts = engine_actor_options(layout.engines[5], None)
+    assert opts["num_gpus"] == 0
+    assert opts["runtime_env"]["env_vars"] == {"VLLM_RAY_BUNDLE_INDICES": "2,3", "VLLM_RAY_PER_WORKER_GPUS": "0.5"}
+    tp1 = compute_layout(load_config("qwen3-14b-mi300x", ["rollout.tensor_parallel_size=1",
+                                                          "rollout.num_engines=64"]))
+    assert engine_actor_options(tp1.engines[9], None) == {"num_cpus": 1, "num_gpus": 0.5}
+    spec = EngineSpec.from_config(cfg, "s3://rstar2-artifacts/runs/x/sft", max_model_len=12288 + 2048)
+    assert (spec.kind, spec.tensor_parallel_size, spec.dtype) == ("vllm", 2, "bfloat16")

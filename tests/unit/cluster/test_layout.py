@@ -1,0 +1,83 @@
+"""Actor layout from the config (pure logic): the 64-GPU production layout, separate GPUs, CPU-only, and
+the errors that name the field to change."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from rstar2_core.cluster.layout import LayoutError, compute_layout, driver_conflicts
+from rstar2_core.config import load_config
+
+
+def test_production_layout_uses_64_gpus_colocated():
+    cfg = load_config("qwen3-14b-mi300x")
+    lay = compute_layout(cfg)
+    assert (lay.nodes, lay.gpus_per_node, lay.total_gpus) == (8, 8, 64)
+    assert len(lay.placement_groups) == 8 and all(pg.strategy == "STRICT_PACK" for pg in lay.placement_groups)
+    assert [pg.gpus for pg in lay.placement_groups] == [8] * 8
+    assert len(lay.engines) == 32 and {e.tp for e in lay.engines} == {2}
+    assert len(lay.trainer_shards) == 64 and [t.rank for t in lay.trainer_shards] == list(range(64))
+    # every GPU bundle carries exactly one engine TP rank and one trainer shard, sharing the GPU
+    eng_use = Counter((e.node, b) for e in lay.engines for b in e.bundle_indices)
+    tr_use = Counter((t.node, t.bundle_index) for t in lay.trainer_shards)
+    gpu_bundles = {(pg.node, i) for pg in lay.placement_groups for i, b in enumerate(pg.bundles) if b.gpus}
+    assert set(eng_use) == set(tr_use) == gpu_bundles and len(gpu_bundles) == 64
+    assert max(eng_use.values()) == max(tr_use.values()) == 1
+    assert all(e.gpu_fraction + t.gpu_fraction <= 1.0 for e in lay.engines for t in lay.trainer_shards)
+    # TP ranks of an engine are consecutive bundles of one node
+    for e in lay.engines:
+        assert list(e.bundle_indices) == list(range(e.bundle_indices[0], e.bundle_indices[0] + 2))
+        assert e.bundle_indices[-1] < 8
+    # sandbox: one actor per node on the CPUs left after 8 GPUs x 2 CPUs and the RL driver's 8 CPUs
+    assert len(lay.sandbox_actors) == 8 and {s.cpus for s in lay.sandbox_actors} == {128 - 16 - 8}
+    for pg in lay.placement_groups:
+        assert pg.cpus + 8 <= 128
+        assert pg.bundles[-1].role == "sandbox" and pg.bundles[-1].resources() == {"CPU": 104.0}
+        assert pg.bundles[0].resources() == {"CPU": 2.0, "GPU": 1.0}
+    text = "\n".join(lay.describe())
+    assert "64 GPUs" in text and "32 engine(s) x TP 2" in text and "node 7" in text
+
+
+def test_production_profile_driver_reservation_is_reported():
+    cfg = load_config("qwen3-14b-mi300x")
+    lay = compute_layout(cfg)
+    problems = driver_conflicts(lay, cfg.cluster.resources.get("rl"))
+    assert cfg.cluster.resources["rl"].num_gpus > 0 and len(problems) == 1
+    assert "cluster.resources.rl.num_gpus = 0" in problems[0]
+    fixed = load_config("qwen3-14b-mi300x", ["cluster.resources.rl.num_gpus=0"])
+    assert driver_conflicts(compute_layout(fixed), fixed.cluster.resources["rl"]) == []
+
+
+def test_separate_layout_splits_gpus():
+    cfg = load_config("qwen3-14b-mi300x", ["cluster.layout=\"separate\"", "cluster.trainer_gpus=32",
+                                           "rollout.num_engines=16", "sandbox.ray_actors_per_node=4"])
+    lay = compute_layout(cfg)
+    trainer = {(t.node, t.bundle_index) for t in lay.trainer_shards}
+    engine = {(e.node, b) for e in lay.engines for b in e.bundle_indices}
+    assert len(trainer) == 32 and len(engine) == 32 and not trainer & engine
+    assert {t.node for t in lay.trainer_shards} == {0, 1, 2, 3} and {e.node for e in lay.engines} == {4, 5, 6, 7}
+    assert {e.gpu_fraction for e in lay.engines} == {1.0}
+    assert len(lay.sandbox_actors) == 32 and {s.cpus for s in lay.sandbox_actors} == {104 // 4}
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["rollout.num_engines=33"], "set rollout.num_engines = 32"),
+    (["rollout.tensor_parallel_size=3", "rollout.num_engines=2"], "must divide cluster.gpus_per_node"),
+    (["cluster.cpus_per_node=20"], "cluster.cpus_per_gpu"),
+    (["sandbox.ray_actors_per_node=500"], "at most 104"),
+    (["cluster.layout=\"separate\"", "cluster.trainer_gpus=31", "rollout.num_engines=16"], "multiple of"),
+])
+def test_bad_layouts_name_the_fix(overrides, needle):
+    with pytest.raises(LayoutError, match=needle.replace(".", r"\.")):
+        compute_layout(load_config("qwen3-14b-mi300x", overrides))
+
+
+def test_cpu_only_layout_runs_engines_in_the_driver():
+    lay = compute_layout(load_config("tiny"))
+    assert lay.total_gpus == 0 and lay.trainer_shards[0].bundle_index == -1
+    assert all(e.bundle_indices == () for e in lay.engines)
+    assert [b.resources() for b in lay.placement_groups[0].bundles] == [{"CPU": 1.0}]  # 2 CPUs - 1 driver
+    with pytest.raises(LayoutError, match="needs GPUs"):
+        compute_layout(load_config("tiny", ["rollout.tensor_parallel_size=2"]))

@@ -1,0 +1,86 @@
+"""Placement groups and ActorGroup on a local Ray: a killed actor surfaces as a retryable ActorFailure,
+the group is shut down with it (no actor process left), placement groups are freed, and a layout the
+cluster cannot hold times out with a message listing the free resources."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import psutil
+import pytest
+
+from rstar2_core.cluster.errors import ActorFailure, PlacementTimeout
+from rstar2_core.cluster.layout import compute_layout
+from rstar2_core.config import load_config
+
+pytestmark = pytest.mark.slow
+
+
+class Worker:
+    def pid(self) -> int:
+        return os.getpid()
+
+    def ping(self) -> str:
+        return "pong"
+
+
+def _gone(pid: int, timeout: float = 15.0) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _pg_states(ray, pgs) -> set[str]:
+    table = ray.util.placement_group_table()
+    return {table[pg.id.hex()]["state"] for pg in pgs}
+
+
+def test_killed_actor_fails_the_group_cleanly(ray_here):
+    ray = ray_here
+    from rstar2_core.cluster.placement import ActorGroup, bundle_strategy
+
+    layout = compute_layout(load_config("tiny"))  # one CPU bundle (2 CPUs - 1 for the driver)
+    group = ActorGroup(layout, timeout_s=60, prefix="t-kill-")
+    pgs = list(group.pgs)
+    assert _pg_states(ray, pgs) == {"CREATED"}
+    for i in range(2):
+        group.spawn(f"w{i}", Worker, num_cpus=0, **bundle_strategy(group.pg(0), 0))
+    assert group.call_all("ping") == ["pong", "pong"]
+    pids = group.call_all("pid")
+    assert len(set(pids)) == 2 and os.getpid() not in pids
+    ray.kill(group.actors["w1"], no_restart=True)
+    with pytest.raises(ActorFailure) as ei:
+        group.call_all("ping", timeout=60)
+    err = ei.value
+    assert err.actor == "w1" and isinstance(err, ConnectionError)
+    assert "retry resumes" in str(err)
+    assert group.actors == {} and group.pgs == []
+    assert all(_gone(p) for p in pids), "an actor process survived the group shutdown"
+    assert _pg_states(ray, pgs) == {"REMOVED"}
+
+
+def test_pipeline_retry_rule_retries_actor_failures():
+    retry = pytest.importorskip("tasks.retry")
+    assert retry.is_infrastructure_error(ActorFailure("engine-3", RuntimeError("died")))
+    assert retry.is_infrastructure_error(PlacementTimeout("no GPUs"))
+
+
+def test_unsatisfiable_layout_times_out_and_frees_what_it_made(local_ray):
+    ray = local_ray
+    from rstar2_core.cluster.placement import create_placement_groups
+
+    layout = compute_layout(load_config("tiny", ["cluster.cpus_per_node=64"]))  # 63 CPUs on a 2-CPU Ray
+    before = {k for k, v in ray.util.placement_group_table().items() if v["state"] != "REMOVED"}
+    with pytest.raises(PlacementTimeout, match="not scheduled within") as ei:
+        create_placement_groups(layout, timeout_s=1.0, prefix="t-timeout-")
+    assert "cluster.gpus_per_node/cpus_per_node" in str(ei.value)
+    time.sleep(0.5)
+    after = {k for k, v in ray.util.placement_group_table().items() if v["state"] != "REMOVED"}
+    assert after <= before
