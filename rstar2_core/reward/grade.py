@@ -1,0 +1,69 @@
+"""Grade one response against a gold answer: reward 1 when the extracted answer matches, else 0.
+
+    grade_response("<answer>\\\\boxed{1,024}</answer>", "1024")
+    -> GradeResult(reward=1.0, extracted='1,024', reason='correct')
+
+The answer is `chat.extract_answer` (last `\\boxed{}` in the last `<answer>` block, else anywhere). It
+matches when the normaliser (`normalize.py`) OR `math-verify` says so (RECIPE.md: the reference code ORs
+two graders). No partial credit, no tool-use reward.
+
+This runs in the calling process with no timeout: math-verify's own timeouts use `signal.alarm`, which
+only works in a main thread, so they are switched off here, and a pathological answer (e.g.
+`(10^{8})!`) can run for minutes. Anything that grades model output at scale goes through
+`GraderPool` (`pool.py`), which kills a worker that passes its hard timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from rstar2_core.chat.answer import extract_answer
+from rstar2_core.reward.normalize import normalized_equal
+
+REASONS = ("correct", "wrong", "no_answer", "grader_timeout", "grader_error", "invalid_request")
+"""`grader_error`: the grader raised or its worker died (reward 0); the others are the contract's."""
+
+
+@dataclass(frozen=True)
+class GradeResult:
+    reward: float
+    extracted: str | None
+    reason: str
+
+    def __post_init__(self) -> None:
+        if self.reason not in REASONS:
+            raise ValueError(f"GradeResult.reason={self.reason!r}; use one of {REASONS}")
+
+    def to_json(self) -> dict:
+        return {"reward": int(self.reward), "extracted": self.extracted, "reason": self.reason}
+
+
+def _math_verify_equal(pred: str, gold: str) -> bool:
+    from math_verify import parse, verify
+
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # silence "timeout disabled" warnings
+    gold_parsed = parse(f"\\boxed{{{gold}}}", parsing_timeout=None)
+    pred_parsed = parse(f"\\boxed{{{pred}}}", parsing_timeout=None)
+    if not gold_parsed or not pred_parsed:
+        return False
+    return bool(verify(gold_parsed, pred_parsed, timeout_seconds=None))
+
+
+def answers_match(pred: str, gold: str) -> bool:
+    """The normaliser OR math-verify (the cheap check first: integer answers never reach the CAS)."""
+    if normalized_equal(pred, gold):
+        return True
+    if not pred.strip() or not gold.strip():
+        return False
+    return _math_verify_equal(pred, gold)
+
+
+def grade_response(response_text: str, gold: str) -> GradeResult:
+    """Reward of one response (in-process, no timeout: see the module docstring)."""
+    extracted = extract_answer(response_text)
+    if extracted is None:
+        return GradeResult(0.0, None, "no_answer")
+    if answers_match(extracted, gold):
+        return GradeResult(1.0, extracted, "correct")
+    return GradeResult(0.0, extracted, "wrong")

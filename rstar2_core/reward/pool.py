@@ -1,0 +1,229 @@
+"""`GraderPool`: grade many responses in worker processes with a HARD per-item timeout.
+
+    with GraderPool(workers=2, timeout_s=5.0) as pool:
+        results = pool.grade_many([(response_text, gold), ...])   # list[GradeResult], same order
+
+Each worker is a fresh `python` process (started with `subprocess`, talking over a socket pair: no
+fork of a parent that holds threads, a model or a CUDA context, and no multiprocessing resource-tracker
+process left behind) that imports the grader once, sets an address-space limit, says "ready", and then grades one item at
+a time from its pipe. The parent sends an item only to a ready, idle worker and starts the item's
+clock then (a replacement worker's import time is never charged to an item). An item that passes its
+deadline gets reward 0 with reason `grader_timeout`, and its worker is killed (SIGKILL) and replaced;
+a worker that dies mid-item gives `grader_error`. The pool never hangs on an item and never uses
+`signal.alarm` (RECIPE.md: alarm-based graders fail silently in threads). `grade_many` itself is meant
+to be called from one thread at a time.
+
+Counters `timeouts`, `errors`, `restarts` and `graded` are kept for metrics (`eval/grader_timeouts`, ...).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Self
+
+from rstar2_core.chat.answer import extract_answer
+from rstar2_core.reward.grade import GradeResult, grade_response
+
+log = logging.getLogger(__name__)
+GradeFn = Callable[[str, str], GradeResult]
+
+
+def _worker_main(fd: int) -> None:
+    """Entry point of a worker process: `fd` is its end of the socket pair."""
+    import resource
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    os.dup2(2, 1)  # a stray print must not land in the parent's stdout (`rstar2 grade` streams JSONL there)
+    conn = Connection(fd)
+    sys.path[:] = conn.recv()  # the parent's path first, so that grade_fn's module imports
+    grade_fn, memory_mb = pickle.loads(conn.recv_bytes())
+    if memory_mb > 0:
+        limit = memory_mb * 1024 * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    # Exercise the CAS path once (imports math-verify, sympy's simplify, the LaTeX parser) before saying
+    # ready, so that no item is charged for ~2 s of imports.
+    grade_fn("<answer>\\boxed{\\frac{x^2+1}{2}}</answer>", "x^2/2+1/2")
+    conn.send(("ready",))
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            return
+        if msg is None:
+            return
+        idx, response, gold = msg
+        try:
+            result = grade_fn(response, gold)
+        except Exception as e:  # noqa: BLE001 - a grader bug on one item scores it 0; the worker lives on
+            result = GradeResult(0.0, None, "grader_error")
+            log.debug("grader raised on item %s: %r", idx, e)
+        conn.send(("result", idx, result))
+
+
+_WORKER_CMD = "import sys; from rstar2_core.reward.pool import _worker_main; _worker_main(int(sys.argv[1]))"
+
+
+@dataclass
+class _Worker:
+    proc: subprocess.Popen
+    conn: Connection
+    ready: bool = False
+    item: int | None = None
+    deadline: float = 0.0
+
+
+class GraderPool:
+    """A pool of grader processes; `workers=0` means one per CPU core.
+
+    `grade_fn` (default `grade_response`) must be a module-level function (it is pickled by reference
+    into the workers, which get this process's `sys.path`); `memory_mb` caps each worker's address space (0 = no cap).
+    """
+
+    def __init__(self, workers: int = 0, timeout_s: float = 5.0, *, grade_fn: GradeFn = grade_response,
+                 memory_mb: int = 4096, start_timeout_s: float = 120.0):
+        if workers < 0:
+            raise ValueError(f"workers={workers}: use 0 (one per CPU core) or a positive count")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s={timeout_s}: the per-item timeout must be > 0 seconds")
+        self.n_workers = workers or os.cpu_count() or 1
+        self.timeout_s = float(timeout_s)
+        self.grade_fn = grade_fn
+        self.memory_mb = memory_mb
+        self.start_timeout_s = start_timeout_s
+        self._workers: list[_Worker] = []
+        self.graded = self.timeouts = self.errors = self.restarts = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def start(self) -> None:
+        if not self._workers:
+            self._workers = [self._spawn() for _ in range(self.n_workers)]
+
+    def _spawn(self) -> _Worker:
+        parent, child = socket.socketpair()
+        proc = subprocess.Popen([sys.executable, "-c", _WORKER_CMD, str(child.fileno())],
+                                pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL)
+        child.close()  # so that the worker's death reads as EOF here
+        conn = Connection(parent.detach())
+        conn.send(list(sys.path))
+        conn.send_bytes(pickle.dumps((self.grade_fn, self.memory_mb)))
+        return _Worker(proc, conn)
+
+    def _kill(self, w: _Worker) -> None:
+        if w.proc.poll() is None:
+            w.proc.kill()
+        try:
+            w.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            log.warning("grader worker %d did not exit after SIGKILL", w.proc.pid)
+        w.conn.close()
+
+    def _replace(self, slot: int) -> None:
+        self._kill(self._workers[slot])
+        self._workers[slot] = self._spawn()
+        self.restarts += 1
+
+    def close(self) -> None:
+        """Stop every worker (idle ones exit cleanly, busy ones are killed)."""
+        for w in self._workers:
+            if w.item is None and w.proc.poll() is None:
+                try:
+                    w.conn.send(None)
+                except OSError:
+                    pass
+        deadline = time.monotonic() + 2.0
+        for w in self._workers:
+            if w.item is None:
+                try:
+                    w.proc.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+            self._kill(w)
+        self._workers = []
+
+    # ------------------------------------------------------------------ grading
+    def grade_many(self, items: list[tuple[str, str]]) -> list[GradeResult]:
+        """Grade (response_text, gold) pairs; one `GradeResult` per item, in order.
+
+        An item that is not a pair of strings gets `invalid_request` without reaching a worker.
+        """
+        self.start()
+        results: list[GradeResult | None] = [None] * len(items)
+        queue: deque[int] = deque()
+        for i, item in enumerate(items):
+            if (isinstance(item, (tuple, list)) and len(item) == 2
+                    and isinstance(item[0], str) and isinstance(item[1], str)):
+                queue.append(i)
+            else:
+                results[i] = GradeResult(0.0, None, "invalid_request")
+        remaining = len(queue)
+        idle_since = time.monotonic()
+        start_failures = 0
+        while remaining:
+            now = time.monotonic()
+            for w in self._workers:
+                if w.ready and w.item is None and queue:
+                    i = queue.popleft()
+                    w.conn.send((i, items[i][0], items[i][1]))
+                    w.item, w.deadline = i, now + self.timeout_s
+            busy = [w.deadline for w in self._workers if w.item is not None]
+            if busy:
+                idle_since = now
+                timeout = max(0.0, min(busy) - now)
+            else:
+                timeout = self.start_timeout_s - (now - idle_since)
+                if timeout <= 0:
+                    raise RuntimeError(f"no grader worker became ready within {self.start_timeout_s:.0f} s; "
+                                       "check that math-verify imports (python -c 'import math_verify')")
+            by_conn = {w.conn: k for k, w in enumerate(self._workers)}
+            for conn in wait(list(by_conn), timeout=timeout):
+                slot = by_conn[conn]
+                w = self._workers[slot]
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError):
+                    if w.item is not None:
+                        results[w.item] = GradeResult(0.0, extract_answer(items[w.item][0]), "grader_error")
+                        remaining -= 1
+                        self.errors += 1
+                    elif not w.ready:
+                        start_failures += 1
+                        if start_failures > 2 * self.n_workers:
+                            raise RuntimeError(f"grader workers die while starting (exit code "
+                                               f"{w.proc.poll()}); run `python -c 'import math_verify'` "
+                                               "to see the error")
+                    self._replace(slot)
+                    continue
+                if msg[0] == "ready":
+                    w.ready = True
+                elif msg[0] == "result" and msg[1] == w.item:
+                    results[w.item] = msg[2]
+                    w.item = None
+                    remaining -= 1
+                    self.graded += 1
+            now = time.monotonic()
+            for slot, w in enumerate(self._workers):
+                if w.item is not None and now >= w.deadline:
+                    results[w.item] = GradeResult(0.0, extract_answer(items[w.item][0]), "grader_timeout")
+                    remaining -= 1
+                    self.timeouts += 1
+                    w.item = None
+                    self._replace(slot)
+        return results  # type: ignore[return-value]
