@@ -1,0 +1,167 @@
+"""VLLMEngine's adapter logic, tested around a fake `vllm` module injected into sys.modules (vLLM does
+not install here). What is checked: the request vLLM receives, output conversion, abort on cancel,
+the weight-sync RPCs, KV capacity, and the error when vLLM is missing. Not checked: real vLLM."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import importlib
+import sys
+import types
+from types import SimpleNamespace
+
+import pytest
+
+from rstar2_core.rollout.types import SamplingParams
+
+
+class _Kind(enum.Enum):
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
+class FakeAsyncLLM:
+    """Emits prompt[-1]+1, +2, ... until a stop id, a stop string (when the text has one) or max_tokens."""
+
+    instances: list[FakeAsyncLLM] = []
+
+    def __init__(self, args):
+        self.args, self.calls, self.aborted, self.rpcs, self.resets, self.loops = args, [], [], [], 0, set()
+        self.vllm_config = SimpleNamespace(cache_config=SimpleNamespace(num_gpu_blocks=100, block_size=16))
+        self.shut = False
+        FakeAsyncLLM.instances.append(self)
+
+    @classmethod
+    def from_engine_args(cls, args):
+        return cls(args)
+
+    async def generate(self, prompt, sampling_params, request_id):
+        self.loops.add(asyncio.get_running_loop())
+        self.calls.append((prompt, sampling_params, request_id))
+        sp = sampling_params
+        if sp.max_tokens == 999:          # a request that never finishes (for the cancel test)
+            await asyncio.sleep(30)
+        ids, lps, reason, stop = [], [], "length", None
+        for i in range(sp.max_tokens):
+            tok = prompt["prompt_token_ids"][-1] + 1 + i
+            ids.append(tok)
+            lps.append({tok: SimpleNamespace(logprob=-0.1 * (i + 1)), 0: SimpleNamespace(logprob=-9.0)})
+            if tok in sp.stop_token_ids:
+                reason, stop = "stop", tok
+                break
+            if "x" in sp.stop and tok == 50:
+                reason, stop = "stop", "x"
+                break
+        yield SimpleNamespace(outputs=[SimpleNamespace(token_ids=ids, logprobs=lps, finish_reason=reason,
+                                                       stop_reason=stop)])
+
+    async def abort(self, request_id):
+        self.aborted.append(request_id)
+
+    async def collective_rpc(self, method, args=()):
+        self.rpcs.append((method, args))
+
+    async def reset_prefix_cache(self):
+        self.resets += 1
+
+    def shutdown(self):
+        self.shut = True
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    vllm = types.ModuleType("vllm")
+    sp_mod = types.ModuleType("vllm.sampling_params")
+    sp_mod.RequestOutputKind = _Kind
+    vllm.sampling_params = sp_mod
+    vllm.SamplingParams = lambda **kw: SimpleNamespace(**kw)
+    vllm.TokensPrompt = lambda **kw: dict(**kw)
+    vllm.AsyncEngineArgs = lambda **kw: SimpleNamespace(**kw)
+    vllm.AsyncLLMEngine = FakeAsyncLLM
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "vllm.sampling_params", sp_mod)
+    FakeAsyncLLM.instances.clear()
+    from rstar2_core.rollout import vllm_engine
+    return vllm_engine
+
+
+def test_requests_are_token_in_token_out_and_outputs_convert(fake_vllm):
+    eng = fake_vllm.VLLMEngine("/ckpt", max_model_len=4096, tensor_parallel_size=2, seed=3)
+    fake = FakeAsyncLLM.instances[0]
+    assert fake.args.logprobs_mode == "processed_logprobs" and fake.args.enable_prefix_caching
+    assert fake.args.tensor_parallel_size == 2 and fake.args.max_model_len == 4096
+    mod, cls = fake.args.worker_extension_cls.rsplit(".", 1)
+    assert getattr(importlib.import_module(mod), cls) is fake_vllm.WeightSyncExtension
+
+    async def go():
+        a = await eng.generate([7, 40], SamplingParams(max_new_tokens=5, temperature=0.6, top_p=0.9, seed=4,
+                                                       stop_token_ids=(43,), stop_strings=("x",)))
+        b = await eng.generate([45], SamplingParams(max_new_tokens=3))
+        c = await eng.generate([47], SamplingParams(max_new_tokens=8, stop_strings=("x",)))
+        return a, b, c
+    a, b, c = asyncio.run(go())
+    assert a.token_ids == (41, 42, 43) and a.finish_reason == "stop" and a.stop_string is None
+    assert a.logprobs == pytest.approx((-0.1, -0.2, -0.3))         # the sampled token's entry, not the others
+    assert b.token_ids == (46, 47, 48) and b.finish_reason == "length"
+    assert c.token_ids == (48, 49, 50) and c.stop_string == "x"
+    prompt, sp, rid = fake.calls[0]
+    assert prompt == {"prompt_token_ids": [7, 40]}
+    assert (sp.max_tokens, sp.temperature, sp.top_p, sp.seed, sp.n) == (5, 0.6, 0.9, 4, 1)
+    assert sp.stop == ["x"] and sp.stop_token_ids == [43] and sp.include_stop_str_in_output
+    assert sp.logprobs == 0 and sp.output_kind is _Kind.FINAL_ONLY and not sp.skip_special_tokens
+    assert sp.detokenize and not fake.calls[1][1].detokenize      # detokenize only when stop strings need it
+    assert len({c[2] for c in fake.calls}) == 3
+    assert len(fake.loops) == 1 and fake.loops.pop() is eng._loop   # vLLM runs on the engine's own loop
+    asyncio.run(eng.close())
+    assert fake.shut
+
+
+def test_cancel_aborts_and_weights_sync_through_rpc(fake_vllm):
+    eng = fake_vllm.VLLMEngine("/ckpt", max_model_len=1024)
+    fake = FakeAsyncLLM.instances[0]
+
+    async def cancel_one():
+        task = asyncio.ensure_future(eng.generate([1], SamplingParams(max_new_tokens=999)))
+        await asyncio.sleep(0.2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(50):
+            if fake.aborted:
+                break
+            await asyncio.sleep(0.02)
+    asyncio.run(cancel_one())
+    assert fake.aborted == [fake.calls[0][2]]
+
+    sd = {"w": 1}
+    eng.update_weights(sd)
+    eng.update_weights("s3://bucket/ckpt/step-3")
+    assert fake.rpcs == [("rstar2_load_state_dict", (sd,)), ("rstar2_load_checkpoint", ("s3://bucket/ckpt/step-3",))]
+    assert fake.resets == 2
+    assert eng.kv_capacity_tokens() == 1600
+    fixed = fake_vllm.VLLMEngine("/ckpt", max_model_len=1024, kv_capacity_tokens=777)
+    assert fixed.kv_capacity_tokens() == 777
+    asyncio.run(fixed.close())
+    fake.vllm_config.cache_config.num_gpu_blocks = None
+    with pytest.raises(RuntimeError, match="rollout.kv_capacity_tokens"):
+        eng.kv_capacity_tokens()
+    asyncio.run(eng.close())
+
+
+def test_worker_extension_loads_into_the_model_runner(fake_vllm):
+    loaded = []
+    worker = type("W", (fake_vllm.WeightSyncExtension,), {})()
+    worker.model_runner = SimpleNamespace(model=SimpleNamespace(load_weights=lambda weights: loaded.extend(weights)))
+    assert worker.rstar2_load_state_dict({"a": 1, "b": 2}) == 2
+    assert loaded == [("a", 1), ("b", 2)]
+
+
+def test_missing_logprobs_and_missing_vllm_are_clear_errors(fake_vllm, monkeypatch):
+    bad = SimpleNamespace(token_ids=[1, 2], logprobs=None, finish_reason="stop", stop_reason=None)
+    with pytest.raises(ValueError, match="logprobs=0"):
+        fake_vllm.convert_output(bad)
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    with pytest.raises(ImportError, match="gpu extra"):
+        fake_vllm.VLLMEngine("/ckpt", max_model_len=1024)
