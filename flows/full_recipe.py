@@ -1,0 +1,119 @@
+"""`full_recipe`: the whole rStar2-Agent recipe as one Prefect flow (deployment `rstar2/full-recipe`).
+
+    curate ─┬─────────────────────────────┬──> rl-stage-1 ──> rl-stage-2 ──> hard subset ──> rl-stage-3
+    sft-data ─┐                           │        │              │                              │
+    base-model ┴─> sft ───────────────────┘      eval            eval                           eval
+                    └─> eval (sft)                   └──────────────┴──> register best <──────────┘
+
+The RL stages (and which one trains on the hard subset) come from `cfg.rl.stages`; every stage's
+checkpoint is evaluated and the best one is registered (the paper saw training collapse past step
+510, so the last checkpoint is not assumed best). The flow only composes tasks: validation, lineage
+and persistence live in tasks/. The stage DAG runs as a subflow so that its task runner (Ray or
+threads) can be chosen per run from the profile.
+
+Run: `prefect deployment run rstar2/full-recipe -p profile=tiny` (see docs/pipeline.md), or locally
+`python -m flows.full_recipe --profile tiny --set rl.stages.0.steps=2`.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from prefect import flow, runtime
+from prefect.artifacts import create_markdown_artifact
+
+from tasks.context import RecipeContext, stage_label
+from tasks.recipe import close_recipe, open_recipe, register_best, summary_markdown
+from tasks.runners import placement, task_runner
+from tasks.stages import build_sft_data, curate_data, evaluate_checkpoint, hard_subset, prepare_base_model, rl_stage, sft
+
+
+def _configured(t, cfg):
+    return t.with_options(retries=cfg.pipeline.task_retries, retry_delay_seconds=cfg.pipeline.retry_delay_s)
+
+
+@flow(name="recipe-stages", log_prints=True)
+def recipe_stages(ctx: RecipeContext) -> dict:
+    """The stage DAG of one recipe run (a subflow of `full_recipe`)."""
+    cfg = ctx.config()
+    T = {t.name: _configured(t, cfg) for t in (curate_data, build_sft_data, prepare_base_model, sft, rl_stage,
+                                                hard_subset, evaluate_checkpoint, register_best)}
+    dag = []  # every submitted future, in DAG order
+
+    def submit(kind, name, *args, **kw):
+        with placement(cfg, kind):
+            dag.append(T[name].submit(ctx, *args, **kw))
+        return dag[-1]
+
+    curated = submit("curate", "curate", label="curate")
+    sft_data = submit("sft_data", "build-sft-data", label="sft-data")
+    base = submit("base_model", "base-model", label=f"base-model ({cfg.model.kind})")
+    policy = submit("sft", "sft", base, sft_data, label=f"sft ({cfg.sft.epochs:g} epochs)")
+    evals = []
+    last = len(cfg.rl.stages) - 1
+    if cfg.pipeline.eval_stages == "all":
+        evals.append(submit("eval", "evaluate", "sft", policy, label="eval sft"))
+    for i, st in enumerate(cfg.rl.stages):
+        data = curated
+        if st.dataset == "hard_subset":
+            data = submit("hard_subset", "hard-subset", i, policy, curated,
+                          label=f"{st.name} hard subset (k={st.hard_subset_k})")
+        policy = submit("rl", "rl-stage", i, policy, data, label=stage_label(cfg, i))
+        if cfg.pipeline.eval_stages != "last" or i == last:
+            evals.append(submit("eval", "evaluate", st.name, policy, label=f"eval {st.name}"))
+    registered = submit("register", "register-best", evals)
+    return _first_failure_or(registered, dag)
+
+
+def _first_failure_or(final, futures: list):
+    """The final task's result; when the DAG failed, raise the first failed task's own error in DAG order
+    (not the "upstream not ready" error of the tasks downstream of it)."""
+    final.wait()
+    for f in futures:
+        f.wait()
+    for f in futures:
+        if f.state.is_failed() or f.state.is_crashed():
+            f.result()
+    return final.result()
+
+
+def _on_failure(flow, flow_run, state):
+    p = flow_run.parameters
+    close_recipe(p.get("profile", "tiny"), list(p.get("overrides") or []), p.get("run_id") or str(flow_run.id),
+                 "FAILED")
+
+
+def _on_completion(flow, flow_run, state):
+    p = flow_run.parameters
+    close_recipe(p.get("profile", "tiny"), list(p.get("overrides") or []), p.get("run_id") or str(flow_run.id),
+                 "FINISHED")
+
+
+@flow(name="full-recipe", log_prints=True, on_failure=[_on_failure], on_completion=[_on_completion])
+def full_recipe(profile: str = "tiny", overrides: list[str] | None = None, run_id: str | None = None) -> dict:
+    """Run the recipe of `profile` with dotted `overrides`; `run_id` (default: this flow run's id) keys its
+    storage, so the UI's Retry of this flow run reuses every finished stage."""
+    ctx = open_recipe(profile, list(overrides or []), run_id, runtime.flow_run.id,
+                      attempt=int(runtime.flow_run.run_count or 1))
+    cfg = ctx.config()
+    runner = task_runner(cfg)
+    summary = recipe_stages.with_options(task_runner=runner, flow_run_name=f"{cfg.profile} stages {ctx.run_id[:8]}")(ctx)
+    order = ["sft"] + [s.name for s in cfg.rl.stages]
+    table = summary_markdown(summary, order)
+    create_markdown_artifact(key="recipe-summary", markdown=table, description=f"recipe run {ctx.run_id}")
+    ctx.store(cfg).save("summary", {**summary, "markdown": table}, attempt=ctx.attempt)
+    print(table)
+    return summary
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="Run the full recipe in this process (no server needed).")
+    ap.add_argument("--profile", default="tiny")
+    ap.add_argument("--set", dest="overrides", action="append", default=[])
+    ap.add_argument("--run-id", default=None)
+    a = ap.parse_args()
+    full_recipe(profile=a.profile, overrides=a.overrides, run_id=a.run_id)
+
+
+if __name__ == "__main__":
+    main()

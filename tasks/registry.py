@@ -1,0 +1,136 @@
+"""The MLflow model registry side of the pipeline: one version of `rstar2-agent` per recipe run.
+
+Convention (docs/CONTRACTS.md): a version carries tag `checkpoint_url` (the fsspec URL of its HF
+checkpoint); `models:/rstar2-agent@champion` resolves through that tag. The version's `source` is a
+small pointer artifact logged under the parent run (so an MLflow server accepts it; the weights are
+never copied). Aliases: `candidate` when the primary pass@1 reaches `cfg.eval.gate_pass1`, `champion`
+when it also beats the current champion's primary pass@1 (or there is none yet).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rstar2_core.config import Config
+
+from tasks import tracking
+
+
+@dataclass(frozen=True)
+class Registration:
+    """A registered version: `version` of `name`, the stage it came from, its primary score, aliases set."""
+
+    name: str
+    version: int
+    stage: str
+    checkpoint_url: str
+    primary_pass1: float
+    aliases: tuple[str, ...] = ()
+    metrics: dict = field(default_factory=dict)
+
+    def summary_line(self) -> str:
+        alias = f" (alias {', '.join(self.aliases)})" if self.aliases else " (no alias: eval gate not passed)"
+        return f"{self.name} version {self.version}{alias}"
+
+
+def _ensure_model(c, name: str) -> None:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        c.get_registered_model(name)
+    except MlflowException:
+        try:
+            c.create_registered_model(name, description="rStar2-Agent recipe checkpoints; tag checkpoint_url "
+                                                        "holds the HF checkpoint URL")
+        except MlflowException:
+            c.get_registered_model(name)  # created concurrently
+
+
+def _alias_version(c, name: str, alias: str):
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return c.get_model_version_by_alias(name, alias)
+    except MlflowException:
+        return None
+
+
+def existing_version(cfg: Config, recipe_run_id: str):
+    """The version already registered for this recipe run (a retried flow run must not add another)."""
+    c = tracking.client(cfg)
+    name = cfg.tracking.registered_model
+    try:
+        versions = c.search_model_versions(f"name='{name}' and tag.`rstar2.recipe_run_id`='{recipe_run_id}'")
+    except Exception:
+        versions = [v for v in c.search_model_versions(f"name='{name}'")
+                    if v.tags.get("rstar2.recipe_run_id") == recipe_run_id]
+    return versions[0] if versions else None
+
+
+def register(cfg: Config, *, parent_run_id: str, recipe_run_id: str, stage: str, checkpoint_url: str,
+             primary_pass1: float, metrics: dict[str, float], lineage: dict[str, str]) -> Registration:
+    """Register `checkpoint_url` as a new version (idempotent per recipe run) and set its aliases."""
+    c = tracking.client(cfg)
+    name = cfg.tracking.registered_model
+    _ensure_model(c, name)
+    mv = existing_version(cfg, recipe_run_id)
+    if mv is None:
+        with tempfile.TemporaryDirectory(prefix="rstar2-ptr-") as d:
+            ptr = Path(d) / "checkpoint.json"
+            ptr.write_text(json.dumps({"checkpoint_url": checkpoint_url, "stage": stage}, indent=2))
+            c.log_artifact(parent_run_id, str(ptr), artifact_path="model")
+        source = f"{c.get_run(parent_run_id).info.artifact_uri.rstrip('/')}/model"
+        tags = {"checkpoint_url": checkpoint_url, "stage": stage, "rstar2.recipe_run_id": recipe_run_id,
+                "git_sha": tracking.git_sha(), **lineage,
+                **{tracking.metric_key(k): f"{v:.6g}" for k, v in metrics.items()}}
+        mv = c.create_model_version(name, source=source, run_id=parent_run_id, tags=tags)
+    version = int(mv.version)
+    aliases: list[str] = []
+    if primary_pass1 >= cfg.eval.gate_pass1:
+        c.set_registered_model_alias(name, "candidate", version)
+        aliases.append("candidate")
+        champ = _alias_version(c, name, "champion")
+        champ_score = float(champ.tags.get("primary_pass1", "-1")) if champ is not None else -1.0
+        if champ is None or int(champ.version) == version or primary_pass1 > champ_score:
+            c.set_registered_model_alias(name, "champion", version)
+            aliases.append("champion")
+    c.set_model_version_tag(name, str(version), "primary_pass1", f"{primary_pass1:.6g}")
+    c.set_tag(parent_run_id, "registered_model_version", f"{name}/{version}")
+    return Registration(name=name, version=version, stage=stage, checkpoint_url=checkpoint_url,
+                        primary_pass1=primary_pass1, aliases=tuple(aliases), metrics=dict(metrics))
+
+
+def resolve_model(cfg: Config, model: str) -> tuple[str, str | None]:
+    """(checkpoint URL, version) for `models:/<name>@<alias>`, `models:/<name>/<version>`, a bare alias
+    (`champion`) or a checkpoint URL/path (returned as is, version None)."""
+    c = tracking.client(cfg)
+    name, ref = cfg.tracking.registered_model, None
+    if model.startswith("models:/"):
+        body = model[len("models:/"):]
+        if "@" in body:
+            name, ref = body.split("@", 1)
+        elif "/" in body:
+            name, ver = body.split("/", 1)
+            mv = c.get_model_version(name, ver)
+            return _checkpoint_of(mv, model), str(mv.version)
+        else:
+            raise ValueError(f"model URI {model!r}: use models:/<name>@<alias> or models:/<name>/<version>")
+    elif "/" not in model and "." not in model and ":" not in model:
+        ref = model
+    if ref is None:
+        return model, None
+    mv = _alias_version(c, name, ref)
+    if mv is None:
+        raise ValueError(f"no version of registered model {name!r} has alias {ref!r}; run the full recipe "
+                         f"first (it sets candidate/champion) or pass a checkpoint URL")
+    return _checkpoint_of(mv, model), str(mv.version)
+
+
+def _checkpoint_of(mv, model: str) -> str:
+    url = mv.tags.get("checkpoint_url")
+    if not url:
+        raise ValueError(f"{model}: version {mv.version} has no checkpoint_url tag (not registered by rstar2)")
+    return url

@@ -1,0 +1,43 @@
+"""Which failures a stage task retries: infrastructure errors only.
+
+A retried stage resumes from its own last checkpoint (the core stages do that when given the same
+`out_url`), so retrying is cheap and safe for flaky infrastructure: an injected fault
+(`RSTAR2_FAULT_INJECT`), a Ray worker or actor that died, an OS/connection/timeout error. Bad config
+(`ConfigError`) and bad data (`ValueError`, `KeyError`, `TypeError`) fail at once: a retry would only
+fail again, later.
+"""
+
+from __future__ import annotations
+
+from rstar2_core.faults import InjectedFault
+
+_NEVER = (ValueError, KeyError, TypeError, AssertionError)  # ConfigError is a ValueError
+
+
+def _ray_infra_errors() -> tuple[type[BaseException], ...]:
+    try:
+        from ray import exceptions as rex
+    except ImportError:  # ray is a dependency, but the retry rule must not need it
+        return ()
+    names = ("RayActorError", "WorkerCrashedError", "NodeDiedError", "ActorDiedError",
+             "ActorUnavailableError", "ObjectLostError", "OwnerDiedError", "RaySystemError",
+             "LocalRayletDiedError", "OutOfMemoryError", "GetTimeoutError")
+    return tuple(getattr(rex, n) for n in names if hasattr(rex, n))
+
+
+def is_infrastructure_error(exc: BaseException) -> bool:
+    """True for errors a retry can fix (fault injection, Ray deaths, OS/connection/timeout errors)."""
+    if isinstance(exc, InjectedFault):
+        return True
+    if isinstance(exc, _NEVER):
+        return False
+    return isinstance(exc, (OSError, ConnectionError, TimeoutError, *_ray_infra_errors()))
+
+
+def retry_on_infrastructure_error(task, task_run, state) -> bool:
+    """Prefect `retry_condition_fn`: retry only when the failed state holds an infrastructure error."""
+    try:
+        state.result()
+    except BaseException as exc:  # the state re-raises the task's exception
+        return is_infrastructure_error(exc)
+    return False

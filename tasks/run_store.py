@@ -1,0 +1,89 @@
+"""Per-recipe-run state: where each stage writes, and which stages are already done.
+
+A recipe run (one Prefect flow run of `full_recipe`, keyed by its flow-run id, or an explicit
+`run_id` parameter) owns a folder under the storage root:
+
+    <storage root>/runs/<run_id>/
+        data/curated/ data/sft/ data/<stage>-subset/     datasets (DatasetRef manifests beside them)
+        checkpoints/base checkpoints/sft checkpoints/<rl stage>/   HF checkpoints (+ step checkpoints)
+        eval/<stage>/                                    evaluation reports
+        state/<stage>.json                               the finished stage's result (atomic write)
+        state/mlflow/<key>.json                          MLflow run id of the parent run and of each stage
+
+A stage is done when its `state/<stage>.json` exists and every checkpoint/dataset it names is still
+there (checkpoints need their `_COMPLETE` marker). The UI's Retry re-runs the same flow run id, so
+it finds these files and skips finished stages; a new flow run starts a new recipe run. This store
+lives beside the artifacts (file:// or s3://), so it survives what Prefect's local result storage
+would not: a retry picked up by a worker on another machine.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from rstar2_core import storage
+from rstar2_core.results import DatasetRef, StageResult
+
+_KINDS = {"dataset": DatasetRef, "stage": StageResult}
+
+
+@dataclass(frozen=True)
+class RunStore:
+    """Locations and finished-stage records of one recipe run rooted at `root` (an fsspec URL)."""
+
+    root: str
+    run_id: str
+
+    @classmethod
+    def for_run(cls, storage_root: str, run_id: str) -> "RunStore":
+        return cls(root=storage.join(storage_root, "runs", run_id), run_id=run_id)
+
+    def url(self, *parts: str) -> str:
+        return storage.join(self.root, *parts)
+
+    def _record_url(self, stage: str) -> str:
+        return self.url("state", f"{stage}.json")
+
+    # finished stages -----------------------------------------------------------------------------
+    def save(self, stage: str, result: Any, attempt: int = 1) -> None:
+        """Record a finished stage (`DatasetRef`, `StageResult` or a JSON-able dict)."""
+        kind = next((k for k, t in _KINDS.items() if isinstance(result, t)), "json")
+        payload = result.to_json() if kind != "json" else result
+        storage.write_json_atomic(self._record_url(stage), {
+            "stage": stage, "kind": kind, "result": payload, "attempt": attempt,
+            "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+
+    def record(self, stage: str) -> dict | None:
+        """The raw record of a finished stage, or None."""
+        url = self._record_url(stage)
+        return storage.read_json(url) if storage.exists(url) else None
+
+    def load(self, stage: str) -> Any | None:
+        """The finished stage's result when it and everything it points to is still complete, else None."""
+        rec = self.record(stage)
+        if rec is None:
+            return None
+        kind, payload = rec["kind"], rec["result"]
+        result = _KINDS[kind](**payload) if kind in _KINDS else payload
+        return result if _artifacts_present(result) else None
+
+    # tracking ids (one file per key: evaluations of several stages may run at once) ---------------
+    def tracking_id(self, key: str) -> str | None:
+        """MLflow run id stored for `key` ("parent" or a stage name), or None."""
+        url = self.url("state", "mlflow", f"{key}.json")
+        return storage.read_json(url)["run_id"] if storage.exists(url) else None
+
+    def set_tracking_id(self, key: str, run_id: str) -> None:
+        storage.write_json_atomic(self.url("state", "mlflow", f"{key}.json"), {"run_id": run_id})
+
+
+def _artifacts_present(result: Any) -> bool:
+    if isinstance(result, StageResult):
+        return storage.is_complete(result.checkpoint_url)
+    if isinstance(result, DatasetRef):
+        return storage.exists(result.url)
+    if isinstance(result, dict) and isinstance(result.get("checkpoint_url"), str):
+        return storage.is_complete(result["checkpoint_url"])
+    return True

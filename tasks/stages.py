@@ -1,0 +1,178 @@
+"""Prefect tasks over the recipe's stage entry points (docs/CONTRACTS.md, "stage entry points").
+
+Each task is a thin wrapper that adds what the core does not know about:
+
+- skip-if-done: a finished stage's result is read back from the run's store (tasks/run_store.py)
+  instead of recomputed, so the UI's Retry of a failed flow run only redoes unfinished stages;
+- retries on infrastructure errors only (tasks/retry.py), `cfg.pipeline.task_retries` times; a
+  retried stage resumes from its last step checkpoint because it gets the same `out_url`;
+- MLflow lineage (tasks/tracking.py): a nested run per stage, kept across retries (its id is stored
+  in the run's state and handed to the RL core as `tracking_run_id`), metrics via `log_metrics`,
+  datasets as inputs, checkpoints as URL tags, a PNG of the metric curves.
+
+Prefect's own result persistence is off (`cache_policy=NO_CACHE`): Prefect's local result folder
+would not be visible to a worker on another machine, while the run store lives beside the artifacts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any, Callable
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from rstar2_core.config import Config
+from rstar2_core.results import DatasetRef, StageResult
+
+from tasks import tracking
+from tasks.context import RecipeContext
+from tasks.retry import retry_on_infrastructure_error
+
+# The core functions each task calls; resolved at call time so that this module imports without them.
+ENTRY_POINTS = {
+    "curate": "rstar2_core.data.curate:curate",
+    "sft_data": "rstar2_core.sft.data:build_sft_dataset",
+    "base_model": "rstar2_core.models:prepare_base_model",
+    "sft": "rstar2_core.sft.train:run_sft",
+    "rl": "rstar2_core.rl.stage:run_rl_stage",
+    "hard_subset": "rstar2_core.rl.hard_subset:select_hard_subset",
+    "eval": "rstar2_core.eval.run:evaluate",
+}
+
+
+def core(kind: str) -> Callable[..., Any]:
+    module, _, name = ENTRY_POINTS[kind].partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _stage_task(**kw):
+    """@task with the pipeline's retry rule; the retry count is set per flow run from the config."""
+    return task(retries=2, retry_delay_seconds=2, retry_condition_fn=retry_on_infrastructure_error,
+                cache_policy=NO_CACHE, persist_result=False, task_run_name="{label}", **kw)
+
+
+def _run_tracked(ctx: RecipeContext, key: str, params: dict[str, Any],
+                 compute: Callable[[Config, Callable, str], Any],
+                 inputs: tuple[tuple[str, DatasetRef], ...] = ()) -> Any:
+    """Return stage `key`'s stored result, or compute it inside its (re)opened nested MLflow run."""
+    log = get_run_logger()
+    cfg = ctx.config()
+    store = ctx.store(cfg)
+    done = store.load(key)
+    if done is not None:
+        log.info(f"{key}: finished in attempt {store.record(key)['attempt']}, reusing its result")
+        return done
+    run_id = store.tracking_id(key)
+    if run_id is None:
+        run_id = tracking.start_stage_run(cfg, parent_run_id=ctx.parent_run_id, stage=key, params=params)
+        store.set_tracking_id(key, run_id)
+    else:
+        log.info(f"{key}: continuing MLflow run {run_id}")
+        tracking.reopen(cfg, run_id)
+    for name, ref in inputs:
+        tracking.log_dataset(cfg, run_id, ref, name=name)
+    try:
+        result = compute(cfg, tracking.metrics_logger(cfg, run_id), run_id)
+    except BaseException:
+        tracking.finish(cfg, run_id, "FAILED")
+        raise
+    if isinstance(result, StageResult):
+        tracking.log_checkpoint(cfg, run_id, result.checkpoint_url)
+        tracking.metrics_logger(cfg, run_id)({k: v for k, v in result.metrics.items()}, result.steps)
+    elif isinstance(result, DatasetRef):
+        tracking.log_dataset(cfg, run_id, result, name=key, context="output")
+    tracking.log_metric_plot(cfg, run_id, key)
+    tracking.finish(cfg, run_id)
+    store.save(key, result, attempt=ctx.attempt)
+    return result
+
+
+@_stage_task(name="curate")
+def curate_data(ctx: RecipeContext, label: str = "curate") -> DatasetRef:
+    def compute(cfg, log_metrics, _):
+        return core("curate")(cfg, ctx.store(cfg).url("data", "curated"), log_metrics=log_metrics)
+
+    return _run_tracked(ctx, "curate", {"sources": len(ctx.config().data.sources)}, compute)
+
+
+@_stage_task(name="build-sft-data")
+def build_sft_data(ctx: RecipeContext, label: str = "sft-data") -> DatasetRef:
+    def compute(cfg, _log, _run):
+        return core("sft_data")(cfg, ctx.store(cfg).url("data", "sft"))
+
+    return _run_tracked(ctx, "sft-data", {}, compute)
+
+
+@_stage_task(name="base-model")
+def prepare_base_model(ctx: RecipeContext, label: str = "base-model") -> dict:
+    def compute(cfg, _log, _run):
+        return {"checkpoint_url": core("base_model")(cfg, ctx.store(cfg).url("checkpoints", "base"))}
+
+    return _run_tracked(ctx, "base-model", {"model.kind": ctx.config().model.kind}, compute)
+
+
+@_stage_task(name="sft")
+def sft(ctx: RecipeContext, base_model: dict, sft_data: DatasetRef, label: str = "sft") -> StageResult:
+    def compute(cfg, log_metrics, _):
+        return core("sft")(cfg, base_model_url=base_model["checkpoint_url"], sft_data_url=sft_data.url,
+                           out_url=ctx.store(cfg).url("checkpoints", "sft"), log_metrics=log_metrics, resume=True)
+
+    cfg = ctx.config()
+    params = {**tracking.flatten(cfg.sft.model_dump(mode="json"), "sft."), "base_model_url": base_model["checkpoint_url"]}
+    return _run_tracked(ctx, "sft", params, compute, inputs=(("sft-data", sft_data),))
+
+
+@_stage_task(name="rl-stage")
+def rl_stage(ctx: RecipeContext, stage_index: int, init: StageResult, data: DatasetRef, label: str = "") -> StageResult:
+    cfg = ctx.config()
+    st = cfg.rl.stages[stage_index]
+
+    def compute(cfg, log_metrics, run_id):
+        return core("rl")(cfg, stage_index, init_checkpoint_url=init.checkpoint_url, data_url=data.url,
+                          out_url=ctx.store(cfg).url("checkpoints", st.name), log_metrics=log_metrics,
+                          resume=True, tracking_run_id=run_id)
+
+    params = {**tracking.flatten(st.model_dump(mode="json"), "stage."), "init_checkpoint_url": init.checkpoint_url}
+    return _run_tracked(ctx, st.name, params, compute, inputs=((f"{st.name}-data", data),))
+
+
+@_stage_task(name="hard-subset")
+def hard_subset(ctx: RecipeContext, stage_index: int, policy: StageResult, data: DatasetRef,
+                label: str = "") -> DatasetRef:
+    cfg = ctx.config()
+    st = cfg.rl.stages[stage_index]
+    key = f"{st.name}-hard-subset"
+
+    def compute(cfg, _log, _run):
+        return core("hard_subset")(cfg, stage_index, checkpoint_url=policy.checkpoint_url, data_url=data.url,
+                                   out_url=ctx.store(cfg).url("data", key))
+
+    return _run_tracked(ctx, key, {"k": st.hard_subset_k, "policy": policy.checkpoint_url}, compute,
+                        inputs=(("pool", data),))
+
+
+def report_json(report: Any) -> dict:
+    """The core's EvalReport as a JSON-able dict."""
+    if hasattr(report, "to_json"):
+        return report.to_json()
+    if dataclasses.is_dataclass(report):
+        return dataclasses.asdict(report)
+    if isinstance(report, dict):
+        return report
+    raise TypeError(f"evaluate() returned {type(report).__name__}, expected EvalReport")
+
+
+@_stage_task(name="evaluate")
+def evaluate_checkpoint(ctx: RecipeContext, stage: str, checkpoint: StageResult | dict,
+                        benchmarks: list[str] | None = None, k: int | None = None, label: str = "") -> dict:
+    url = checkpoint.checkpoint_url if isinstance(checkpoint, StageResult) else checkpoint["checkpoint_url"]
+    key = f"eval-{stage}"
+
+    def compute(cfg, log_metrics, _):
+        report = core("eval")(cfg, checkpoint_url=url, out_url=ctx.store(cfg).url("eval", stage),
+                              benchmarks=benchmarks, k=k, log_metrics=log_metrics)
+        return {"stage": stage, "checkpoint_url": url, "report": report_json(report)}
+
+    return _run_tracked(ctx, key, {"checkpoint_url": url, "benchmarks": benchmarks, "k": k}, compute)

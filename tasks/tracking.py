@@ -1,0 +1,196 @@
+"""MLflow lineage for the pipeline (the only place besides flows/ that imports mlflow).
+
+One parent run per recipe run (tags: Prefect flow run id, git SHA, profile), one nested run per stage
+(tags: checkpoint URL, dataset URLs), params = the resolved config flattened to dotted keys, metrics
+per step through the `log_metrics(dict, step)` callback the core receives, datasets as run inputs with
+their content digests, PNG plots of each stage's metric curves as artifacts. Checkpoints are never
+copied into MLflow: runs carry their fsspec URLs as tags and params.
+
+Every call names its run id explicitly (`MlflowClient`, no fluent "active run"), so it works the same
+from the flow process, a thread or a Ray worker. The tracking URI is `cfg.resolved_tracking_uri()`
+(SQLite under the state folder by default; an http:// server URI works the same).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from rstar2_core.config import REPO_ROOT, Config, config_to_toml_dict
+from rstar2_core.results import DatasetRef
+
+_BAD_KEY_CHARS = re.compile(r"[^0-9A-Za-z_\-. /:]")
+
+
+def metric_key(name: str) -> str:
+    """MLflow-safe metric/param key: `eval/synthetic/pass@1` -> `eval/synthetic/pass_at_1`."""
+    return _BAD_KEY_CHARS.sub("_", name.replace("@", "_at_"))
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, str]:
+    """{"rl": {"stages": [{"steps": 6}]}} -> {"rl.stages.0.steps": "6"} (None values kept as "None")."""
+    out: dict[str, str] = {}
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            out.update(flatten(v, f"{prefix}{k}."))
+    elif isinstance(tree, (list, tuple)) and tree and any(isinstance(x, (dict, list)) for x in tree):
+        for i, v in enumerate(tree):
+            out.update(flatten(v, f"{prefix}{i}."))
+    else:
+        out[prefix.rstrip(".")] = str(tree)
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def git_sha() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+@functools.lru_cache(maxsize=8)
+def _client(tracking_uri: str):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+
+
+def client(cfg: Config):
+    return _client(cfg.resolved_tracking_uri())
+
+
+def experiment_id(cfg: Config) -> str:
+    """Id of `cfg.tracking.experiment`, created with its artifacts under the state folder."""
+    c = client(cfg)
+    exp = c.get_experiment_by_name(cfg.tracking.experiment)
+    if exp is not None:
+        return exp.experiment_id
+    location = (cfg.resolved_state_dir() / "mlartifacts").as_uri()
+    try:
+        return c.create_experiment(cfg.tracking.experiment, artifact_location=location)
+    except Exception:  # created concurrently by another process: read it back
+        exp = c.get_experiment_by_name(cfg.tracking.experiment)
+        if exp is None:
+            raise
+        return exp.experiment_id
+
+
+def log_params(cfg: Config, run_id: str, params: dict[str, Any]) -> None:
+    from mlflow.entities import Param
+
+    items = [Param(metric_key(k), str(v)[:6000]) for k, v in params.items()]
+    existing = client(cfg).get_run(run_id).data.params
+    items = [p for p in items if p.key not in existing]  # a resumed run already has them
+    for i in range(0, len(items), 100):
+        client(cfg).log_batch(run_id, params=items[i:i + 100])
+
+
+def start_parent_run(cfg: Config, *, run_name: str, recipe_run_id: str, flow_run_id: str | None) -> str:
+    """Create the recipe run's parent MLflow run with lineage tags and the resolved config as params."""
+    c = client(cfg)
+    run = c.create_run(experiment_id(cfg), run_name=run_name, tags={
+        "rstar2.recipe_run_id": recipe_run_id, "rstar2.profile": cfg.profile,
+        "prefect.flow_run_id": flow_run_id or "", "git_sha": git_sha(), "mlflow.source.git.commit": git_sha()})
+    log_params(cfg, run.info.run_id, flatten(config_to_toml_dict(cfg)))
+    return run.info.run_id
+
+
+def start_stage_run(cfg: Config, *, parent_run_id: str, stage: str, params: dict[str, Any]) -> str:
+    """Create a nested run for one stage under the parent run."""
+    c = client(cfg)
+    run = c.create_run(experiment_id(cfg), run_name=stage, tags={
+        "mlflow.parentRunId": parent_run_id, "rstar2.stage": stage, "git_sha": git_sha()})
+    log_params(cfg, run.info.run_id, params)
+    return run.info.run_id
+
+
+def reopen(cfg: Config, run_id: str) -> None:
+    """Mark a run RUNNING again (a retried stage continues the same MLflow run)."""
+    client(cfg).update_run(run_id, status="RUNNING")
+
+
+def finish(cfg: Config, run_id: str, status: str = "FINISHED") -> None:
+    client(cfg).set_terminated(run_id, status=status)
+
+
+def metrics_logger(cfg: Config, run_id: str, prefix: str = "") -> Callable[[dict[str, float], int], None]:
+    """The `log_metrics(metrics, step)` callback handed to the core; non-numeric values are skipped."""
+    from mlflow.entities import Metric
+
+    c = client(cfg)
+
+    def log_metrics(metrics: dict[str, float], step: int) -> None:
+        now = int(time.time() * 1000)
+        batch = [Metric(metric_key(prefix + k), float(v), now, int(step)) for k, v in metrics.items()
+                 if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        for i in range(0, len(batch), 1000):
+            c.log_batch(run_id, metrics=batch[i:i + 1000])
+
+    return log_metrics
+
+
+def log_dataset(cfg: Config, run_id: str, ref: DatasetRef, *, name: str, context: str = "training") -> None:
+    """Log a published dataset as a run input: its URL, content digest and row count."""
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.entities import DatasetInput, InputTag
+
+    try:
+        source = resolve_dataset_source(ref.url)
+    except Exception:  # an URL scheme MLflow has no source type for: fall back to HTTP-like URL source
+        from mlflow.data.http_dataset_source import HTTPDatasetSource
+
+        source = HTTPDatasetSource(ref.url)
+    ds = MetaDataset(source=source, name=name, digest=ref.digest[:36])
+    client(cfg).log_inputs(run_id, datasets=[DatasetInput(ds._to_mlflow_entity(),
+                                                           tags=[InputTag("mlflow.data.context", context)])])
+    c = client(cfg)
+    c.set_tag(run_id, f"dataset.{name}.url", ref.url)
+    c.set_tag(run_id, f"dataset.{name}.digest", ref.digest)
+    c.set_tag(run_id, f"dataset.{name}.rows", str(ref.n_rows))
+
+
+def log_checkpoint(cfg: Config, run_id: str, checkpoint_url: str, key: str = "checkpoint_url") -> None:
+    """A checkpoint is referenced by URL (tag), never copied into the artifact store."""
+    client(cfg).set_tag(run_id, key, checkpoint_url)
+
+
+def log_metric_plot(cfg: Config, run_id: str, title: str, max_metrics: int = 6) -> str | None:
+    """PNG of the run's per-step metric curves (the first `max_metrics` keys), logged as `plots/<run>.png`."""
+    c = client(cfg)
+    keys = sorted(c.get_run(run_id).data.metrics)[:max_metrics]
+    series = {k: sorted((m.step, m.value) for m in c.get_metric_history(run_id, k)) for k in keys}
+    series = {k: v for k, v in series.items() if len(v) > 1}
+    if not series:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(series), 1, figsize=(6, 2.2 * len(series)), squeeze=False)
+    for ax, (k, pts) in zip(axes[:, 0], series.items()):
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".")
+        ax.set_title(k, fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    with tempfile.TemporaryDirectory(prefix="rstar2-plot-") as d:
+        path = Path(d) / f"{re.sub(r'[^0-9A-Za-z_.-]', '_', title)}.png"
+        fig.savefig(path, dpi=80)
+        plt.close(fig)
+        c.log_artifact(run_id, str(path), artifact_path="plots")
+        return f"plots/{path.name}"
+
+
+def metric_steps(cfg: Config, run_id: str, key: str) -> list[int]:
+    """Steps at which `key` was logged, in logging order (for resume checks)."""
+    hist = client(cfg).get_metric_history(run_id, metric_key(key))
+    return [m.step for m in sorted(hist, key=lambda m: (m.timestamp, m.step))]
