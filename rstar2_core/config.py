@@ -427,6 +427,20 @@ class ClusterConfig(_Section):
     """Per-task Ray resources by task name (curate, sft, rl, hard_subset, eval)."""
 
 
+# ------------------------------------------------------------------------------------------ pipeline
+class PipelineConfig(_Section):
+    task_retries: int = Field(2, ge=0)
+    """Prefect retries of a stage task after an infrastructure error (injected fault, Ray worker death,
+    OSError/connection error); bad config or data is never retried. 0 = fail the flow run at once
+    (then the UI's Retry resumes it)."""
+    retry_delay_s: float = Field(2.0, ge=0)
+    """Seconds between task retries."""
+    eval_stages: Literal["all", "rl", "last"] = "all"
+    """Checkpoints evaluated and ranked for registration: SFT and every RL stage (`all`), RL stages
+    only (`rl`), or the last stage only (`last`). The paper keeps and ranks every stage's checkpoint
+    because training past step 510 collapsed."""
+
+
 # ---------------------------------------------------------------------------------------------- root
 class Config(_Section):
     profile: str = "custom"
@@ -446,6 +460,8 @@ class Config(_Section):
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    """Orchestration settings of the Prefect pipeline (retries, which checkpoints are ranked)."""
 
     @model_validator(mode="after")
     def _cross(self) -> "Config":
