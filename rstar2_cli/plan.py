@@ -1,0 +1,231 @@
+"""`rstar2 plan --profile qwen3-14b-mi300x`: the production dry run, without GPUs or a cluster.
+
+Validates the profile (the config tree, the RL actor layout, the RL driver's reservation, and, when
+`cluster.image` is set, that infra/ describes the same cluster: node count, GPUs and CPUs per node,
+image names, service URLs, work pool), then prints the recipe DAG with each task's Ray resources
+(`cluster.resources[<kind>]`) and the RL stages' actor layout (rstar2_core/cluster/layout.py).
+
+    rstar2 plan --profile qwen3-14b-mi300x            # human-readable; exit 0 when no problem
+    rstar2 plan --profile tiny --json                 # one JSON object
+    rstar2 plan --profile qwen3-14b-mi300x --strict   # exit 1 when a problem is found
+
+A config that does not validate (or a layout that cannot fit) exits 2 with the field to change.
+The DAG mirrors flows/full_recipe.py (same task kinds and run names).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from rstar2_cli.common import add_profile_args, load
+
+INFRA = Path(__file__).resolve().parents[1] / "infra"
+WORK_POOL = "rstar2-cluster"
+
+
+@dataclass(frozen=True)
+class PlanTask:
+    name: str
+    kind: str          # key of cfg.cluster.resources (tasks/runners.py TASK_KINDS)
+    label: str         # the Prefect task run name
+    deps: tuple[str, ...]
+    num_cpus: float
+    num_gpus: float
+
+
+def _stage_label(cfg: Any, i: int) -> str:
+    st = cfg.rl.stages[i]
+    n = st.max_response_tokens
+    size = f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else (f"{n / 1000:g}K" if n >= 1000 else str(n))
+    return f"{st.name} ({size}, {st.max_turns} turns)"
+
+
+def recipe_dag(cfg: Any) -> list[PlanTask]:
+    """The full recipe's tasks in submission order, with dependencies and Ray resources."""
+    out: list[PlanTask] = []
+
+    def add(name: str, kind: str, label: str, *deps: str) -> str:
+        r = cfg.cluster.resources.get(kind)
+        out.append(PlanTask(name, kind, label, tuple(deps), float(r.num_cpus) if r else 1.0,
+                            float(r.num_gpus) if r else 0.0))
+        return name
+
+    eval_stages = getattr(getattr(cfg, "pipeline", None), "eval_stages", "all")
+    curated = add("curate", "curate", "curate")
+    sft_data = add("sft-data", "sft_data", "sft-data")
+    base = add("base-model", "base_model", f"base-model ({cfg.model.kind})")
+    policy = add("sft", "sft", f"sft ({cfg.sft.epochs:g} epochs)", base, sft_data)
+    evals = []
+    if eval_stages == "all":
+        evals.append(add("eval-sft", "eval", "eval sft", policy))
+    last = len(cfg.rl.stages) - 1
+    for i, st in enumerate(cfg.rl.stages):
+        data = curated
+        if st.dataset == "hard_subset":
+            data = add(f"{st.name}-hard-subset", "hard_subset", f"{st.name} hard subset (k={st.hard_subset_k})",
+                       policy, curated)
+        policy = add(st.name, "rl", _stage_label(cfg, i), policy, data)
+        if eval_stages != "last" or i == last:
+            evals.append(add(f"eval-{st.name}", "eval", f"eval {st.name}", policy))
+    add("register", "register", "register best", *evals)
+    return out
+
+
+# --------------------------------------------------------------------------------------- infra check
+def _yaml_docs(path: Path) -> list[dict]:
+    import yaml
+
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def _env(container: dict) -> dict[str, str]:
+    return {e["name"]: e.get("value") for e in container.get("env") or []}
+
+
+def _host_port(url: str) -> tuple[str, int]:
+    u = urlparse(url)
+    return u.hostname or "", u.port or (443 if u.scheme == "https" else 80)
+
+
+def _service(docs: list[dict], name: str) -> dict | None:
+    return next((d for d in docs if d.get("kind") == "Service" and d["metadata"]["name"] == name), None)
+
+
+def infra_problems(cfg: Any, infra: Path = INFRA) -> list[str]:
+    """Where infra/ disagrees with the profile's cluster, image, tracking URI or services ([] = consistent)."""
+    cl, p = cfg.cluster, []
+    image, tracking = cl.image, cfg.tracking.tracking_uri
+
+    def expect(what: str, got: Any, want: Any) -> None:
+        if got != want:
+            p.append(f"{what} is {got!r}, the profile says {want!r}")
+
+    rc = _yaml_docs(infra / "k8s" / "raycluster.yaml")[0]
+    head = rc["spec"]["headGroupSpec"]["template"]["spec"]["containers"]
+    groups = [g for g in rc["spec"]["workerGroupSpecs"] if int(g["rayStartParams"].get("num-gpus", "0")) > 0]
+    expect("infra/k8s/raycluster.yaml GPU worker replicas", sum(int(g["replicas"]) for g in groups), cl.nodes)
+    prefect_url = None
+    for g in groups:
+        expect(f"raycluster.yaml {g['groupName']} num-gpus", int(g["rayStartParams"]["num-gpus"]), cl.gpus_per_node)
+        expect(f"raycluster.yaml {g['groupName']} num-cpus", int(g["rayStartParams"]["num-cpus"]), cl.cpus_per_node)
+        for c in g["template"]["spec"]["containers"]:
+            lim = c["resources"]["limits"]
+            gpus = lim.get("amd.com/gpu", lim.get("nvidia.com/gpu"))
+            expect(f"raycluster.yaml {c['name']} GPU limit", gpus, cl.gpus_per_node)
+    for c in head + [c for g in rc["spec"]["workerGroupSpecs"] for c in g["template"]["spec"]["containers"]]:
+        expect(f"raycluster.yaml container {c['name']} image", c["image"], image)
+        env = _env(c)
+        if tracking:
+            expect(f"raycluster.yaml {c['name']} MLFLOW_TRACKING_URI", env.get("MLFLOW_TRACKING_URI"), tracking)
+        if not env.get("PREFECT_API_URL"):
+            p.append(f"raycluster.yaml {c['name']} sets no PREFECT_API_URL")
+        prefect_url = prefect_url or env.get("PREFECT_API_URL")
+    ports = {pt["containerPort"] for pt in head[0].get("ports", [])}
+    if not {6379, 8265, 10001} <= ports:
+        p.append(f"raycluster.yaml head ports {sorted(ports)} lack 6379/8265/10001 (GCS, dashboard, client)")
+    worker = next((c for c in head if c["name"] == "prefect-worker"), None)
+    if worker is None:
+        p.append("raycluster.yaml head has no prefect-worker container")
+    else:
+        expect("raycluster.yaml prefect-worker RAY_ADDRESS", _env(worker).get("RAY_ADDRESS"), cl.ray_address)
+        cmd = worker["command"]
+        expect("raycluster.yaml prefect-worker pool", cmd[cmd.index("--pool") + 1], WORK_POOL)
+
+    up = _yaml_docs(infra / "ray" / "cluster.yaml")[0]
+    expect("infra/ray/cluster.yaml machines (head + worker_ips)", 1 + len(up["provider"]["worker_ips"]), cl.nodes)
+    expect("infra/ray/cluster.yaml max_workers", up["max_workers"], cl.nodes - 1)
+    expect("infra/ray/cluster.yaml docker.image", up["docker"]["image"], image)
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        cmds = " ".join(up[key])
+        for flag in (f"--num-gpus={cl.gpus_per_node}", f"--num-cpus={cl.cpus_per_node}"):
+            if flag not in cmds:
+                p.append(f"infra/ray/cluster.yaml {key} lack {flag}")
+    if f"--pool {WORK_POOL}" not in " ".join(up["head_start_ray_commands"]):
+        p.append(f"infra/ray/cluster.yaml head does not start a Prefect worker on pool {WORK_POOL}")
+
+    tmpl = json.loads((infra / "prefect" / "base-job-template.json").read_text())
+    env = tmpl["variables"]["properties"]["env"].get("default", {})
+    if tracking:
+        expect("infra/prefect/base-job-template.json MLFLOW_TRACKING_URI", env.get("MLFLOW_TRACKING_URI"), tracking)
+    expect("base-job-template.json RAY_ADDRESS", env.get("RAY_ADDRESS"), cl.ray_address)
+    expect("base-job-template.json PREFECT_API_URL", env.get("PREFECT_API_URL"), prefect_url)
+
+    for fname, url, svc in (("mlflow.yaml", tracking, "mlflow"), ("prefect-server.yaml", prefect_url, "prefect-server")):
+        if not url:
+            continue
+        s = _service(_yaml_docs(infra / "k8s" / fname), svc)
+        host, port = _host_port(url)
+        if s is None:
+            p.append(f"infra/k8s/{fname} has no Service {svc}")
+            continue
+        expect(f"infra/k8s/{fname} Service host", f"{s['metadata']['name']}.{s['metadata']['namespace']}.svc", host)
+        expect(f"infra/k8s/{fname} Service port", s["spec"]["ports"][0]["port"], port)
+
+    tag = re.search(r"-t\s+(\S+)", (infra / "docker" / "Dockerfile.rocm").read_text())
+    expect("infra/docker/Dockerfile.rocm build tag", tag.group(1) if tag else None, image)
+    return p
+
+
+# ------------------------------------------------------------------------------------------- output
+def build_plan(cfg: Any) -> dict:
+    """Everything `rstar2 plan` prints, as a JSON-able dict. Raises ConfigError when the layout cannot fit."""
+    from rstar2_core.cluster.layout import LayoutError, compute_layout, driver_conflicts
+    from rstar2_core.config import ConfigError
+
+    try:
+        layout = compute_layout(cfg)
+    except LayoutError as e:
+        raise ConfigError(f"actor layout of profile {cfg.profile}: {e}") from None
+    problems = driver_conflicts(layout, cfg.cluster.resources.get("rl"))
+    if cfg.cluster.image:
+        problems += infra_problems(cfg)
+    return {"profile": cfg.profile, "image": cfg.cluster.image, "ray_address": cfg.cluster.ray_address,
+            "tracking_uri": cfg.resolved_tracking_uri(), "storage_root": cfg.resolved_storage_root(),
+            "dag": [asdict(t) for t in recipe_dag(cfg)], "layout": layout.to_json(),
+            "layout_summary": layout.describe(), "problems": problems}
+
+
+def _fmt_res(t: dict) -> str:
+    return f"{t['num_cpus']:g} CPU" + (f", {t['num_gpus']:g} GPU" if t["num_gpus"] else "")
+
+
+def render(plan: dict, cfg: Any) -> str:
+    lines = [f"profile {plan['profile']}: config valid", f"  image {plan['image'] or '(local processes)'}; "
+             f"ray {plan['ray_address'] or '(local Ray)'}; tracking {plan['tracking_uri']}; "
+             f"storage {plan['storage_root']}", "", "recipe DAG (task run name  [Ray resources]  <- depends on):"]
+    for t in plan["dag"]:
+        deps = f"  <- {', '.join(t['deps'])}" if t["deps"] else ""
+        lines.append(f"  {t['label']:<34} [{_fmt_res(t)}]{deps}")
+    lines += ["", "RL stage actor layout:"] + [f"  {s}" for s in plan["layout_summary"]]
+    ro = cfg.rollout
+    lines.append(f"  engines: {ro.engine}, weight sync {ro.weight_sync}; trainer: {cfg.rl.backend}"
+                 + (f" ZeRO-{cfg.rl.zero_stage}" if cfg.rl.backend == "deepspeed" else "")
+                 + f"; sandbox: {cfg.sandbox.backend}")
+    lines.append("")
+    if plan["problems"]:
+        lines.append(f"problems ({len(plan['problems'])}):")
+        lines += [f"  - {x}" for x in plan["problems"]]
+    else:
+        lines.append("no problems found" + ("; infra/ matches the profile" if plan["image"] else ""))
+    return "\n".join(lines)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    cfg = load(args)
+    plan = build_plan(cfg)
+    print(json.dumps(plan, indent=1) if args.json else render(plan, cfg))
+    return 1 if args.strict and plan["problems"] else 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="validate a profile and print the recipe DAG, resources and actor layout")
+    add_profile_args(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--strict", action="store_true", help="exit 1 when a problem is found")
+    p.set_defaults(func=_plan)

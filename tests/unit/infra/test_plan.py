@@ -1,0 +1,66 @@
+"""`rstar2 plan`: validates the profile, prints the recipe DAG with resources and the 64-GPU actor layout,
+matches the flow's task names, and fails fast on a layout that cannot fit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rstar2_cli.main import main
+from rstar2_core.config import load_config
+
+
+def _plan_json(capsys, *args: str) -> tuple[int, dict]:
+    rc = main(["plan", *args, "--json"])
+    return rc, json.loads(capsys.readouterr().out)
+
+
+def test_production_plan(capsys):
+    rc, plan = _plan_json(capsys, "--profile", "qwen3-14b-mi300x")
+    assert rc == 0
+    names = [t["name"] for t in plan["dag"]]
+    assert names == ["curate", "sft-data", "base-model", "sft", "eval-sft", "rl-stage-1", "eval-rl-stage-1",
+                     "rl-stage-2", "eval-rl-stage-2", "rl-stage-3-hard-subset", "rl-stage-3",
+                     "eval-rl-stage-3", "register"]
+    dag = {t["name"]: t for t in plan["dag"]}
+    assert dag["rl-stage-3"]["deps"] == ["rl-stage-2", "rl-stage-3-hard-subset"]
+    assert dag["register"]["deps"] == ["eval-sft", "eval-rl-stage-1", "eval-rl-stage-2", "eval-rl-stage-3"]
+    assert (dag["curate"]["num_cpus"], dag["sft"]["num_gpus"]) == (32.0, 8.0)
+    lay = plan["layout"]
+    assert lay["nodes"] * lay["gpus_per_node"] == 64 and len(lay["engines"]) == 32
+    assert len(lay["trainer_shards"]) == 64 and len(lay["placement_groups"]) == 8
+    assert plan["image"] == "ghcr.io/rstar2/rstar2-rocm:0.1.0"
+    assert len(plan["problems"]) == 1 and "cluster.resources.rl.num_gpus" in plan["problems"][0]
+
+
+def test_plan_labels_match_the_flow_run_names():
+    context = pytest.importorskip("tasks.context")
+    from rstar2_cli.plan import recipe_dag
+
+    cfg = load_config("qwen3-14b-mi300x")
+    labels = {t.name: t.label for t in recipe_dag(cfg)}
+    for i, st in enumerate(cfg.rl.stages):
+        assert labels[st.name] == context.stage_label(cfg, i)
+
+
+def test_strict_fails_on_problems_and_passes_when_fixed(capsys):
+    assert main(["plan", "--profile", "qwen3-14b-mi300x", "--strict"]) == 1
+    out = capsys.readouterr().out
+    assert "64 GPUs" in out and "rl-stage-2 (12K, 10 turns)" in out and "problems (1)" in out
+    assert main(["plan", "--profile", "qwen3-14b-mi300x", "--strict",
+                 "--set", "cluster.resources.rl.num_gpus=0"]) == 0
+    assert "infra/ matches the profile" in capsys.readouterr().out
+
+
+def test_layout_that_cannot_fit_exits_2_naming_the_field(capsys):
+    rc = main(["plan", "--profile", "qwen3-14b-mi300x", "--set", "rollout.num_engines=40"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "set rollout.num_engines = 32" in err
+
+
+def test_tiny_plan_has_no_infra_check(capsys):
+    rc, plan = _plan_json(capsys, "--profile", "tiny")
+    assert rc == 0 and plan["image"] is None and plan["problems"] == []
+    assert plan["layout"]["gpus_per_node"] == 0
