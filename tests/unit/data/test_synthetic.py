@@ -1,0 +1,95 @@
+"""Synthetic task: deterministic under seed, correct answers (reference code executed), disjoint held-out
+split with unseen phrasings, demonstrations built from real tool output with failing first calls."""
+
+import re
+from collections import Counter
+
+import pytest
+
+from rstar2_core.chat import ChatFormat, extract_answer, parse_tool_calls, render_tool_result
+from rstar2_core.chat.tool_calls import ToolCall
+from rstar2_core.config import SandboxConfig
+from rstar2_core.data.synthetic import (FAMILIES, SFT_PHRASINGS, broken_code, execute_requests, generate_problems,
+                                        reference_code, sft_demonstrations)
+from rstar2_core.models.tokenizer import bootstrap_tokenizer
+from rstar2_core.sandbox.types import ExecutionRequest, Status
+
+
+def _execute(reqs):
+    return execute_requests(reqs, SandboxConfig(timeout_s=10.0))
+
+
+def test_same_seed_same_problems_other_seed_differs():
+    a = generate_problems(3, 40, "rl")
+    assert a == generate_problems(3, 40, "rl")
+    assert [p.problem for p in a] != [p.problem for p in generate_problems(4, 40, "rl")]
+    assert len({p.problem for p in a}) == 40 and len({p.id for p in a}) == 40
+    assert Counter(p.family for p in a) == Counter({f.name: 40 // 7 + (i < 40 % 7) for i, f in enumerate(FAMILIES)})
+
+
+def test_answers_match_executed_reference_code():
+    probs = generate_problems(0, 2 * len(FAMILIES), "eval") + generate_problems(0, len(FAMILIES), "sft")
+    results = _execute([ExecutionRequest(code=reference_code(p), id=p.id) for p in probs])
+    for p, r in zip(probs, results):
+        assert r.status is Status.OK, (p, r)
+        assert r.stdout.strip() == p.answer, (p.problem, r.stdout, p.answer)
+        assert p.answer.lstrip("-").isdigit()
+
+
+def test_eval_split_is_held_out():
+    sft = generate_problems(0, 700, "sft")
+    rl = generate_problems(0, 700, "rl")
+    ev = generate_problems(0, 350, "eval")
+    key = lambda p: (p.family, p.params)  # noqa: E731
+    assert not {key(p) for p in ev} & ({key(p) for p in sft} | {key(p) for p in rl})
+    assert not {p.problem for p in ev} & {p.problem for p in sft + rl}
+    assert max(p.phrasing for p in sft) == SFT_PHRASINGS - 1
+    unseen = [p for p in ev if p.phrasing >= SFT_PHRASINGS]
+    assert 0.1 < len(unseen) / len(ev) < 0.5
+    assert any(p.phrasing >= SFT_PHRASINGS for p in rl)
+    with pytest.raises(ValueError, match="valid"):
+        generate_problems(0, 1, "test")
+
+
+def test_broken_code_fails_when_run():
+    import random
+
+    probs = generate_problems(1, 3 * len(FAMILIES), "sft")
+    rng = random.Random(0)
+    broken = [broken_code(reference_code(p), rng) for p in probs]
+    results = _execute([ExecutionRequest(code=c, id=str(i)) for i, c in enumerate(broken)])
+    assert all(r.status.is_failure for r in results), [(c, r.status) for c, r in zip(broken, results)]
+
+
+def test_demonstrations_use_real_tool_output_and_render():
+    rejected: dict[str, int] = {}
+    demos = sft_demonstrations(0, 14, 0.5, execute=_execute, render=render_tool_result, rejected=rejected)
+    assert len(demos) == 14 and not rejected
+    assert sum(d.failed_first for d in demos) == 7
+    chat = ChatFormat(bootstrap_tokenizer())
+    for d in demos:
+        texts = [t for t, _ in d.turns]
+        calls = [c for t in texts[:-1] for c in parse_tool_calls(t)]
+        assert all(isinstance(c, ToolCall) for c in calls) and len(calls) == 1 + d.failed_first
+        responses = [r for _, rs in d.turns[:-1] for r in rs]
+        assert responses[-1].splitlines()[0] == d.answer          # the executed program's stdout
+        if d.failed_first:
+            assert responses[0].startswith("Error") and "Error" in texts[1]
+        assert extract_answer(texts[-1]) == d.answer
+        ids, mask = chat.render_trajectory(d.problem, d.turn_lists())
+        assert len(ids) == len(mask) and 0 < sum(mask) < len(mask)
+    again = sft_demonstrations(0, 14, 0.5, execute=_execute, render=render_tool_result)
+    untimed = lambda ds: re.sub(r"execution time: [0-9.]+ s", "", repr(ds))  # noqa: E731  (wall time varies)
+    assert untimed(again) == untimed(demos)
+
+
+def test_wrong_reference_output_is_rejected_and_counted():
+    def off_by_one(reqs):
+        from dataclasses import replace
+
+        out = _execute(reqs)
+        return [replace(r, stdout=str(int(r.stdout) + 1) + "\n") if r.status is Status.OK else r for r in out]
+
+    rejected: dict[str, int] = {}
+    demos = sft_demonstrations(0, 7, 0.0, execute=off_by_one, render=render_tool_result, rejected=rejected)
+    assert demos == [] and rejected == {"reference_code_wrong": 7}
