@@ -38,7 +38,9 @@ LogMetrics = Callable[[dict[str, float], int], None]
 
 @dataclass(frozen=True)
 class EvalReport:
-    """Per-benchmark metrics and per-problem rows of one checkpoint, and where the report files are."""
+    """Per-benchmark metrics and per-problem rows of one checkpoint, and where the report files are.
+    JSON form (`to_json`, report.json): {"benchmarks": {name: BenchmarkMetrics fields}, "rows": {name:
+    [ProblemRow fields]}, "protocol", "checkpoint_url", "benchmark_digests", report URLs}."""
 
     checkpoint_url: str
     metrics: dict[str, BenchmarkMetrics]
@@ -54,7 +56,7 @@ class EvalReport:
         return {"checkpoint_url": self.checkpoint_url, "protocol": self.protocol, "out_url": self.out_url,
                 "report_url": self.report_url, "json_url": self.json_url, "plot_urls": list(self.plot_urls),
                 "benchmark_digests": self.benchmark_digests,
-                "metrics": {k: asdict(v) for k, v in self.metrics.items()},
+                "benchmarks": {k: asdict(v) for k, v in self.metrics.items()},
                 "rows": {k: [asdict(r) for r in v] for k, v in self.rows.items()}}
 
     @classmethod
@@ -62,7 +64,7 @@ class EvalReport:
         return cls(checkpoint_url=d["checkpoint_url"], protocol=d["protocol"], out_url=d.get("out_url"),
                    report_url=d.get("report_url"), json_url=d.get("json_url"),
                    plot_urls=tuple(d.get("plot_urls", ())), benchmark_digests=d.get("benchmark_digests", {}),
-                   metrics={k: BenchmarkMetrics(**v) for k, v in d["metrics"].items()},
+                   metrics={k: BenchmarkMetrics(**v) for k, v in d["benchmarks"].items()},
                    rows={k: tuple(ProblemRow(**r) for r in v) for k, v in d["rows"].items()})
 
     @classmethod

@@ -7,8 +7,9 @@ model once (`rstar2_core.models.load_model_and_tokenizer`) and wraps it in an `H
     with PolicySampler.open(cfg, url) as s:
         groups = s.sample(["What is 2+3?"], n=4, limits=RolloutLimits(4, 384, 0.6), seed=0)
 
-`groups[i]` holds the n trajectories of problem i (the rollout contract's order). A fresh sandbox is
-opened per `sample` call and closed before it returns.
+`groups[i]` holds the n trajectories of problem i (the rollout contract's order). The sampler owns
+one event loop for its whole life, so the engine's batching tasks and the sandbox (opened on the
+first `sample` call, closed by `close()`) live on the same loop across calls.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ class PolicySampler:
         self.chat = chat
         self.sandbox_cfg = sandbox_cfg
         self.scheduler = scheduler
+        self._loop = asyncio.new_event_loop()
+        self._sandbox: Any = None
 
     @classmethod
     def open(cls, cfg: Config, checkpoint_url: str) -> "PolicySampler":
@@ -42,22 +45,33 @@ class PolicySampler:
 
     def sample(self, problems: Sequence[str], n: int, limits: Any, seed: int) -> list[list[Any]]:
         """n trajectories per problem, in problem order (list[list[Trajectory]])."""
-        return asyncio.run(self._sample(list(problems), n, limits, seed))
+        return self._loop.run_until_complete(self._sample(list(problems), n, limits, seed))
 
     async def _sample(self, problems: list[str], n: int, limits: Any, seed: int) -> list[list[Any]]:
         from rstar2_core.rollout import rollout_groups
         from rstar2_core.sandbox import make_sandbox
 
-        async with make_sandbox(self.sandbox_cfg) as sandbox:
-            return await rollout_groups(self.engine, sandbox, self.chat, problems, n, limits, seed=seed,
-                                        scheduler=self.scheduler)
+        if self._sandbox is None:
+            sandbox = make_sandbox(self.sandbox_cfg)
+            await sandbox.__aenter__()
+            self._sandbox = sandbox
+        return await rollout_groups(self.engine, self._sandbox, self.chat, problems, n, limits, seed=seed,
+                                    scheduler=self.scheduler)
 
     def close(self) -> None:
-        close = getattr(self.engine, "close", None)
-        if close is not None:
-            res = close()
-            if asyncio.iscoroutine(res):
-                asyncio.run(res)
+        if self._loop.is_closed():
+            return
+        try:
+            if self._sandbox is not None:
+                self._loop.run_until_complete(self._sandbox.__aexit__(None, None, None))
+                self._sandbox = None
+            close = getattr(self.engine, "close", None)
+            if close is not None:
+                res = close()
+                if asyncio.iscoroutine(res):
+                    self._loop.run_until_complete(res)
+        finally:
+            self._loop.close()
 
     def __enter__(self) -> "PolicySampler":
         return self

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import re
 from dataclasses import dataclass
@@ -58,3 +59,57 @@ def exact_grader(items):
         else:
             out.append(Grade(float(m[-1] == gold), m[-1], "correct" if m[-1] == gold else "wrong"))
     return out
+
+
+def build_tokenizer():
+    """A small byte-level BPE tokenizer with the ChatML specials (any text encodes)."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from rstar2_core.chat.tokens import SPECIAL_TOKENS
+
+    corpus = [f"<reason>Compute {i} with the tool.</reason><answer>\\boxed{{{i}}}</answer>" for i in range(100)]
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(corpus, vocab_size=300, min_frequency=2, special_tokens=SPECIAL_TOKENS,
+                            show_progress=False)
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>")
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    return tok
+
+
+class KnownAccuracyEngine:
+    """An `Engine` that, per trajectory, first calls the Python tool once, then answers: correctly with
+    probability p, drawn from Random(seed of its first turn) (so the rollout seed decides). It finds the
+    problem (hence the gold answer) by decoding the prompt; the decision travels in the conversation (a
+    comment in the tool call). `decisions` records (problem, correct)."""
+
+    def __init__(self, tokenizer, gold: dict[str, str], p: float):
+        self.tok, self.gold, self.p = tokenizer, gold, p
+        self.decisions: list[tuple[str, bool]] = []
+
+    async def generate(self, prompt_ids, params):
+        from rstar2_core.chat.tokens import TOOL_NAME
+        from rstar2_core.rollout.types import GenerationOutput
+
+        text = self.tok.decode(prompt_ids)
+        problem = next(p for p in self.gold if p in text)
+        if "<tool_response>" not in text:
+            ok = random.Random(params.seed).random() < self.p
+            self.decisions.append((problem, ok))
+            code = f"print(6 * 7)  # {'right' if ok else 'wrong'}"
+            call = json.dumps({"name": TOOL_NAME, "arguments": {"code": code, "input": ""}})
+            out, stop = f"Let me check.\n<tool_call>\n{call}\n</tool_call>", "</tool_call>"
+        else:
+            ans = self.gold[problem] if "# right" in text else "-1"
+            out, stop = f"Done.</reason>\n<answer>\\boxed{{{ans}}}</answer>", "</answer>"
+        ids = self.tok.encode(out, add_special_tokens=False)
+        return GenerationOutput(tuple(ids), tuple(-0.1 for _ in ids), "stop", stop)
+
+    def kv_capacity_tokens(self):
+        return 1_000_000
+
+    def update_weights(self, weights):
+        pass
+
+    async def close(self):
+        pass
