@@ -31,7 +31,7 @@ def host_report(cfg: SandboxConfig) -> dict:
     listener.listen(1)
     port = listener.getsockname()[1]
     report: dict = {"python": sys.version.split()[0], "kernel": platform.release(), "euid": os.geteuid(),
-                    "cpus": default_workers(SandboxConfig()), "workers": default_workers(cfg)}
+                    "cpus": os.cpu_count(), "workers": default_workers(cfg)}
     try:
         with LocalSandbox(cfg.model_copy(update={"workers": 1})) as sb:
             report["templates"] = {k: {"features": v.get("features"), "preloaded": v.get("preloaded"),

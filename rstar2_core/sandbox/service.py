@@ -6,7 +6,7 @@ Design (measured in bench/sandbox.py, see docs/sandbox.md):
 - Two kinds of template (`template.py`): *light* preloads only the standard-library part of
   `cfg.preload`; *heavy* preloads all of it (sympy, numpy). A fork costs about twice as much from the
   heavy one, so code is routed by a word match on `cfg.heavy_modules` (`import sympy` -> heavy).
-- At most `workers` calls run at once on this host (0 = one per CPU core); more wait in a FIFO queue.
+- At most `workers` calls run at once on this host (0 = two per CPU core); more wait in a FIFO queue.
   Each kind has ceil(workers / 4) templates (a template forks serially; more than one keeps forks
   from being the bottleneck on big hosts); a call goes to the least-loaded one.
 - One dispatcher thread owns the template pipes (non-blocking, length-prefixed pickles), so the
@@ -61,9 +61,9 @@ def default_workers(cfg: SandboxConfig) -> int:
     if cfg.workers:
         return cfg.workers
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        return 2 * max(1, len(os.sched_getaffinity(0)))
     except AttributeError:
-        return max(1, os.cpu_count() or 1)
+        return 2 * max(1, os.cpu_count() or 1)
 
 
 def _result(req_id: str, status: Status, stderr: str = "", duration_s: float = 0.0) -> ExecutionResult:
@@ -121,7 +121,8 @@ class _Dispatcher:
         self.templates: dict[str, list[_Template]] = {}
         self.quick_deaths: collections.Counter = collections.Counter()
         self.failed_kinds: dict[str, str] = {}
-        self.workdir = tempfile.mkdtemp(prefix="rstar2-sbx-")
+        _remove_stale_workdirs()
+        self.workdir = tempfile.mkdtemp(prefix=f"rstar2-sbx-{os.getpid()}-")
         os.chmod(self.workdir, 0o711)   # per-call uids may enter their own directory, not list others
         self.inflight = 0
         self.stopping = False
@@ -366,6 +367,15 @@ class _Dispatcher:
         for fd in (self.wake_r, self.wake_w):
             os.close(fd)
         shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def _remove_stale_workdirs() -> None:
+    """Work directories of services whose process is gone (killed before close(), e.g. by ray.kill)."""
+    root = Path(tempfile.gettempdir())
+    for d in root.glob("rstar2-sbx-*-*"):
+        pid = d.name.split("-")[2]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(d, ignore_errors=True)
 
 
 class LocalSandbox:

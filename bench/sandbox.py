@@ -1,0 +1,169 @@
+"""Benchmark of the Python tool service against the naive baseline, measured side by side in one run.
+
+Workloads (issue 4): A trivial `print(sum(range(1000)))`; B realistic math
+`import sympy; print(sympy.factorint(2**64+1))`; C adversarial mix (10% infinite loops, 5% 2 GB
+allocations, 5% 10 MB prints, the rest trivial). Each at 1, 64 and 256 calls in flight, for
+- ours: `LocalSandbox` (default config; `--workers`), through its async API;
+- naive: `subprocess.run([sys.executable, "-c", code], timeout=...)` from a thread pool of 8.
+Latency is per call from submission to result (queueing included), for both.
+For C the naive baseline's programs get `resource.setrlimit(RLIMIT_AS, memory)` prepended so that
+its 2 GB allocations do not take memory from the other users of a shared machine.
+
+Run:  python bench/sandbox.py [--quick] [--json] [--workers N]
+`--quick` (~1 minute) uses fewer calls and a 1 s timeout on workload C (4 s elsewhere, for both); `--json` prints one JSON object as the
+last line: {"ours": {"A": {"1": {"calls_per_s", "p50_ms", "p99_ms"}, "64": ..., "256": ...}, "B": ..., "C": ...},
+"naive": {...}, "ratio_A": .., "ratio_B": .., "C_all_answered": .., "service_alive": .., ...}
+with ratio_X = ours/naive calls per second on workload X at concurrency 64.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import concurrent.futures
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rstar2_core.config import SandboxConfig  # noqa: E402
+from rstar2_core.sandbox import ExecutionRequest, LocalSandbox, Status  # noqa: E402
+
+TRIVIAL = "print(sum(range(1000)))"
+SYMPY = "import sympy; print(sympy.factorint(2**64+1))"
+LOOP = "while True: pass"
+ALLOC = "x = bytearray(2 * 1024**3)"
+PRINT = "print('x' * 10_000_000)"
+CONCURRENCY = (1, 64, 256)
+
+
+def workload(name: str, n: int, seed: int = 0) -> list[str]:
+    if name == "A":
+        return [TRIVIAL] * n
+    if name == "B":
+        return [SYMPY] * n
+    rng = random.Random(seed)   # C: exact shares, shuffled
+    k_loop, k_alloc, k_print = round(0.10 * n), round(0.05 * n), round(0.05 * n)
+    codes = [LOOP] * k_loop + [ALLOC] * k_alloc + [PRINT] * k_print
+    codes += [TRIVIAL] * (n - len(codes))
+    rng.shuffle(codes)
+    return codes
+
+
+async def drive(call, codes: list[str], conc: int) -> tuple[dict, collections.Counter]:
+    sem = asyncio.Semaphore(conc)
+    lat: list[float] = []
+    statuses: collections.Counter = collections.Counter()
+
+    async def one(code: str) -> None:
+        async with sem:
+            t = time.perf_counter()
+            status = await call(code)
+            lat.append(time.perf_counter() - t)
+            statuses[status] += 1
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one(c) for c in codes))
+    wall = time.perf_counter() - t0
+    lat.sort()
+    return ({"calls_per_s": round(len(codes) / wall, 2), "p50_ms": round(1e3 * lat[len(lat) // 2], 2),
+             "p99_ms": round(1e3 * lat[min(len(lat) - 1, int(0.99 * len(lat)))], 2), "n": len(codes),
+             "wall_s": round(wall, 2)}, statuses)
+
+
+def ours_caller(sb: LocalSandbox):
+    async def call(code: str) -> str:
+        return (await sb.run(ExecutionRequest(code=code))).status.value
+    return call
+
+
+def naive_caller(pool: concurrent.futures.ThreadPoolExecutor, timeout_s: float, memory_mb: int | None):
+    prefix = (f"import resource; resource.setrlimit(resource.RLIMIT_AS, ({memory_mb << 20}, {memory_mb << 20}))\n"
+              if memory_mb else "")
+
+    def blocking(code: str) -> str:
+        try:
+            p = subprocess.run([sys.executable, "-c", prefix + code], timeout=timeout_s, capture_output=True)
+        except subprocess.TimeoutExpired:
+            return "timeout"
+        return "ok" if p.returncode == 0 else "error"
+
+    async def call(code: str) -> str:
+        return await asyncio.get_running_loop().run_in_executor(pool, blocking, code)
+    return call
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="about a minute: fewer calls, 1 s timeout on C")
+    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    ap.add_argument("--workers", type=int, default=0, help="our concurrent calls (0 = the config default)")
+    ap.add_argument("--c-timeout-s", type=float, default=None, help="per-call timeout on C for both (default 4, quick 1)")
+    args = ap.parse_args()
+    timeouts = {"A": 4.0, "B": 4.0, "C": args.c_timeout_s or (1.0 if args.quick else 4.0)}
+    scale = 1 if args.quick else 4
+    n_ours = {"A": 300 * scale, "B": 60 * scale, "C": 40 * scale}
+    n_naive = {"A": 80 * scale, "B": 12 * scale, "C": 40 * scale}
+    cfgs = {w: SandboxConfig(workers=args.workers, timeout_s=timeouts[w]) for w in "ABC"}
+    out: dict = {"ours": {}, "naive": {}, "statuses": {"ours": {}, "naive": {}}}
+    t_start = time.perf_counter()
+    total = 2 * 3 * len(CONCURRENCY)
+    done = 0
+
+    def progress(who: str, w: str, c: int, fig: dict) -> None:
+        nonlocal done
+        done += 1
+        el = time.perf_counter() - t_start
+        eta = el / done * (total - done)
+        print(f"[{done:2d}/{total}] {who:5s} {w} c={c:<3d} {fig['calls_per_s']:9.1f} calls/s  p50 {fig['p50_ms']:8.1f} ms"
+              f"  p99 {fig['p99_ms']:8.1f} ms  (n={fig['n']}, {el:.0f}s elapsed, ETA {eta:.0f}s)", flush=True)
+
+    with LocalSandbox(cfgs["A"]) as sb, LocalSandbox(cfgs["C"]) as sb_c:
+        asyncio.run(drive(ours_caller(sb), [TRIVIAL] * 20 + [SYMPY] * 4, 2))  # warm-up
+        pids = {t.proc.pid for ts in sb_c._d.templates.values() for t in ts}
+        for w in "ABC":
+            box = sb_c if w == "C" else sb
+            out["ours"][w], out["statuses"]["ours"][w] = {}, {}
+            for c in CONCURRENCY:
+                fig, st = asyncio.run(drive(ours_caller(box), workload(w, n_ours[w]), c))
+                out["ours"][w][str(c)], out["statuses"]["ours"][w][str(c)] = fig, dict(st)
+                progress("ours", w, c, fig)
+        alive = sb_c.run_sync(ExecutionRequest(code=TRIVIAL)).status is Status.OK
+        restarted = pids != {t.proc.pid for ts in sb_c._d.templates.values() for t in ts}
+        out["sandbox_stats"] = sb.stats()
+        out["workers"] = sb.workers
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        for w in "ABC":
+            out["naive"][w], out["statuses"]["naive"][w] = {}, {}
+            call = naive_caller(pool, timeouts[w], cfgs[w].memory_mb if w == "C" else None)
+            for c in CONCURRENCY:
+                fig, st = asyncio.run(drive(call, workload(w, n_naive[w]), c))
+                out["naive"][w][str(c)], out["statuses"]["naive"][w][str(c)] = fig, dict(st)
+                progress("naive", w, c, fig)
+    for w in "AB":
+        out[f"ratio_{w}"] = round(out["ours"][w]["64"]["calls_per_s"] / out["naive"][w]["64"]["calls_per_s"], 2)
+    c_counts = out["statuses"]["ours"]["C"]
+    out["C_all_answered"] = all(sum(v.values()) == n_ours["C"] and "internal" not in v for v in c_counts.values())
+    out["service_alive"] = alive
+    out["template_restarted"] = restarted
+    out["machine"] = f"{platform.node()} {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}"
+    out["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    out["timeout_s"] = timeouts
+    a1, a256 = out["ours"]["A"]["1"], out["ours"]["A"]["256"]
+    print(f"\nratio_A {out['ratio_A']} (target >= 5), ratio_B {out['ratio_B']} (target >= 20), "
+          f"A p50 at c=1 {a1['p50_ms']} ms (target <= 5), A p99 at c=256 {a256['p99_ms']} ms (target <= 500), "
+          f"C all answered {out['C_all_answered']}, service alive {alive}; {out['machine']}")
+    if args.json:
+        print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,213 @@
+"""The sandbox spread over a Ray cluster: one `SandboxActor` per node (or `cfg.ray_actors_per_node`),
+each running a `LocalSandbox` on that node's CPUs, behind the same async API as the local service
+(`await pool.run(req)`, `await pool.run_batch(reqs)`, `run_sync`, `close()`).
+
+- Backpressure: at most `max_inflight_per_actor` requests are outstanding on an actor (default
+  4 x its workers); callers beyond that wait, so a burst of 45K tool calls queues in the caller, not in
+  the object store.
+- Health: `await pool.health()` pings every actor; an actor that died (or fails a call with
+  RayActorError) is replaced on the same node and the requests it held are answered `internal`.
+- Grading can run on the same actors (`await pool.grade_many(items)`), as the paper offloads
+  verification to the environment: each actor keeps a `rstar2_core.reward.GraderPool` (hard timeouts).
+
+Run: `ray.init(...)` (or a cluster address) first, then `make_sandbox(cfg.sandbox)` with
+`backend = "ray"`. Tests: tests/unit/sandbox/test_ray_pool.py (local Ray, marked slow).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from rstar2_core.config import SandboxConfig
+from rstar2_core.sandbox.service import validate
+from rstar2_core.sandbox.types import ExecutionRequest, ExecutionResult, Status
+
+_WAIT_S = 0.002   # how often a caller held back by backpressure looks for room again
+
+
+@ray.remote
+class SandboxActor:
+    """A LocalSandbox on one node; async methods, so one actor serves many calls at once."""
+
+    def __init__(self, cfg: dict, workers: int):
+        from rstar2_core.sandbox.service import LocalSandbox
+
+        self.cfg = SandboxConfig.model_validate({**cfg, "workers": workers, "backend": "local"})
+        self.sb = LocalSandbox(self.cfg).start()
+        self.graders = None
+
+    async def run_batch(self, reqs: list[ExecutionRequest]) -> list[ExecutionResult]:
+        return await self.sb.run_batch(reqs)
+
+    def ping(self) -> dict:
+        return {"node_id": ray.get_runtime_context().get_node_id(), "workers": self.sb.workers,
+                "stats": self.sb.stats()}
+
+    def grade_many(self, items: list[tuple[str, str]]) -> list:
+        from rstar2_core.reward import GraderPool
+
+        if self.graders is None:
+            self.graders = GraderPool(workers=max(1, self.sb.workers // 2)).__enter__()
+        return self.graders.grade_many(items)
+
+    def close(self) -> None:
+        if self.graders is not None:
+            self.graders.__exit__(None, None, None)
+            self.graders = None
+        self.sb.close()
+
+
+class _Slot:
+    __slots__ = ("node_id", "workers", "actor", "inflight", "generation")
+
+    def __init__(self, node_id: str, workers: int):
+        self.node_id, self.workers = node_id, workers
+        self.actor = None
+        self.inflight = 0
+        self.generation = 0
+
+
+class RaySandboxPool:
+    """Sandbox actors over every alive Ray node with CPUs."""
+
+    def __init__(self, cfg: SandboxConfig, max_inflight_per_actor: int = 0, chunk: int = 16):
+        if not ray.is_initialized():
+            raise RuntimeError("RaySandboxPool needs Ray: call ray.init() (or ray.init(address=...)) first, "
+                               "or use sandbox.backend = 'local'")
+        self.cfg, self.chunk = cfg, max(1, chunk)
+        self._cfg_dict = cfg.model_dump()
+        self.slots: list[_Slot] = []
+        per_node = cfg.ray_actors_per_node or 1
+        for node in ray.nodes():
+            cpus = int(node.get("Resources", {}).get("CPU", 0))
+            if not node.get("Alive") or cpus <= 0:
+                continue
+            workers = cfg.workers or max(1, 2 * cpus // per_node)
+            self.slots += [_Slot(node["NodeID"], workers) for _ in range(per_node)]
+        if not self.slots:
+            raise RuntimeError("no alive Ray node with CPUs: nothing to run the sandbox on")
+        for s in self.slots:
+            self._start(s)
+        self.max_inflight = {id(s): max_inflight_per_actor or 4 * s.workers for s in self.slots}
+        self.peak_inflight = 0
+        self.replacements = 0
+        self._closed = False
+
+    def _start(self, s: _Slot) -> None:
+        s.actor = SandboxActor.options(
+            num_cpus=1, max_concurrency=1000,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(s.node_id, soft=False),
+        ).remote(self._cfg_dict, s.workers)
+        s.generation += 1
+
+    def _replace(self, s: _Slot, generation: int) -> None:
+        if s.generation != generation or self._closed:
+            return  # another caller already replaced it
+        try:
+            ray.kill(s.actor)
+        except Exception:  # noqa: BLE001 - it is dead already
+            pass
+        self.replacements += 1
+        self._start(s)
+
+    # -- lifecycle
+    async def __aenter__(self) -> "RaySandboxPool":
+        await self.health()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        refs = [s.actor.close.remote() for s in self.slots]
+        try:
+            ray.get(refs, timeout=30)
+        except (RayActorError, GetTimeoutError):
+            pass
+        for s in self.slots:
+            ray.kill(s.actor)
+
+    async def health(self, timeout_s: float = 30.0) -> list[dict]:
+        """Ping every actor; replace those that are dead or do not answer in `timeout_s`."""
+        out = []
+        for s in self.slots:
+            gen = s.generation
+            try:
+                info = await asyncio.wait_for(s.actor.ping.remote(), timeout_s)
+                out.append({**info, "healthy": True})
+            except (RayActorError, asyncio.TimeoutError) as e:
+                out.append({"node_id": s.node_id, "healthy": False, "error": type(e).__name__})
+                self._replace(s, gen)
+        return out
+
+    # -- calls
+    async def _acquire(self, n: int) -> _Slot:
+        while True:
+            if self._closed:
+                raise RuntimeError("this sandbox pool was closed")
+            s = min(self.slots, key=lambda x: x.inflight / self.max_inflight[id(x)])
+            if s.inflight == 0 or s.inflight + n <= self.max_inflight[id(s)]:
+                s.inflight += n
+                self.peak_inflight = max(self.peak_inflight, s.inflight)
+                return s
+            await asyncio.sleep(_WAIT_S)
+
+    async def _run_chunk(self, reqs: list[ExecutionRequest]) -> list[ExecutionResult]:
+        s = await self._acquire(len(reqs))
+        gen = s.generation
+        try:
+            return await s.actor.run_batch.remote(reqs)
+        except (RayActorError, RayTaskError) as e:
+            if isinstance(e, RayActorError):
+                self._replace(s, gen)
+            why = f"sandbox actor on node {s.node_id[:8]} failed: {type(e).__name__}"
+            return [ExecutionResult(id=r.id, status=Status.INTERNAL, stdout="", stderr=why, exit_code=None,
+                                    duration_s=0.0, truncated=False) for r in reqs]
+        finally:
+            s.inflight -= len(reqs)
+
+    async def run_batch(self, reqs: list[ExecutionRequest]) -> list[ExecutionResult]:
+        results: list[ExecutionResult | None] = [None] * len(reqs)
+        todo = []
+        for i, r in enumerate(reqs):
+            why = validate(r)
+            if why is None:
+                todo.append(i)
+            else:
+                results[i] = ExecutionResult(id=getattr(r, "id", "") if isinstance(getattr(r, "id", ""), str) else "",
+                                             status=Status.INVALID_REQUEST, stdout="", stderr=why, exit_code=None,
+                                             duration_s=0.0, truncated=False)
+        size = max(1, min(self.chunk, math.ceil(len(todo) / max(1, len(self.slots)))))
+        parts = [todo[i:i + size] for i in range(0, len(todo), size)]
+        answers = await asyncio.gather(*(self._run_chunk([reqs[i] for i in p]) for p in parts))
+        for p, ans in zip(parts, answers):
+            for i, res in zip(p, ans):
+                results[i] = res
+        return results  # type: ignore[return-value]
+
+    async def run(self, req: ExecutionRequest) -> ExecutionResult:
+        return (await self.run_batch([req]))[0]
+
+    def run_sync(self, req: ExecutionRequest) -> ExecutionResult:
+        return asyncio.run(self.run(req))
+
+    async def grade_many(self, items: list[tuple[str, str]]) -> list:
+        """Grade (response_text, gold) pairs on the actors; results in order (rstar2_core.reward.GradeResult)."""
+        if not items:
+            return []
+        size = math.ceil(len(items) / len(self.slots))
+        parts = [items[i:i + size] for i in range(0, len(items), size)]
+        out = await asyncio.gather(*(s.actor.grade_many.remote(p) for s, p in zip(self.slots, parts)))
+        return [g for part in out for g in part]
+
+    def stats(self) -> dict[str, float]:
+        return {"sandbox/actors": float(len(self.slots)), "sandbox/actor_replacements": float(self.replacements),
+                "sandbox/peak_inflight_per_actor": float(self.peak_inflight)}

@@ -1,0 +1,70 @@
+"""The Ray actor pool: same answers as the local service, bounded in-flight per actor, a dead actor
+replaced with its calls answered `internal`, grading on the actors. Local Ray, 2 CPUs (slow)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from rstar2_core.config import SandboxConfig
+from rstar2_core.sandbox import ExecutionRequest, Status
+
+pytestmark = pytest.mark.slow
+
+
+def small_cfg(**kw) -> SandboxConfig:
+    return SandboxConfig(**{"workers": 2, "timeout_s": 2.0, "cpu_time_s": 4.0, "memory_mb": 256, **kw})
+
+
+@pytest.fixture(scope="module")
+def pool():
+    ray = pytest.importorskip("ray")
+    started = False
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
+                 object_store_memory=100 * 1024 * 1024, _node_ip_address="127.0.0.1",
+                 _temp_dir=f"/tmp/rstar2-ray-sbx-{os.getuid()}")
+        started = True
+    from rstar2_core.cluster.sandbox_pool import RaySandboxPool
+
+    p = RaySandboxPool(small_cfg(preload=["math"], backend="ray"), max_inflight_per_actor=3, chunk=2)
+    yield p
+    p.close()
+    if started:
+        ray.shutdown()
+
+
+def test_pool_answers_in_order_with_backpressure(pool):
+    reqs = [ExecutionRequest(code=f"import time; time.sleep(0.05); print({i})", id=str(i)) for i in range(12)]
+    reqs.append(ExecutionRequest(code=None, id="bad"))  # type: ignore[arg-type]
+    res = asyncio.run(pool.run_batch(reqs))
+    assert [r.id for r in res] == [str(i) for i in range(12)] + ["bad"]
+    assert [r.stdout for r in res[:12]] == [f"{i}\n" for i in range(12)]
+    assert res[-1].status is Status.INVALID_REQUEST
+    assert 0 < pool.peak_inflight <= 3
+    assert pool.run_sync(ExecutionRequest(code="1 + 1")).stdout == "2\n"
+
+
+def test_dead_actor_is_replaced_and_its_calls_are_internal(pool):
+    import ray
+
+    async def go():
+        task = asyncio.ensure_future(pool.run(ExecutionRequest(code="import time; time.sleep(1.5)", id="slow")))
+        await asyncio.sleep(0.7)
+        ray.kill(pool.slots[0].actor)
+        return await task
+
+    res = asyncio.run(go())
+    assert res.status is Status.INTERNAL and res.id == "slow"
+    assert pool.replacements == 1
+    health = asyncio.run(pool.health())
+    assert all(h["healthy"] for h in health)
+    assert pool.run_sync(ExecutionRequest(code="print('back')")).stdout == "back\n"
+
+
+def test_grading_runs_on_the_actors(pool):
+    pytest.importorskip("rstar2_core.reward")
+    out = asyncio.run(pool.grade_many([("<answer>\\boxed{42}</answer>", "42"), ("<answer>\\boxed{41}</answer>", "42")]))
+    assert [g.reward for g in out] == [1.0, 0.0]
