@@ -138,7 +138,8 @@ class SandboxConfig(_Section):
     backend: Literal["local", "ray"] = "local"
     """`local`: forked workers on this host. `ray`: an actor pool over every node's CPUs."""
     workers: int = Field(0, ge=0)
-    """Concurrent executions per host; 0 = one per CPU core."""
+    """Concurrent executions per host; 0 = two per CPU core (a call waits on pipes and forks between
+    its CPU bursts; one per core left cores idle in bench/sandbox.py)."""
     timeout_s: float = Field(4.0, gt=0)
     """Wall-clock limit per call; the whole process tree is killed. Default 4 s."""
     cpu_time_s: float = Field(8.0, gt=0)
