@@ -367,6 +367,9 @@ class EvalConfig(_Section):
     """Nightly eval fails when pass@1 drops by more than this against the previous nightly."""
     grader_timeout_s: float = Field(5.0, gt=0)
     """Hard per-item timeout of the answer grader; a timeout scores 0 (`grader_timeout`)."""
+    sample_text_chars: int = Field(4000, ge=0)
+    """Characters of each sampled response kept in the report's samples/<benchmark>.jsonl (first and
+    last halves; 0 = no text). Full 30K-token responses x 16 x 500 problems would be ~1 GB."""
 
     @model_validator(mode="after")
     def _primary_exists(self) -> "EvalConfig":
