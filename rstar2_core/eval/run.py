@@ -83,8 +83,17 @@ def protocol_of(cfg: Config, k: int | None = None) -> dict:
             "max_tokens": e.max_tokens, "seed": e.seed}
 
 
+def clip_text(text: str, max_chars: int) -> str:
+    """First and last max_chars/2 characters of `text` with a marker between (text itself if short)."""
+    if len(text) <= max_chars:
+        return text
+    half = max_chars // 2
+    return text[:half] + f"\n...[{len(text) - 2 * half} chars omitted]...\n" + text[len(text) - half:] if half else ""
+
+
 def evaluate_benchmark(bench: Benchmark, sampler: Any, grade_math: Callable, *, k: int, limits: Any, seed: int,
-                       progress: bool = True) -> tuple[BenchmarkMetrics, tuple[ProblemRow, ...], list[dict]]:
+                       progress: bool = True, text_chars: int = 4000
+                       ) -> tuple[BenchmarkMetrics, tuple[ProblemRow, ...], list[dict]]:
     """Sample k trajectories per problem, grade, aggregate. Returns metrics, rows and sample records."""
     rows: list[ProblemRow] = []
     all_trajs: list[list[Any]] = []
@@ -109,7 +118,7 @@ def evaluate_benchmark(bench: Benchmark, sampler: Any, grade_math: Callable, *, 
             samples.extend({"id": p.id, "sample": j, "reward": r.reward, "extracted": r.extracted,
                             "reason": r.reason, "finish": t.finish, "truncated": t.truncated,
                             "response_tokens": len(t.response_ids), "tool_calls": t.n_tool_calls,
-                            "response_text": t.response_text} for j, (t, r) in enumerate(zip(g, gs)))
+                            "response_text": clip_text(t.response_text, text_chars)} for j, (t, r) in enumerate(zip(g, gs)))
         bar.update(len(chunk))
         if progress and rows:
             bar.set_postfix(pass1=f"{sum(r.pass1 for r in rows) / len(rows):.3f}")
@@ -151,7 +160,7 @@ def evaluate(cfg: Config, *, checkpoint_url: str, out_url: str, benchmarks: Sequ
     try:
         for b in benches:
             m, r, s = evaluate_benchmark(b, sampler, grade_math, k=k, limits=limits, seed=cfg.eval.seed,
-                                         progress=progress)
+                                         progress=progress, text_chars=cfg.eval.sample_text_chars)
             metrics[b.name], rows[b.name], samples[b.name] = m, r, s
             if log_metrics is not None:
                 log_metrics(m.as_metrics(), step)

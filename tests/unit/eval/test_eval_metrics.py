@@ -60,3 +60,12 @@ def test_problem_rows_and_aggregate():
 def test_problem_row_needs_matching_grades():
     with pytest.raises(ValueError):
         problem_row("p", "1", [traj("a")], [], k=1)
+
+
+def test_sample_text_is_clipped_head_and_tail():
+    from rstar2_core.eval.run import clip_text
+
+    assert clip_text("abcdef", 6) == "abcdef"
+    out = clip_text("a" * 50 + "b" * 50, 10)
+    assert out.startswith("aaaaa\n") and out.endswith("\nbbbbb") and "[90 chars omitted]" in out
+    assert clip_text("abc", 0) == ""
