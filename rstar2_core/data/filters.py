@@ -4,8 +4,9 @@
 - `integer_answers`: labels must normalise to an integer with at most `max_digits` digits (RECIPE.md:
   verifiers cannot reliably match symbolic forms; huge answers time out the verifier).
 - `exact_duplicates`: same normalised text (see `normalize.problem_key`).
-- `near_duplicates`: MinHash over word 5-shingles + LSH (`datasketch`), confirmed by the MinHash
-  Jaccard estimate >= threshold, so an LSH false positive never drops a problem.
+- `near_duplicates`: MinHash over word 5-shingles + LSH (`datasketch`) proposes candidates (tuned
+  0.15 below the threshold), the exact Jaccard of the shingle sets decides: no false drops, and
+  bench/curation.py measures the recall against the exact pairwise baseline.
 - `decontaminate`: drop a problem sharing a word n-gram (paper: 8) with any evaluation benchmark;
   the reason names the benchmark. Departure: benchmarks listed in `exact_only` (the synthetic
   held-out set, whose problems are templates by design and share every 8-gram of template text with
@@ -24,6 +25,7 @@ from rstar2_core.data.normalize import integer_answer, ngrams, problem_key, word
 from rstar2_core.data.sources import Candidate
 
 SHINGLE_WORDS = 5
+CANDIDATE_SLACK = 0.15  # LSH proposes pairs from this much below the threshold; exact Jaccard decides
 
 
 def integer_answers(cands: Sequence[Candidate], max_digits: int) -> tuple[list[Candidate], Counter]:
@@ -50,32 +52,39 @@ def exact_duplicates(cands: Sequence[Candidate]) -> tuple[list[Candidate], Count
     return kept, dropped
 
 
-def minhash(text: str, num_perm: int):
+def shingles(text: str) -> set[str]:
+    """Word 5-shingles of the normalised text (the whole text when shorter)."""
+    return {" ".join(g) for g in ngrams(words(text), SHINGLE_WORDS)} or {""}
+
+
+def minhash(sh: set[str], num_perm: int):
     from datasketch import MinHash
 
-    toks = words(text)
-    shingles = {" ".join(g) for g in ngrams(toks, SHINGLE_WORDS)} or {""}
     m = MinHash(num_perm=num_perm, seed=1)
-    m.update_batch([s.encode("utf-8") for s in sorted(shingles)])
+    m.update_batch([s.encode("utf-8") for s in sorted(sh)])
     return m
 
 
 def near_duplicates(cands: Sequence[Candidate], threshold: float, num_perm: int,
                     progress: bool = False) -> tuple[list[Candidate], Counter]:
-    """Keep a problem unless an earlier kept one has estimated Jaccard >= threshold (word 5-shingles)."""
+    """Keep a problem unless an earlier kept one has exact Jaccard >= threshold over word 5-shingles.
+    LSH (tuned to `threshold - CANDIDATE_SLACK`) proposes candidates; the exact Jaccard of the shingle
+    sets decides, so MinHash estimation error never drops a problem below the threshold and rarely
+    misses one above it."""
     from datasketch import MinHashLSH
 
-    lsh = MinHashLSH(threshold=threshold, num_perm=num_perm)
-    sigs: dict[str, object] = {}
+    lsh = MinHashLSH(threshold=max(0.05, threshold - CANDIDATE_SLACK), num_perm=num_perm)
+    kept_sh: dict[str, set[str]] = {}
     kept, dropped = [], Counter()
     for i, c in enumerate(tqdm(cands, desc="near-duplicates", unit="problem", disable=not progress)):
-        m = minhash(c.problem, num_perm)
-        if any(m.jaccard(sigs[k]) >= threshold for k in lsh.query(m)):
+        sh = shingles(c.problem)
+        m = minhash(sh, num_perm)
+        if any(len(sh & kept_sh[k]) >= threshold * len(sh | kept_sh[k]) for k in lsh.query(m)):
             dropped["duplicate_near"] += 1
             continue
         key = str(i)
         lsh.insert(key, m)
-        sigs[key] = m
+        kept_sh[key] = sh
         kept.append(c)
     return kept, dropped
 
