@@ -80,3 +80,12 @@ def test_bad_request_objects_are_answered_invalid(sb):
     assert r.status is Status.INVALID_REQUEST and "code" in r.stderr and r.id == "x"
     r = sb.run_sync({"code": "print(1)"})  # type: ignore[arg-type]
     assert r.status is Status.INVALID_REQUEST and "ExecutionRequest" in r.stderr
+
+
+def test_lone_surrogates_in_code_or_stdin_do_not_break_the_service(sb):
+    r = run(sb, "import sys; print(repr(sys.stdin.read()))", stdin="a\ud800b")
+    assert r.status is Status.OK and r.stdout.startswith("'a") and "b'" in r.stdout
+    r = run(sb, "print('\ud800')")
+    assert r.status in (Status.ERROR, Status.OK)
+    assert run(sb, "print('still fine')").stdout == "still fine\n"
+    assert sb.stats().get("sandbox/template_deaths", 0) == 0
