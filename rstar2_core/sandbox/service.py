@@ -27,6 +27,7 @@ import collections
 import concurrent.futures
 import itertools
 import json
+import logging
 import math
 import os
 import pickle
@@ -48,6 +49,7 @@ from rstar2_core.config import SandboxConfig
 from rstar2_core.sandbox.types import ExecutionRequest, ExecutionResult, Status
 
 TEMPLATE_PATH = str(Path(__file__).with_name("template.py"))
+log = logging.getLogger("rstar2.sandbox")
 HUNG_GRACE_S = 10.0        # a template silent this long past a call's timeout is declared hung
 START_TIMEOUT_S = 120.0
 MAX_QUICK_RESTARTS = 5     # consecutive template deaths before hello: give up on that kind
@@ -407,6 +409,10 @@ class LocalSandbox:
                 self._closed = True
                 raise SandboxError(d.start_error + "; run `rstar2 sandbox doctor` to see what this host allows")
             self._d = d
+            f = next(iter(d.templates.values()))[0].hello["features"]
+            log.info("sandbox up: %d workers, templates %s; netns=%s pidns=%s per-call uid=%s%s", self.workers,
+                     "+".join(d.templates), f["netns"], f["pidns"], f["uid_drop"],
+                     "".join(f"; {n}" for n in f["notes"]))
             return self
 
     def close(self) -> None:
