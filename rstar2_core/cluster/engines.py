@@ -230,11 +230,15 @@ def _nbytes(state: dict[str, Any]) -> int:
     return int(sum(t.numel() * t.element_size() for t in state.values() if hasattr(t, "element_size")))
 
 
-def sync_weights(engines: list[RemoteEngine], weights: dict[str, Any] | str,
+def sync_weights(engines: list[RemoteEngine], weights: Any,
                  mode: Literal["state_dict", "checkpoint"] = "state_dict") -> WeightSyncReport:
-    """Push new weights to every engine and wait (no request may be in flight). `weights` is a CPU state
-    dict (mode state_dict) or a complete checkpoint URI (mode checkpoint)."""
-    if mode == "state_dict":
+    """Push new weights to every engine and wait (no request may be in flight). `weights` is, for mode
+    state_dict, a CPU state dict or `(ObjectRef, bytes)` from `TrainerGroup.weights_ref()`; for mode
+    checkpoint, the URI of a complete checkpoint."""
+    if mode == "state_dict" and isinstance(weights, tuple) and len(weights) == 2 \
+            and isinstance(weights[0], ray.ObjectRef):
+        payload, size = weights
+    elif mode == "state_dict":
         if not isinstance(weights, dict):
             raise ValueError("rollout.weight_sync = \"state_dict\" needs a state dict; pass backend.model's "
                              "state_dict() (CPU tensors) or use weight_sync = \"checkpoint\" with a URI")
