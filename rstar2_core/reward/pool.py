@@ -27,7 +27,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Self
 
@@ -71,6 +71,8 @@ def _worker_main(fd: int) -> None:
         conn.send(("result", idx, result))
 
 
+_PREFETCH = 4                  # items sent ahead to one worker
+_MAX_QUEUED_CHARS = 32 * 1024  # ... totalling at most this many characters behind the head item
 _WORKER_CMD = "import sys; from rstar2_core.reward.pool import _worker_main; _worker_main(int(sys.argv[1]))"
 
 
@@ -79,8 +81,13 @@ class _Worker:
     proc: subprocess.Popen
     conn: Connection
     ready: bool = False
-    item: int | None = None
-    deadline: float = 0.0
+    items: deque = field(default_factory=deque)  # sent, not yet answered; the head is being graded
+    queued_chars: int = 0                        # characters of the items behind the head
+    started: float = 0.0                         # when the head item started (its clock)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.items)
 
 
 class GraderPool:
@@ -143,14 +150,14 @@ class GraderPool:
     def close(self) -> None:
         """Stop every worker (idle ones exit cleanly, busy ones are killed)."""
         for w in self._workers:
-            if w.item is None and w.proc.poll() is None:
+            if not w.busy and w.proc.poll() is None:
                 try:
                     w.conn.send(None)
                 except OSError:
                     pass
         deadline = time.monotonic() + 2.0
         for w in self._workers:
-            if w.item is None:
+            if not w.busy:
                 try:
                     w.proc.wait(max(0.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
@@ -165,6 +172,9 @@ class GraderPool:
         An item that is not a pair of strings gets `invalid_request` without reaching a worker.
         """
         self.start()
+        for slot, w in enumerate(self._workers):
+            if w.busy:  # left over from a call that was interrupted: its answers must not be mixed in
+                self._replace(slot)
         results: list[GradeResult | None] = [None] * len(items)
         queue: deque[int] = deque()
         for i, item in enumerate(items):
@@ -176,14 +186,41 @@ class GraderPool:
         remaining = len(queue)
         idle_since = time.monotonic()
         start_failures = 0
+
+        def size(i: int) -> int:
+            return len(items[i][0]) + len(items[i][1])
+
+        def finish(w: _Worker, result: GradeResult, now: float) -> None:
+            nonlocal remaining
+            results[w.items.popleft()] = result
+            remaining -= 1
+            if w.items:
+                w.queued_chars -= size(w.items[0])
+                w.started = now
+
+        def drop(slot: int, reason: str, now: float) -> None:
+            """The head item failed (timeout or death): score it, requeue the rest, replace the worker."""
+            w = self._workers[slot]
+            head = w.items[0]
+            finish(w, GradeResult(0.0, extract_answer(items[head][0]), reason), now)
+            queue.extendleft(reversed(w.items))
+            self._replace(slot)
+
         while remaining:
             now = time.monotonic()
             for w in self._workers:
-                if w.ready and w.item is None and queue:
+                # Keep up to `_PREFETCH` items per worker so it never waits for this loop, but never more
+                # queued characters than a socket buffer holds: a send to a hung worker must not block.
+                while (w.ready and queue and len(w.items) < _PREFETCH
+                       and (not w.items or w.queued_chars + size(queue[0]) <= _MAX_QUEUED_CHARS)):
                     i = queue.popleft()
                     w.conn.send((i, items[i][0], items[i][1]))
-                    w.item, w.deadline = i, now + self.timeout_s
-            busy = [w.deadline for w in self._workers if w.item is not None]
+                    if w.items:
+                        w.queued_chars += size(i)
+                    else:
+                        w.started = now
+                    w.items.append(i)
+            busy = [w.started + self.timeout_s for w in self._workers if w.busy]
             if busy:
                 idle_since = now
                 timeout = max(0.0, min(busy) - now)
@@ -199,31 +236,26 @@ class GraderPool:
                 try:
                     msg = conn.recv()
                 except (EOFError, OSError):
-                    if w.item is not None:
-                        results[w.item] = GradeResult(0.0, extract_answer(items[w.item][0]), "grader_error")
-                        remaining -= 1
+                    if w.busy:
                         self.errors += 1
-                    elif not w.ready:
+                        drop(slot, "grader_error", time.monotonic())
+                        continue
+                    if not w.ready:
                         start_failures += 1
                         if start_failures > 2 * self.n_workers:
                             raise RuntimeError(f"grader workers die while starting (exit code "
                                                f"{w.proc.poll()}); run `python -c 'import math_verify'` "
-                                               "to see the error")
+                                               "to see the error") from None
                     self._replace(slot)
                     continue
                 if msg[0] == "ready":
                     w.ready = True
-                elif msg[0] == "result" and msg[1] == w.item:
-                    results[w.item] = msg[2]
-                    w.item = None
-                    remaining -= 1
+                elif msg[0] == "result" and w.items and msg[1] == w.items[0]:
                     self.graded += 1
+                    finish(w, msg[2], time.monotonic())
             now = time.monotonic()
             for slot, w in enumerate(self._workers):
-                if w.item is not None and now >= w.deadline:
-                    results[w.item] = GradeResult(0.0, extract_answer(items[w.item][0]), "grader_timeout")
-                    remaining -= 1
+                if w.busy and now >= w.started + self.timeout_s:
                     self.timeouts += 1
-                    w.item = None
-                    self._replace(slot)
+                    drop(slot, "grader_timeout", now)
         return results  # type: ignore[return-value]

@@ -68,3 +68,13 @@ def test_format_penalty_single_turn_correct_answer_is_zero():
     assert format_penalty(3, 2) == 1.0
     with pytest.raises(ValueError, match="n_turns"):
         format_penalty(1, 0)
+
+
+def test_package_exports_every_name_lazily():
+    import rstar2_core.chat as chat_pkg
+
+    assert sorted(chat_pkg.__all__) == sorted(chat_pkg._WHERE)
+    for name in chat_pkg.__all__:
+        assert getattr(chat_pkg, name) is not None
+    with pytest.raises(AttributeError, match="nope"):
+        chat_pkg.nope  # noqa: B018
