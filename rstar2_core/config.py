@@ -167,6 +167,9 @@ class SandboxConfig(_Section):
     the program is killed with status output_limit (a print loop cannot hold a worker until timeout)."""
     file_size_mb: int = Field(64, ge=1)
     """RLIMIT_FSIZE per call in MiB: the largest file a program may write."""
+    namespaces: bool = True
+    """Use PID and network namespaces where the host allows. false = process groups and per-call uids
+    only (what a host without namespaces gets; kept for testing that path)."""
     uid_base: int = Field(1_500_000, ge=1000)
     """When the service runs as root, each running call gets its own uid from here up (no passwd entry
     needed), so RLIMIT_NPROC is per call and a program cannot signal the service or other calls."""
