@@ -112,11 +112,16 @@ def _clone_newpid() -> int:
 
 
 # ------------------------------------------------------------------------------------ host set-up
-def setup_isolation(network: str) -> dict:
+def setup_isolation(network: str, namespaces: bool = True) -> dict:
     """Enter a network namespace (and a user namespace when not root), probe PID namespaces."""
     f = {"root": os.geteuid() == 0, "userns": False, "netns": False, "pidns": False, "uid_drop": False,
          "notes": []}
     uid, gid = os.getuid(), os.getgid()
+    if not namespaces:
+        f["notes"].append("namespaces disabled by configuration (sandbox.namespaces = false)")
+        f["uid_drop"] = f["root"]
+        f["keep_read_cap"] = f["uid_drop"] and any(p and not _world_readable_path(p) for p in sys.path)
+        return f
     if network == "isolated":
         try:
             _unshare(CLONE_NEWNET)
@@ -361,7 +366,7 @@ class Template:
         _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         if os.getppid() != self.s["parent_pid"]:
             os._exit(1)
-        feats = setup_isolation(self.s["network"])
+        feats = setup_isolation(self.s["network"], self.s.get("namespaces", True))
         for name in ("ast", "io", "linecache", "traceback", "types"):  # what _run_program needs
             importlib.import_module(name)
         loaded, missing = [], []
@@ -518,6 +523,25 @@ class Template:
                 os.killpg(call.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        if not self.feats["pidns"]:
+            self._kill_uid(call)
+
+    def _kill_uid(self, call: _Call) -> None:
+        """Without PID namespaces: kill every process of the call's own uid (daemons that left its
+        process group included), from a short-lived helper running as that uid."""
+        if not self.uids:
+            return
+        uid = self.uids[call.slot]
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.setgroups([])
+                os.setgid(uid)
+                os.setuid(uid)
+                os.kill(-1, signal.SIGKILL)   # every process this uid may signal, except the caller
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
 
     def _on_exit(self, call: _Call) -> None:
         _, status, ru = os.wait4(call.pid, 0)
@@ -527,6 +551,7 @@ class Template:
                 os.killpg(call.pid, signal.SIGKILL)  # leftovers of the program's process group
             except (ProcessLookupError, PermissionError):
                 pass
+            self._kill_uid(call)
         self._close_fd(call, call.pidfd)
         self._close_fd(call, call.stdin_fd)
         for fd, role in [(fd, self.fd_owner[fd][1]) for fd in list(call.open_fds)]:

@@ -182,3 +182,20 @@ def test_cannot_write_the_service_files(light_only):
     r = run(light_only, f"open({__file__!r}, 'a').write('# changed')")
     assert r.status is Status.ERROR and "PermissionError" in r.stderr
     assert os.path.getsize(__file__) == size
+
+
+def test_without_namespaces_daemons_still_die(make_cfg):
+    name = f"rsnn{os.getpid() % 100000}"
+    with LocalSandbox(make_cfg(preload=["math"], namespaces=False)) as box:
+        f = box.features["light"]["features"]
+        assert not f["pidns"] and not f["netns"]
+        if not f["uid_drop"]:
+            pytest.skip("not root: without namespaces a daemon that calls setsid can escape (docs/sandbox.md)")
+        r = run(box, _SPAWN_TREE.format(name=name).replace("while True:\n    pass", "time.sleep(0.5)"))
+        assert r.status is Status.OK
+        time.sleep(0.2)
+        assert not _by_name(name)
+        r = run(box, _SPAWN_TREE.format(name=name))
+        assert r.status is Status.TIMEOUT
+        time.sleep(0.2)
+        assert not _by_name(name)
