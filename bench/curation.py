@@ -32,14 +32,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rstar2_core.data import filters  # noqa: E402
-from rstar2_core.data.normalize import ngrams, words  # noqa: E402
-from rstar2_core.data.sources import Candidate  # noqa: E402
+from rstar2_core.data import filters
+from rstar2_core.data.normalize import ngrams, words
+from rstar2_core.data.sources import Candidate
 
-NOUNS = "triangle circle square polygon sequence integer prime divisor function matrix vector graph tree " \
-        "coin die card ball box urn train car cyclist tank pipe clock".split()
-VERBS = "find compute determine evaluate count show estimate express".split()
-ADJ = "positive negative odd even distinct consecutive smallest largest regular unit".split()
+NOUNS = ["triangle", "circle", "square", "polygon", "sequence", "integer", "prime", "divisor", "function", "matrix", "vector", "graph", "tree", "coin", "die", "card", "ball", "box", "urn", "train", "car", "cyclist", "tank", "pipe", "clock"]
+VERBS = ["find", "compute", "determine", "evaluate", "count", "show", "estimate", "express"]
+ADJ = ["positive", "negative", "odd", "even", "distinct", "consecutive", "smallest", "largest", "regular", "unit"]
 BENCH_SPAN = "the number of ordered pairs of distinct positive integers"
 
 
@@ -100,7 +99,7 @@ def main() -> None:
     filters.near_duplicates(cands[:50], 0.85, 128)  # import datasketch/scipy outside the timing
 
     t = time.perf_counter()
-    kept, dropped = filters.near_duplicates(cands, 0.85, 128)
+    kept, _dropped = filters.near_duplicates(cands, 0.85, 128)
     ours_s = time.perf_counter() - t
     kept_ids = {c.id for c in kept}
     ours = {c.id for c in cands} - kept_ids

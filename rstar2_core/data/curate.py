@@ -24,7 +24,8 @@ import io
 import json
 import time
 from collections import Counter
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from rstar2_core import storage
 from rstar2_core.config import Config

@@ -14,7 +14,8 @@ Departure: the paper checks with a separate strong model; here the checking mode
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from tqdm import tqdm
 

@@ -27,9 +27,10 @@ import io
 import json
 import re
 from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from rstar2_core import storage
 
@@ -178,8 +179,8 @@ PROBLEM = ("problem", "Problem", "question", "Question")
 ANSWER = ("answer", "Answer")
 ID = ("id", "ID", "Id", "unique_id", "problem_idx")
 
-_DAPO_HEAD = re.compile(r"^\s*Solve the following math problem[^\n]*\n+", re.S)
-_DAPO_TAIL = re.compile(r"\n+\s*(Remember to put your answer[^\n]*|Please output the final answer[^\n]*)\s*$", re.S)
+_DAPO_HEAD = re.compile(r"^\s*Solve the following math problem[^\n]*\n+", re.DOTALL)
+_DAPO_TAIL = re.compile(r"\n+\s*(Remember to put your answer[^\n]*|Please output the final answer[^\n]*)\s*$", re.DOTALL)
 
 
 def _generic(row: dict, i: int, name: str) -> Candidate:

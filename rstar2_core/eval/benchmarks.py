@@ -22,13 +22,25 @@ import hashlib
 import json
 import random
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from rstar2_core.config import BenchmarkConfig, Config
-from rstar2_core.data.sources import (ANSWER, ID, PROBLEM, Reject, SourceLayoutError, check_layout,
-                                      file_format, id_field, iter_rows, label_field, problem_field,
-                                      read_raw, text_field)
+from rstar2_core.data.sources import (
+    ANSWER,
+    ID,
+    PROBLEM,
+    Reject,
+    SourceLayoutError,
+    check_layout,
+    file_format,
+    id_field,
+    iter_rows,
+    label_field,
+    problem_field,
+    read_raw,
+    text_field,
+)
 
 LETTERS = "ABCD"
 

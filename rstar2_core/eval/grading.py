@@ -14,8 +14,9 @@ Results carry `reward`, `extracted` and `reason` (`correct`, `wrong`, `no_answer
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 _LETTER_RE = re.compile(r"^\(?([A-Da-d])\)?(?:[.):]|\s|$)")
 _WRAP_RE = re.compile(r"\\(?:text|textbf|mathrm|mathbf)\{([^{}]*)\}")

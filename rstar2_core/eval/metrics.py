@@ -15,8 +15,9 @@ and JSON-able (`asdict`).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

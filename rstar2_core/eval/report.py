@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import io
 import json
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Any
 
 from rstar2_core import storage
 from rstar2_core.eval.metrics import BenchmarkMetrics, ProblemRow
@@ -51,8 +52,8 @@ def problems_table(rows: Sequence[ProblemRow]) -> str:
 def render_markdown(report: Any) -> str:
     p = report.protocol
     out = [f"# Evaluation of `{report.checkpoint_url}`", "",
-           f"Protocol: k={p['k']}, temperature {p['temperature']}, top_p {p['top_p']}, max turns "
-           f"{p['max_turns']}, max tokens {p['max_tokens']}, seed {p['seed']}.", "",
+           (f"Protocol: k={p['k']}, temperature {p['temperature']}, top_p {p['top_p']}, max turns "
+           f"{p['max_turns']}, max tokens {p['max_tokens']}, seed {p['seed']}."), "",
            metrics_table(report.metrics), ""]
     for name, rows in report.rows.items():
         out += [f"## {name}: per problem", "", problems_table(rows), ""]

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from tqdm import tqdm
 
@@ -60,7 +61,7 @@ class EvalReport:
                 "rows": {k: [asdict(r) for r in v] for k, v in self.rows.items()}}
 
     @classmethod
-    def from_json(cls, d: dict) -> "EvalReport":
+    def from_json(cls, d: dict) -> EvalReport:
         return cls(checkpoint_url=d["checkpoint_url"], protocol=d["protocol"], out_url=d.get("out_url"),
                    report_url=d.get("report_url"), json_url=d.get("json_url"),
                    plot_urls=tuple(d.get("plot_urls", ())), benchmark_digests=d.get("benchmark_digests", {}),
@@ -68,7 +69,7 @@ class EvalReport:
                    rows={k: tuple(ProblemRow(**r) for r in v) for k, v in d["rows"].items()})
 
     @classmethod
-    def load(cls, url: str) -> "EvalReport":
+    def load(cls, url: str) -> EvalReport:
         """Load `report.json` (or the folder holding it)."""
         if not url.endswith(".json"):
             url = storage.join(url, "report.json")

@@ -15,7 +15,8 @@ first `sample` call, closed by `close()`) live on the same loop across calls.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any, Self
 
 from rstar2_core.config import Config, SandboxConfig
 
@@ -30,7 +31,7 @@ class PolicySampler:
         self._sandbox: Any = None
 
     @classmethod
-    def open(cls, cfg: Config, checkpoint_url: str) -> "PolicySampler":
+    def open(cls, cfg: Config, checkpoint_url: str) -> PolicySampler:
         import torch
 
         from rstar2_core.chat import ChatFormat
@@ -73,7 +74,7 @@ class PolicySampler:
         finally:
             self._loop.close()
 
-    def __enter__(self) -> "PolicySampler":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

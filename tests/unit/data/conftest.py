@@ -1,5 +1,4 @@
 import pytest
-
 from data_fixtures import fixture_config
 
 

@@ -1,14 +1,11 @@
-import json
 import re
-from pathlib import Path
 
 import pytest
+from data_fixtures import FIX, fixture_config
 
 from rstar2_core import storage
 from rstar2_core.data.curate import curate, read_dataset
 from rstar2_core.rollout.types import Trajectory
-
-from data_fixtures import FIX, fixture_config
 
 EXPECTED_IDS = ["dapo/dapo-0000", "dapo/dapo-0001", "dapo/dapo-0002", "omr/0", "omr/4", "pe/1", "pe/3", "generic/g1",
                 "generic/g3"]

@@ -1,7 +1,14 @@
 import pytest
 
-from rstar2_core.data.normalize import (REASON_EMPTY, REASON_NOT_INTEGER, REASON_TOO_MANY_DIGITS, integer_answer,
-                                        ngrams, problem_key, words)
+from rstar2_core.data.normalize import (
+    REASON_EMPTY,
+    REASON_NOT_INTEGER,
+    REASON_TOO_MANY_DIGITS,
+    integer_answer,
+    ngrams,
+    problem_key,
+    words,
+)
 
 
 @pytest.mark.parametrize("raw, want", [

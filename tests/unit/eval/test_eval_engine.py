@@ -50,7 +50,7 @@ def test_avg_at_k_through_the_agent_loop(tmp_path):
 @pytest.mark.slow
 def test_label_check_in_curation_through_the_agent_loop(tmp_path):
     from rstar2_core.chat import ChatFormat
-    from rstar2_core.data.curate import curate, read_dataset, read_all_sources
+    from rstar2_core.data.curate import curate, read_all_sources, read_dataset
 
     cfg = load_config("tiny", ["data.synthetic.n_rl=6", "data.synthetic.n_eval=4", "data.label_check.enabled=true",
                                "data.label_check.k=3", "data.label_check.min_agree=2", "sandbox.workers=1"])
