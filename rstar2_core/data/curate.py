@@ -125,6 +125,9 @@ def curate(cfg: Config, out_url: str, log_metrics: LogMetrics | None = None, *,
     `sampler` (a `PolicySampler`) replaces the model loaded for the label check (tests)."""
     t0 = time.time()
     d = cfg.data
+    if d.label_check.enabled and sampler is None and not (d.label_check.model or cfg.model.name_or_path):
+        raise ValueError("data.label_check.enabled needs a checking model: set data.label_check.model "
+                         "to a checkpoint URL (or model.name_or_path)")
     bench, exact_only, bench_digests = benchmark_texts(cfg)  # fails early on a missing benchmark file
     reads = read_all_sources(cfg)
     counts: dict[str, Any] = {"read": {r.name: r.n_rows for r in reads}}

@@ -115,3 +115,10 @@ def test_label_check_keeps_problems_with_enough_agreement(tmp_path):
     assert [len(c[0]) for c in sampler.calls] == [2, 1] and all(c[1] == 4 for c in sampler.calls)
     with pytest.raises(ValueError, match="min_agree"):
         label_check(cands, sampler, exact_grader, k=2, min_agree=3, limits=None, seed=0)
+
+
+def test_label_check_without_a_model_fails_before_work(tmp_path):
+    cfg = fixture_config(label_check={"enabled": True})
+    with pytest.raises(ValueError, match="data.label_check.model"):
+        curate(cfg, str(tmp_path / "out"), progress=False)
+    assert not (tmp_path / "out").exists()
