@@ -38,10 +38,14 @@ def test_plan_labels_match_the_flow_run_names():
     context = pytest.importorskip("tasks.context")
     from rstar2_cli.plan import recipe_dag
 
+    from tasks.runners import TASK_KINDS
+
     cfg = load_config("qwen3-14b-mi300x")
-    labels = {t.name: t.label for t in recipe_dag(cfg)}
+    dag = recipe_dag(cfg)
+    labels = {t.name: t.label for t in dag}
     for i, st in enumerate(cfg.rl.stages):
         assert labels[st.name] == context.stage_label(cfg, i)
+    assert {t.kind for t in dag} <= set(TASK_KINDS)  # the resource keys the pipeline reads
 
 
 def test_strict_fails_on_problems_and_passes_when_fixed(capsys):
