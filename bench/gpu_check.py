@@ -218,7 +218,9 @@ def decode_bench(model, batch: int, prompt_len: int, new_tokens: int, device: to
     for name, fast in variants:
         engine = make_engine(model, batch, prompt_len + new_tokens + 8, device, fast)
         try:
-            asyncio.run(_engine_generate(engine, prompts[:batch].tolist(), new_tokens))  # warm-up / compile
+            # warm-up / compile on other prompts: the same prompts would hit the engine's prefix cache
+            warm = _random_batch(vocab, batch, prompt_len, device).tolist()
+            asyncio.run(_engine_generate(engine, warm, new_tokens))
             sync(device)
             before = dict(engine.stats)
             t = time.perf_counter()
