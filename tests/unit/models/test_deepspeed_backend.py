@@ -101,9 +101,15 @@ def test_zero_step_matches_torch_backend(dist_env, stage):
 def test_reset_optimizer_state_roundtrip_and_hf_export(dist_env, tmp_path):
     from transformers import Qwen2ForCausalLM
 
+    from rstar2_core.config import SFTConfig
+    from rstar2_core.models.backend import make_backend
+
     base = _tiny_model(seed=3)
-    ds = DeepSpeedBackend(copy.deepcopy(base), zero_stage=2, **KW)
+    sft = SFTConfig(lr=KW["lr"], weight_decay=KW["weight_decay"], grad_clip=KW["grad_clip"], backend="deepspeed",
+                    zero_stage=2)
+    ds = make_backend(copy.deepcopy(base), sft, total_steps=10, warmup_steps=2, schedule="cosine")  # the factory
     try:
+        assert isinstance(ds, DeepSpeedBackend) and ds.config["gradient_clipping"] == KW["grad_clip"]
         _train(ds, [_batches(1, seed=7)])
         saved = ds.state_dict()
         assert saved["step"] == 1 and saved["zero_stage"] == 2
