@@ -8,7 +8,8 @@ fork of a parent that holds threads, a model or a CUDA context, and no multiproc
 process left behind) that imports the grader once, sets an address-space limit, says "ready", and then grades one item at
 a time from its pipe. The parent sends an item only to a ready, idle worker and starts the item's
 clock then (a replacement worker's import time is never charged to an item). An item that passes its
-deadline gets reward 0 with reason `grader_timeout`, and its worker is killed (SIGKILL) and replaced;
+deadline (`timeout_s` of wall time; longer, up to `starved_grace` x, only while its worker is starved of
+CPU by other load, see `next_check`) gets reward 0 with reason `grader_timeout`, and its worker is killed (SIGKILL) and replaced;
 a worker that dies mid-item gives `grader_error`. The pool never hangs on an item and never uses
 `signal.alarm` (RECIPE.md: alarm-based graders fail silently in threads). `grade_many` itself is meant
 to be called from one thread at a time.
@@ -71,9 +72,29 @@ def _worker_main(fd: int) -> None:
         conn.send(("result", idx, result))
 
 
-_PREFETCH = 4                  # items sent ahead to one worker
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+_PREFETCH = 8                  # items sent ahead to one worker
 _MAX_QUEUED_CHARS = 32 * 1024  # ... totalling at most this many characters behind the head item
 _WORKER_CMD = "import sys; from rstar2_core.reward.pool import _worker_main; _worker_main(int(sys.argv[1]))"
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of a process (Linux /proc), or None where that is not available."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def next_check(started: float, now: float, timeout_s: float, grace: float, cpu_used: float | None) -> float | None:
+    """When to look at a running item again, or None to stop it now (called once `timeout_s` of wall
+    time has passed). A worker that had at least half of `timeout_s` in CPU was not starved."""
+    hard = started + grace * timeout_s
+    if cpu_used is None or cpu_used >= 0.5 * timeout_s or now >= hard:
+        return None
+    return min(hard, now + max(0.05, 0.5 * timeout_s - cpu_used))
 
 
 @dataclass
@@ -84,6 +105,8 @@ class _Worker:
     items: deque = field(default_factory=deque)  # sent, not yet answered; the head is being graded
     queued_chars: int = 0                        # characters of the items behind the head
     started: float = 0.0                         # when the head item started (its clock)
+    deadline: float = 0.0                        # when the head item is checked next
+    cpu0: float | None = None                    # the worker's CPU seconds when the head item started
 
     @property
     def busy(self) -> bool:
@@ -95,10 +118,13 @@ class GraderPool:
 
     `grade_fn` (default `grade_response`) must be a module-level function (it is pickled by reference
     into the workers, which get this process's `sys.path`); `memory_mb` caps each worker's address space (0 = no cap).
+    An item is stopped after `timeout_s` seconds of wall time, unless its worker got less than half of
+    that in CPU time (starved by other load on a shared machine, not hung): then it may run on until
+    it has had that CPU, but never past `starved_grace * timeout_s` of wall time (1.0 = wall only).
     """
 
     def __init__(self, workers: int = 0, timeout_s: float = 5.0, *, grade_fn: GradeFn = grade_response,
-                 memory_mb: int = 4096, start_timeout_s: float = 120.0):
+                 memory_mb: int = 4096, start_timeout_s: float = 120.0, starved_grace: float = 3.0):
         if workers < 0:
             raise ValueError(f"workers={workers}: use 0 (one per CPU core) or a positive count")
         if timeout_s <= 0:
@@ -108,6 +134,9 @@ class GraderPool:
         self.grade_fn = grade_fn
         self.memory_mb = memory_mb
         self.start_timeout_s = start_timeout_s
+        if starved_grace < 1.0:
+            raise ValueError(f"starved_grace={starved_grace}: use 1.0 (pure wall-clock timeout) or more")
+        self.starved_grace = float(starved_grace)
         self._workers: list[_Worker] = []
         self.graded = self.timeouts = self.errors = self.restarts = 0
 
@@ -190,13 +219,17 @@ class GraderPool:
         def size(i: int) -> int:
             return len(items[i][0]) + len(items[i][1])
 
+        def start_clock(w: _Worker, now: float) -> None:
+            w.started, w.deadline = now, now + self.timeout_s
+            w.cpu0 = _cpu_seconds(w.proc.pid) if self.starved_grace > 1.0 else None
+
         def finish(w: _Worker, result: GradeResult, now: float) -> None:
             nonlocal remaining
             results[w.items.popleft()] = result
             remaining -= 1
             if w.items:
                 w.queued_chars -= size(w.items[0])
-                w.started = now
+                start_clock(w, now)
 
         def drop(slot: int, reason: str, now: float) -> None:
             """The head item failed (timeout or death): score it, requeue the rest, replace the worker."""
@@ -218,9 +251,9 @@ class GraderPool:
                     if w.items:
                         w.queued_chars += size(i)
                     else:
-                        w.started = now
+                        start_clock(w, now)
                     w.items.append(i)
-            busy = [w.started + self.timeout_s for w in self._workers if w.busy]
+            busy = [w.deadline for w in self._workers if w.busy]
             if busy:
                 idle_since = now
                 timeout = max(0.0, min(busy) - now)
@@ -255,7 +288,14 @@ class GraderPool:
                     finish(w, msg[2], time.monotonic())
             now = time.monotonic()
             for slot, w in enumerate(self._workers):
-                if w.busy and now >= w.started + self.timeout_s:
+                if not w.busy or now < w.deadline:
+                    continue
+                cpu = _cpu_seconds(w.proc.pid) if w.cpu0 is not None else None
+                used = None if cpu is None else cpu - w.cpu0
+                nxt = next_check(w.started, now, self.timeout_s, self.starved_grace, used)
+                if nxt is None:
                     self.timeouts += 1
                     drop(slot, "grader_timeout", now)
+                else:
+                    w.deadline = nxt
         return results  # type: ignore[return-value]

@@ -8,6 +8,7 @@ import grader_hooks
 import pytest
 
 from rstar2_core.reward import GradeResult, GraderPool, grade_response
+from rstar2_core.reward.pool import next_check
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +41,10 @@ def test_real_hang_times_out_and_pool_keeps_working(pool):
 def test_injected_sleep_dead_worker_exception_and_memory(pool):
     items = [(r"\boxed{1}", "__sleep__"), (r"\boxed{2}", "__die__"), (r"\boxed{3}", "__raise__"),
              (r"\boxed{4}", "__memory__"), (r"\boxed{5}", "5")]
+    t0 = time.monotonic()
     out = pool.grade_many(items)
+    # the sleeping item uses no CPU, so it looks starved and gets the full grace (3 x 1.5 s) before the kill
+    assert time.monotonic() - t0 >= 3 * 1.5 - 0.1
     assert [r.reason for r in out] == ["grader_timeout", "grader_error", "grader_error", "grader_error", "correct"]
     assert [r.extracted for r in out[:2]] == ["1", "2"]
     assert pool.grade_many([(r"\boxed{6}", "6")] * 4) == [GradeResult(1.0, "6", "correct")] * 4
@@ -52,8 +56,20 @@ def test_invalid_items_do_not_reach_workers(pool):
     assert pool.grade_many([]) == []
 
 
+def test_next_check_stops_busy_items_and_gives_starved_ones_more_time():
+    # started at 0, timeout 2 s, grace 3 (hard stop at 6 s); called at or after 2 s of wall time
+    assert next_check(0.0, 2.0, 2.0, 3.0, cpu_used=1.9) is None      # it had the CPU: a real hang
+    assert next_check(0.0, 2.0, 2.0, 3.0, cpu_used=None) is None     # no CPU figure: wall clock only
+    assert next_check(0.0, 2.0, 2.0, 1.0, cpu_used=0.0) is None      # grace 1: wall clock only
+    assert next_check(0.0, 2.0, 2.0, 3.0, cpu_used=0.2) == 2.8       # starved: look again when it could have had 1 s
+    assert next_check(0.0, 5.9, 2.0, 3.0, cpu_used=0.0) == 6.0       # never past the hard stop
+    assert next_check(0.0, 6.0, 2.0, 3.0, cpu_used=0.0) is None
+
+
 def test_bad_arguments_are_rejected():
     with pytest.raises(ValueError, match="timeout_s"):
         GraderPool(timeout_s=0)
     with pytest.raises(ValueError, match="workers"):
         GraderPool(workers=-1)
+    with pytest.raises(ValueError, match="starved_grace"):
+        GraderPool(starved_grace=0.5)
