@@ -1,0 +1,236 @@
+"""Benchmark: synchronous turn-by-turn rollout vs our continuous engine with asynchronous tool dispatch.
+
+Both runs use the same HFEngine (tiny random Qwen2: hidden 256, 4 layers, 4 heads, vocab of a
+byte-level BPE trained here), the same real sandbox (`LocalSandbox`, default config), the same
+prompts and the same per-trajectory seeds, so both produce the same turns of the same lengths
+(checked; the token ids after the first tool response differ only because the tool output
+includes its measured execution time) and tokens/s differ only by how the work is scheduled:
+
+- sync (verl v0.2 style): every live trajectory generates its turn (one batch, waiting for the
+  longest), then all tool calls of the turn run as one `run_batch`, then the next turn;
+- async (ours, `rollout_groups` + `run_trajectory`): each trajectory calls its tool the moment its
+  turn ends and goes on generating, while the engine keeps decoding the others (continuous batching).
+
+Workload: a random model rarely writes tool calls, so the model's *behaviour* is scripted around
+real sampling: in each turn the engine samples a number of tokens drawn from a long-tailed
+(lognormal) distribution seeded by the turn's seed, then the text of a tool call is appended as if
+the model had written it (3/4 trivial arithmetic, 1/4 a sympy factorisation, each executed for real),
+and after the last tool turn an answer. tokens/s counts only the sampled tokens (the scripted call
+text is prefilled on the next turn, not decoded).
+
+Run:  python bench/rollout.py [--quick] [--json]
+`--json` prints one JSON object as the last line with `sync_tokens_per_s`, `async_tokens_per_s`,
+`ratio` (= async / sync, median over repeats), plus the workload and engine figures used by
+bench/scheduler.py's calibration (`decode_step_ms`, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from rstar2_core.chat import ChatFormat, parse_tool_calls, render_tool_result
+from rstar2_core.chat.prompt import CALL_EXAMPLE, system_prompt, user_message
+from rstar2_core.chat.tokens import ANSWER_CLOSE, SPECIAL_TOKENS, TOOL_CALL_CLOSE, TOOL_NAME
+from rstar2_core.config import SandboxConfig
+from rstar2_core.rollout import HFEngine, RolloutLimits, rollout_groups
+from rstar2_core.rollout.agent import turn_seed
+from rstar2_core.rollout.scheduler import job_seed
+from rstar2_core.rollout.types import GenerationOutput, SamplingParams
+from rstar2_core.sandbox import ExecutionRequest, LocalSandbox
+
+
+def tiny_setup(hidden: int = 256, layers: int = 4, vocab: int = 512):
+    """(model, tokenizer, chat): a random-init Qwen2 and a byte-level BPE trained on the chat format."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    corpus = [system_prompt(True), CALL_EXAMPLE] + [user_message(f"What is {i} * {i + 7}?") for i in range(200)]
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(corpus, vocab_size=vocab, min_frequency=2, special_tokens=SPECIAL_TOKENS,
+                            show_progress=False)
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>")
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
+                      num_key_value_heads=4, intermediate_size=int(hidden * 2.7), max_position_embeddings=4096)
+    return Qwen2ForCausalLM(cfg).eval(), tok, ChatFormat(tok)
+
+
+class ScriptedToolEngine:
+    """Wraps an engine: samples a long-tailed number of real tokens per turn, then appends a tool call
+    (or, after `tool_turns` turns, an answer) as if the model had written it."""
+
+    def __init__(self, inner: HFEngine, chat: ChatFormat, tool_turns: int, median: float, sigma: float, cap: int):
+        self.inner, self.chat, self.tool_turns = inner, chat, tool_turns
+        self.median, self.sigma, self.cap = median, sigma, cap
+        self.sampled = 0
+
+    def turn_length(self, seed: int) -> int:
+        return max(1, min(self.cap, int(random.Random(seed).lognormvariate(math.log(self.median), self.sigma))))
+
+    def suffix(self, seed: int, turn: int) -> tuple[str, str]:
+        if turn >= self.tool_turns:
+            return "<answer>\\boxed{42}</answer>", ANSWER_CLOSE
+        r = random.Random(seed + 1)
+        if r.random() < 0.25:
+            code = f"import sympy\nprint(sympy.factorint({r.randrange(10**12, 10**13)}))"
+        else:
+            code = f"print({r.randrange(1000)} * {r.randrange(1000)})"
+        return "\n<tool_call>\n" + json.dumps({"name": TOOL_NAME, "arguments": {"code": code, "input": ""}}) \
+            + "\n</tool_call>", TOOL_CALL_CLOSE
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationOutput:
+        turn = (prompt_ids.count(self.chat.im_start_id) - 3) // 2
+        n = min(self.turn_length(params.seed), params.max_new_tokens)
+        out = await self.inner.generate(prompt_ids, SamplingParams(max_new_tokens=n, temperature=params.temperature,
+                                                                   top_p=params.top_p, seed=params.seed))
+        self.sampled += len(out.token_ids)
+        if n < self.turn_length(params.seed):
+            return out                                   # the budget ran out
+        text, stop = self.suffix(params.seed, turn)
+        ids = self.chat.encode_text(text)
+        return GenerationOutput(out.token_ids + tuple(ids), out.logprobs + (0.0,) * len(ids), "stop", stop)
+
+    def kv_capacity_tokens(self) -> int:
+        return self.inner.kv_capacity_tokens()
+
+    def kv_tokens_per_sequence(self) -> int:
+        return self.inner.kv_tokens_per_sequence()
+
+    def update_weights(self, weights) -> None:
+        self.inner.update_weights(weights)
+
+    async def close(self) -> None:
+        pass
+
+
+async def sync_rollout(engine, sandbox, chat, problems, n, limits, seed) -> list[tuple[int, ...]]:
+    """Turn barrier: all trajectories generate, then all their tool calls run as one batch.
+    Returns each trajectory's sampled-token count per turn."""
+    states = [{"prompt": chat.prompt_ids(p), "ids": [], "seed": job_seed(seed, i, j), "done": False, "turns": []}
+              for i, p in enumerate(problems) for j in range(n)]
+    for turn in range(limits.max_turns):
+        live = [s for s in states if not s["done"]]
+        if not live:
+            break
+        outs = await asyncio.gather(*(engine.generate(s["prompt"] + s["ids"], SamplingParams(
+            max_new_tokens=limits.max_response_tokens - len(s["ids"]), temperature=limits.temperature,
+            stop_token_ids=chat.eos_token_ids, stop_strings=chat.stop_strings,
+            seed=turn_seed(s["seed"], turn))) for s in live))
+        calls = []
+        for s, out in zip(live, outs):
+            s["ids"] += out.token_ids
+            s["turns"].append(len(out.token_ids))
+            if out.stop_string == TOOL_CALL_CLOSE and turn + 1 < limits.max_turns:
+                calls.append((s, parse_tool_calls(chat.tokenizer.decode(list(out.token_ids)))[0]))
+            else:
+                s["done"] = True
+        results = await sandbox.run_batch([ExecutionRequest(code=c.code, stdin=c.stdin) for _, c in calls])
+        for (s, _), r in zip(calls, results):
+            s["ids"] += chat.tool_response_ids([render_tool_result(r)])
+    return [tuple(s["turns"]) for s in states]
+
+
+def turn_lengths(traj) -> tuple[int, ...]:
+    """Generated tokens per turn of a Trajectory (runs of loss_mask == 1)."""
+    runs, cur = [], 0
+    for m in traj.loss_mask:
+        if m:
+            cur += 1
+        elif cur:
+            runs.append(cur)
+            cur = 0
+    return tuple(runs + ([cur] if cur else []))
+
+
+async def measure(args) -> dict:
+    model, tok, chat = tiny_setup()
+    problems = [f"What is {i} * {i + 7}?" for i in range(args.problems)]
+    limits = RolloutLimits(max_turns=args.tool_turns + 1, max_response_tokens=args.budget)
+    prompt_len = max(len(chat.prompt_ids(p)) for p in problems)
+    inner = HFEngine(model, tok, max_batch_size=args.problems * args.n, max_seq_len=prompt_len + args.budget + 8)
+    engine = ScriptedToolEngine(inner, chat, args.tool_turns, args.median, args.sigma, args.cap)
+    print(f"[rollout bench] {args.problems * args.n} trajectories x {args.tool_turns} tool turns, turn length "
+          f"lognormal(median {args.median}, sigma {args.sigma}, cap {args.cap}), prompt {prompt_len} tokens, "
+          f"torch threads {torch.get_num_threads()}", flush=True)
+    runs = {"sync": [], "async": []}
+    async with LocalSandbox(SandboxConfig()) as sandbox:
+        await sync_rollout(engine, sandbox, chat, problems[:2], 1, limits, seed=999)          # warm-up
+        for rep in range(args.repeats):
+            for mode in ("sync", "async"):
+                engine.sampled = 0
+                t0 = time.perf_counter()
+                if mode == "sync":
+                    seqs = await sync_rollout(engine, sandbox, chat, problems, args.n, limits, seed=rep)
+                else:
+                    groups = await rollout_groups(engine, sandbox, chat, problems, args.n, limits, seed=rep)
+                    seqs = [turn_lengths(t) for g in groups for t in g]
+                    finishes = [t.finish for g in groups for t in g]
+                    if set(finishes) != {"answer"}:
+                        print(f"[rollout bench] async finishes {finishes} "
+                              f"{[t.infra_error for g in groups for t in g if t.infra_error]}", flush=True)
+                dt = time.perf_counter() - t0
+                runs[mode].append((engine.sampled / dt, dt, engine.sampled, seqs))
+                print(f"[rollout bench] rep {rep + 1}/{args.repeats} {mode:5s}: {engine.sampled} sampled tokens "
+                      f"in {dt:.2f} s = {engine.sampled / dt:.0f} tokens/s", flush=True)
+            if runs["sync"][-1][3] != runs["async"][-1][3]:
+                raise SystemExit("sync and async runs produced different turn structures: the comparison is invalid")
+        await inner.close()
+    sync_tps = statistics.median(r[0] for r in runs["sync"])
+    async_tps = statistics.median(r[0] for r in runs["async"])
+    st = inner.stats
+    return {
+        "sync_tokens_per_s": round(sync_tps, 1), "async_tokens_per_s": round(async_tps, 1),
+        "ratio": round(async_tps / sync_tps, 3), "same_turn_structure": True,
+        "sync_wall_s": [round(r[1], 2) for r in runs["sync"]], "async_wall_s": [round(r[1], 2) for r in runs["async"]],
+        "sampled_tokens": runs["sync"][0][2], "trajectories": args.problems * args.n, "tool_turns": args.tool_turns,
+        "decode_step_ms": round(1000 * st["decode_s"] / max(1, st["decode_steps"]), 3),
+        "decode_tokens_per_step": round(st["decode_tokens"] / max(1, st["decode_steps"]), 2),
+        "prefill_ms_per_token": round(1000 * st["prefill_s"] / max(1, st["prefill_tokens"]), 4),
+        "prefix_reused_tokens": st["reused_tokens"],
+        "machine": f"{platform.machine()} {platform.processor() or ''} cpus={torch.get_num_threads()}".strip(),
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="8 trajectories, one repeat (a few minutes on a busy machine)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    ap.add_argument("--problems", type=int, default=None)
+    ap.add_argument("--n", type=int, default=2, help="trajectories per problem")
+    ap.add_argument("--tool-turns", type=int, default=3)
+    ap.add_argument("--median", type=float, default=24.0, help="median sampled tokens per turn")
+    ap.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma of the turn length (long tail)")
+    ap.add_argument("--cap", type=int, default=192, help="most sampled tokens per turn")
+    ap.add_argument("--budget", type=int, default=1536, help="max_response_tokens")
+    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads (1: on a shared, loaded machine 2 OpenMP threads run ~10x slower)")
+    args = ap.parse_args()
+    import torch
+    torch.set_num_threads(args.threads)
+    args.problems = args.problems or (4 if args.quick else 16)
+    args.repeats = args.repeats or (1 if args.quick else 3)
+    out = asyncio.run(measure(args))
+    print(f"[rollout bench] sync {out['sync_tokens_per_s']} tokens/s, async {out['async_tokens_per_s']} tokens/s, "
+          f"ratio {out['ratio']}x (target >= 1.5)")
+    if args.json:
+        print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
