@@ -5,6 +5,8 @@ from __future__ import annotations
 from fractions import Fraction
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rstar2_core.reward import normalize_answer, normalized_equal
 
@@ -39,3 +41,13 @@ def test_non_numbers_are_text(text, expected):
 ])
 def test_normalized_equal(pred, gold, equal):
     assert normalized_equal(pred, gold) is equal
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(min_value=-10**30, max_value=10**30), d=st.integers(min_value=1, max_value=10**6))
+def test_spellings_of_the_same_number_agree(n, d):
+    assert normalize_answer(f"{n:,}") == normalize_answer(f"+{n}" if n >= 0 else str(n)) == Fraction(n)
+    assert normalize_answer(f"{n}.0") == Fraction(n)
+    assert normalize_answer(f"\\dfrac{{{n}}}{{{d}}}") == normalize_answer(f"{n}/{d}") == Fraction(n, d)
+    assert normalized_equal(f"$\\boxed{{{n:,}}}$", str(n))
+    assert not normalized_equal(str(n), str(n + 1))
