@@ -29,7 +29,7 @@ class RLProblem:
     answer: str
 
 
-def _read_rows(url: str) -> list[dict]:
+def read_rows(url: str) -> list[dict]:
     data = storage.read_bytes(url)
     if url.endswith(".parquet") or data[:4] == b"PAR1":
         import pyarrow.parquet as pq
@@ -51,7 +51,7 @@ def load_problems(url: str) -> tuple[list[RLProblem], dict[str, int]]:
     problems: list[RLProblem] = []
     rejected: Counter[str] = Counter()
     seen: set[str] = set()
-    for i, row in enumerate(_read_rows(url)):
+    for i, row in enumerate(read_rows(url)):
         if "__invalid__" in row:
             rejected["invalid_json"] += 1
             continue

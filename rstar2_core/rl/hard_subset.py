@@ -1,0 +1,103 @@
+"""The hard subset between RL stages: sample k rollouts per problem with a policy, drop problems it solves k/k.
+
+    ref = select_hard_subset(cfg, 2, checkpoint_url=stage2_final, data_url=curated.url,
+                             out_url="file:///.../hard-subset")
+    # -> <out_url>/problems.parquet (the kept rows, all columns) + <out_url>/manifest.json
+
+Paper: with the end-of-stage-2 policy, 8 rollouts per problem, drop problems solved 8/8 (42K -> 17.3K).
+Here `k = cfg.rl.stages[stage_index].hard_subset_k` and the rollouts use that stage's turn and length
+limits and the RL temperature (the stage that will train on the subset). A problem with an
+infra-failed rollout is kept (we cannot say it was solved k/k). Truncated rollouts count as wrong.
+
+Idempotent: when `<out_url>/manifest.json` exists for the same checkpoint, data and k, its DatasetRef is
+returned without sampling again. Both files are written atomically, the manifest last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+import sys
+
+from tqdm import tqdm
+
+from rstar2_core import storage
+from rstar2_core.config import Config
+from rstar2_core.models.io import load_model_and_tokenizer
+from rstar2_core.results import DatasetRef
+from rstar2_core.rl.data import read_rows, load_problems
+from rstar2_core.rl.groups import is_infra_failed
+from rstar2_core.rl.stage import _build_engine, _engine_seq_len, grade_rewards, step_seed
+from rstar2_core.rollout.types import RolloutLimits
+
+
+def _parquet_bytes(rows: list[dict]) -> bytes:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    buf = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(rows), buf)
+    return buf.getvalue()
+
+
+def select_hard_subset(cfg: Config, stage_index: int, *, checkpoint_url: str, data_url: str,
+                       out_url: str) -> DatasetRef:
+    """Problems of `data_url` not solved k/k by the policy at `checkpoint_url` (see module docstring)."""
+    if not 0 <= stage_index < len(cfg.rl.stages):
+        raise ValueError(f"stage_index={stage_index} out of range 0..{len(cfg.rl.stages) - 1}")
+    k = cfg.rl.stages[stage_index].hard_subset_k
+    data_path, manifest_path = storage.join(out_url, "problems.parquet"), storage.join(out_url, "manifest.json")
+    if storage.exists(manifest_path):
+        m = storage.read_json(manifest_path)
+        if (m.get("checkpoint_url"), m.get("source_url"), m.get("k")) == (checkpoint_url, data_url, k):
+            return DatasetRef(m["url"], m["digest"], m["n_rows"], manifest_path, m["counts"])
+    rows = [r for r in read_rows(data_url) if "__invalid__" not in r]
+    problems, rejected = load_problems(data_url)
+    by_id = {str(r.get("id", f"row-{i}")): r for i, r in enumerate(rows)}
+    solved = asyncio.run(_count_solved(cfg, stage_index, checkpoint_url, problems, k))
+    kept = [by_id[p.id] for p, s in zip(problems, solved) if s < k]
+    counts = {"input": len(problems), "rejected_rows": rejected, "solved_all": sum(s == k for s in solved),
+              "kept": len(kept), "k": k}
+    if not kept:
+        raise ValueError(f"the policy at {checkpoint_url} solves all {len(problems)} problems {k}/{k}: the hard "
+                         "subset is empty; raise hard_subset_k or train this stage on dataset = \"curated\"")
+    data = _parquet_bytes(kept)
+    digest = hashlib.sha256(data).hexdigest()
+    storage.write_bytes_atomic(data_path, data)
+    storage.write_json_atomic(manifest_path, {"url": data_path, "digest": digest, "n_rows": len(kept),
+                                              "counts": counts, "checkpoint_url": checkpoint_url,
+                                              "source_url": data_url, "k": k, "stage_index": stage_index})
+    return DatasetRef(data_path, digest, len(kept), manifest_path, counts)
+
+
+async def _count_solved(cfg: Config, stage_index: int, checkpoint_url: str, problems, k: int) -> list[int]:
+    """Per problem: rollouts out of k that are correct and not infra-failed."""
+    from rstar2_core.chat import ChatFormat
+    from rstar2_core.reward import GraderPool
+    from rstar2_core.rollout import rollout_groups
+    from rstar2_core.sandbox import make_sandbox
+
+    stage = cfg.rl.stages[stage_index]
+    model, tok = load_model_and_tokenizer(checkpoint_url, dtype=cfg.model.dtype)
+    chat = ChatFormat(tok, with_tools=True)
+    limits = RolloutLimits.from_config(cfg.rollout, stage.max_turns, stage.max_response_tokens, cfg.rl.temperature)
+    engine = _build_engine(model, tok, cfg, _engine_seq_len(model, chat, problems, stage.max_response_tokens))
+    chunk = max(1, cfg.rl.prompts_per_step)
+    out: list[int] = []
+    try:
+        async with make_sandbox(cfg.sandbox) as sandbox:
+            with GraderPool(timeout_s=cfg.eval.grader_timeout_s) as grader:
+                for start in tqdm(range(0, len(problems), chunk), desc=f"hard subset (k={k})", unit="batch",
+                                  file=sys.stderr, disable=None):
+                    part = problems[start:start + chunk]
+                    groups = await rollout_groups(engine, sandbox, chat, [p.problem for p in part], k, limits,
+                                                  seed=step_seed(cfg.rl.seed, -1 - start),
+                                                  scheduler=cfg.rollout.scheduler)
+                    rewards = grade_rewards(grader, groups, [p.answer for p in part])
+                    for group, rs in zip(groups, rewards):
+                        # an infra-failed rollout is not a success: the problem cannot reach k/k
+                        out.append(sum(1 for t, r in zip(group, rs) if r > 0 and not is_infra_failed(t)))
+    finally:
+        await engine.close()
+    return out
