@@ -41,9 +41,10 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import ray
 
@@ -69,7 +70,7 @@ class EngineSpec:
     seed: int = 0
 
     @classmethod
-    def from_config(cls, cfg: Any, checkpoint_url: str, max_model_len: int, device: str = "cuda") -> "EngineSpec":
+    def from_config(cls, cfg: Any, checkpoint_url: str, max_model_len: int, device: str = "cuda") -> EngineSpec:
         ro = cfg.rollout
         return cls(ro.engine, checkpoint_url, max_model_len, ro.tensor_parallel_size, ro.gpu_memory_utilization,
                    ro.max_batch_size, ro.kv_capacity_tokens or None, cfg.model.dtype, device, cfg.rl.seed)

@@ -17,7 +17,8 @@ rule and one clean shutdown.
 from __future__ import annotations
 
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -126,7 +127,7 @@ class ActorGroup:
         remove_placement_groups(self.pgs)
         self.pgs = []
 
-    def __enter__(self) -> "ActorGroup":
+    def __enter__(self) -> ActorGroup:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -169,7 +169,7 @@ class DeepSpeedBackend:
     def base_optimizer(self) -> torch.optim.Optimizer:
         """The torch AdamW underneath DeepSpeed's ZeRO/bf16 wrappers (holds the moments)."""
         opt = self.engine.optimizer
-        while hasattr(opt, "optimizer") and isinstance(getattr(opt, "optimizer"), torch.optim.Optimizer):
+        while hasattr(opt, "optimizer") and isinstance(opt.optimizer, torch.optim.Optimizer):
             opt = opt.optimizer
         return opt
 

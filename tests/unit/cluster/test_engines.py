@@ -6,6 +6,7 @@ production layout's TP-2 engines pin vLLM's workers to their bundles."""
 from __future__ import annotations
 
 import asyncio
+
 import pytest
 import torch
 

@@ -11,9 +11,9 @@ import torch
 
 pytest.importorskip("deepspeed")
 
-from rstar2_core.cluster.layout import ClusterLayout, TrainerShard  # noqa: E402
-from rstar2_core.cluster.trainer import split_by_tokens  # noqa: E402
-from rstar2_core.rollout.types import Trajectory  # noqa: E402
+from rstar2_core.cluster.layout import ClusterLayout, TrainerShard
+from rstar2_core.cluster.trainer import split_by_tokens
+from rstar2_core.rollout.types import Trajectory
 
 
 def tiny_model():

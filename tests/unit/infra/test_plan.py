@@ -37,7 +37,6 @@ def test_production_plan(capsys):
 def test_plan_labels_match_the_flow_run_names():
     context = pytest.importorskip("tasks.context")
     from rstar2_cli.plan import recipe_dag
-
     from tasks.runners import TASK_KINDS
 
     cfg = load_config("qwen3-14b-mi300x")

@@ -12,8 +12,8 @@ import torch
 
 deepspeed = pytest.importorskip("deepspeed")
 
-from rstar2_core.models.backend import TorchBackend  # noqa: E402
-from rstar2_core.models.deepspeed_backend import DeepSpeedBackend, deepspeed_config  # noqa: E402
+from rstar2_core.models.backend import TorchBackend
+from rstar2_core.models.deepspeed_backend import DeepSpeedBackend, deepspeed_config
 
 
 def _free_port() -> int:
