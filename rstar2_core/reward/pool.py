@@ -11,8 +11,8 @@ clock then (a replacement worker's import time is never charged to an item). An 
 deadline (`timeout_s` of wall time; longer, up to `starved_grace` x, only while its worker is starved of
 CPU by other load, see `next_check`) gets reward 0 with reason `grader_timeout`, and its worker is killed (SIGKILL) and replaced;
 a worker that dies mid-item gives `grader_error`. The pool never hangs on an item and never uses
-`signal.alarm` (RECIPE.md: alarm-based graders fail silently in threads). `grade_many` itself is meant
-to be called from one thread at a time.
+`signal.alarm` (RECIPE.md: alarm-based graders fail silently in threads). Concurrent `grade_many` calls
+from several threads are serialised; workers die with their parent (Linux `PR_SET_PDEATHSIG`).
 
 Counters `timeouts`, `errors`, `restarts` and `graded` are kept for metrics (`eval/grader_timeouts`, ...).
 """
@@ -25,6 +25,7 @@ import pickle
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -39,12 +40,29 @@ log = logging.getLogger(__name__)
 GradeFn = Callable[[str, str], GradeResult]
 
 
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this worker when its parent dies, so a hung item cannot outlive a crashed
+    trainer or a killed Ray actor (an idle worker exits anyway when its socket closes). The kernel
+    ties this to the *thread* that spawned the worker; a worker lost because that thread ended is
+    seen as a dead idle worker and replaced on the next `grade_many`."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(0)
+
+
 def _worker_main(fd: int) -> None:
     """Entry point of a worker process: `fd` is its end of the socket pair."""
     import resource
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    _die_with_parent()
     os.dup2(2, 1)  # a stray print must not land in the parent's stdout (`rstar2 grade` streams JSONL there)
     conn = Connection(fd)
     sys.path[:] = conn.recv()  # the parent's path first, so that grade_fn's module imports
@@ -138,6 +156,7 @@ class GraderPool:
             raise ValueError(f"starved_grace={starved_grace}: use 1.0 (pure wall-clock timeout) or more")
         self.starved_grace = float(starved_grace)
         self._workers: list[_Worker] = []
+        self._lock = threading.Lock()  # grade_many calls from several threads run one after the other
         self.graded = self.timeouts = self.errors = self.restarts = 0
 
     # ------------------------------------------------------------------ lifecycle
@@ -200,6 +219,10 @@ class GraderPool:
 
         An item that is not a pair of strings gets `invalid_request` without reaching a worker.
         """
+        with self._lock:
+            return self._grade_many(items)
+
+    def _grade_many(self, items: list[tuple[str, str]]) -> list[GradeResult]:
         self.start()
         for slot, w in enumerate(self._workers):
             if w.busy:  # left over from a call that was interrupted: its answers must not be mixed in

@@ -73,3 +73,41 @@ def test_bad_arguments_are_rejected():
         GraderPool(workers=-1)
     with pytest.raises(ValueError, match="starved_grace"):
         GraderPool(starved_grace=0.5)
+
+
+_ORPHAN_SCRIPT = r"""
+import os, threading, time
+from rstar2_core.reward import GraderPool
+pool = GraderPool(workers=1, timeout_s=600)
+pool.start()
+threading.Thread(target=pool.grade_many, args=([(r"\boxed{(10^{8})!}", "5")],), daemon=True).start()
+while not any(w.busy for w in pool._workers):
+    time.sleep(0.05)
+print(pool._workers[0].proc.pid, flush=True)
+time.sleep(0.5)
+os._exit(0)  # the parent dies abruptly while its worker is deep in a hang
+"""
+
+
+def test_worker_dies_with_its_parent():
+    import subprocess
+    import sys
+
+    import psutil
+
+    proc = subprocess.Popen([sys.executable, "-c", _ORPHAN_SCRIPT], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    with proc.stdout:  # not read to EOF: an orphaned worker would hold the pipe open
+        pid = int(proc.stdout.readline())
+        assert proc.wait(timeout=60) == 0
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                break
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.1)
+    else:
+        psutil.Process(pid).kill()
+        pytest.fail("the grader worker outlived its parent")
