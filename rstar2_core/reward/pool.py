@@ -3,18 +3,20 @@
     with GraderPool(workers=2, timeout_s=5.0) as pool:
         results = pool.grade_many([(response_text, gold), ...])   # list[GradeResult], same order
 
-Each worker is a fresh `python` process (started with `subprocess`, talking over a socket pair: no
-fork of a parent that holds threads, a model or a CUDA context, and no multiprocessing resource-tracker
-process left behind) that imports the grader once, sets an address-space limit, says "ready", and then grades one item at
-a time from its pipe. The parent sends an item only to a ready, idle worker and starts the item's
-clock then (a replacement worker's import time is never charged to an item). An item that passes its
-deadline (`timeout_s` of wall time; longer, up to `starved_grace` x, only while its worker is starved of
-CPU by other load, see `next_check`) gets reward 0 with reason `grader_timeout`, and its worker is killed (SIGKILL) and replaced;
-a worker that dies mid-item gives `grader_error`. The pool never hangs on an item and never uses
-`signal.alarm` (RECIPE.md: alarm-based graders fail silently in threads). Concurrent `grade_many` calls
-from several threads are serialised; workers die with their parent (Linux `PR_SET_PDEATHSIG`).
+Workers are fresh `python` processes started with `subprocess`, one socket pair each: no fork of a
+parent that holds threads, a model or a CUDA context, and no multiprocessing helper process left
+behind. A worker sets an address-space limit, imports the grader and runs one CAS comparison, then
+says "ready" (so import time is never charged to an item) and grades items one at a time. The parent
+keeps a few items queued per ready worker and starts an item's clock when the worker starts it.
+An item past its deadline (`timeout_s` of wall time; longer, up to `starved_grace` x, only while its
+worker is starved of CPU by other load: see `next_check`) gets reward 0 with reason
+`grader_timeout`; its worker is SIGKILLed and replaced and the items queued behind it go back to the
+queue. A worker that dies mid-item gives `grader_error`. The pool never hangs on an item and never
+uses `signal.alarm` (RECIPE.md: alarm-based graders fail silently in threads). Concurrent
+`grade_many` calls from several threads are serialised; workers die with their parent (Linux
+`PR_SET_PDEATHSIG`).
 
-Counters `timeouts`, `errors`, `restarts` and `graded` are kept for metrics (`eval/grader_timeouts`, ...).
+Counters `graded`, `timeouts`, `errors` and `restarts` are kept for metrics (`eval/grader_timeouts`, ...).
 """
 
 from __future__ import annotations
@@ -135,7 +137,8 @@ class GraderPool:
     """A pool of grader processes; `workers=0` means one per CPU core.
 
     `grade_fn` (default `grade_response`) must be a module-level function (it is pickled by reference
-    into the workers, which get this process's `sys.path`); `memory_mb` caps each worker's address space (0 = no cap).
+    into the workers, which get this process's `sys.path`); `memory_mb` caps each worker's address
+    space (0 = no cap).
     An item is stopped after `timeout_s` seconds of wall time, unless its worker got less than half of
     that in CPU time (starved by other load on a shared machine, not hung): then it may run on until
     it has had that CPU, but never past `starved_grace * timeout_s` of wall time (1.0 = wall only).
