@@ -2,6 +2,8 @@
 each running a `LocalSandbox` on that node's CPUs, behind the same async API as the local service
 (`await pool.run(req)`, `await pool.run_batch(reqs)`, `run_sync`, `close()`).
 
+- Placement: by default one actor per node (node affinity); or one per given placement-group bundle
+  (the sandbox bundles of `cluster/layout.py`), holding that bundle's CPUs.
 - Backpressure: at most `max_inflight_per_actor` requests are outstanding on an actor (default
   4 x its workers); callers beyond that wait, so a burst of 45K tool calls queues in the caller, not in
   the object store.
@@ -21,7 +23,8 @@ import math
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from ray.util.placement_group import PlacementGroup
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from rstar2_core.config import SandboxConfig
 from rstar2_core.sandbox.service import validate
@@ -63,10 +66,10 @@ class SandboxActor:
 
 
 class _Slot:
-    __slots__ = ("node_id", "workers", "actor", "inflight", "generation")
+    __slots__ = ("node_id", "workers", "options", "actor", "inflight", "generation")
 
-    def __init__(self, node_id: str, workers: int):
-        self.node_id, self.workers = node_id, workers
+    def __init__(self, node_id: str, workers: int, options: dict):
+        self.node_id, self.workers, self.options = node_id, workers, options
         self.actor = None
         self.inflight = 0
         self.generation = 0
@@ -75,20 +78,32 @@ class _Slot:
 class RaySandboxPool:
     """Sandbox actors over every alive Ray node with CPUs."""
 
-    def __init__(self, cfg: SandboxConfig, max_inflight_per_actor: int = 0, chunk: int = 16):
+    def __init__(self, cfg: SandboxConfig, max_inflight_per_actor: int = 0, chunk: int = 16,
+                 placements: list[tuple[PlacementGroup, int, int]] | None = None):
+        """`placements`: (placement group, bundle index, CPUs) per actor, e.g. from the sandbox slots of
+        `cluster/layout.py`; the actor then holds that bundle's CPUs. Without it: `ray_actors_per_node`
+        actors (default 1) on every alive node with CPUs, pinned by node affinity, reserving no CPU in
+        Ray's accounting (they use the node's CPUs outside of Ray tasks)."""
         if not ray.is_initialized():
             raise RuntimeError("RaySandboxPool needs Ray: call ray.init() (or ray.init(address=...)) first, "
                                "or use sandbox.backend = 'local'")
         self.cfg, self.chunk = cfg, max(1, chunk)
         self._cfg_dict = cfg.model_dump()
         self.slots: list[_Slot] = []
+        if placements:
+            for pg, index, cpus in placements:
+                strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)
+                self.slots.append(_Slot(f"pg{pg.id.hex()[:8]}/{index}", cfg.workers or 2 * max(1, cpus),
+                                        {"num_cpus": cpus, "scheduling_strategy": strategy}))
         per_node = cfg.ray_actors_per_node or 1
-        for node in ray.nodes():
+        for node in [] if placements else ray.nodes():
             cpus = int(node.get("Resources", {}).get("CPU", 0))
             if not node.get("Alive") or cpus <= 0:
                 continue
             workers = cfg.workers or max(1, 2 * cpus // per_node)
-            self.slots += [_Slot(node["NodeID"], workers) for _ in range(per_node)]
+            strategy = NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
+            self.slots += [_Slot(node["NodeID"], workers, {"num_cpus": 0, "scheduling_strategy": strategy})
+                           for _ in range(per_node)]
         if not self.slots:
             raise RuntimeError("no alive Ray node with CPUs: nothing to run the sandbox on")
         for s in self.slots:
@@ -99,10 +114,7 @@ class RaySandboxPool:
         self._closed = False
 
     def _start(self, s: _Slot) -> None:
-        s.actor = SandboxActor.options(
-            num_cpus=1, max_concurrency=1000,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(s.node_id, soft=False),
-        ).remote(self._cfg_dict, s.workers)
+        s.actor = SandboxActor.options(max_concurrency=1000, **s.options).remote(self._cfg_dict, s.workers)
         s.generation += 1
 
     def _replace(self, s: _Slot, generation: int) -> None:
@@ -168,7 +180,7 @@ class RaySandboxPool:
         except (RayActorError, RayTaskError) as e:
             if isinstance(e, RayActorError):
                 self._replace(s, gen)
-            why = f"sandbox actor on node {s.node_id[:8]} failed: {type(e).__name__}"
+            why = f"sandbox actor {s.node_id[:12]} failed: {type(e).__name__}"
             return [ExecutionResult(id=r.id, status=Status.INTERNAL, stdout="", stderr=why, exit_code=None,
                                     duration_s=0.0, truncated=False) for r in reqs]
         finally:

@@ -23,9 +23,16 @@ def pool():
     ray = pytest.importorskip("ray")
     started = False
     if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
-                 object_store_memory=100 * 1024 * 1024, _node_ip_address="127.0.0.1",
-                 _temp_dir=f"/tmp/rstar2-ray-sbx-{os.getuid()}")
+        for attempt in range(2):  # Ray gives its raylet 30 s to register: a loaded 2-core host can miss it
+            try:
+                ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
+                         object_store_memory=100 * 1024 * 1024, _node_ip_address="127.0.0.1",
+                         _temp_dir=f"/tmp/rstar2-ray-sbx-{os.getuid()}")
+                break
+            except Exception as e:  # noqa: BLE001 - only the start-up timeout is retried
+                ray.shutdown()
+                if attempt or "timed out during startup" not in str(e):
+                    raise
         started = True
     from rstar2_core.cluster.sandbox_pool import RaySandboxPool
 
@@ -68,3 +75,21 @@ def test_grading_runs_on_the_actors(pool):
     pytest.importorskip("rstar2_core.reward")
     out = asyncio.run(pool.grade_many([("<answer>\\boxed{42}</answer>", "42"), ("<answer>\\boxed{41}</answer>", "42")]))
     assert [g.reward for g in out] == [1.0, 0.0]
+
+
+def test_pool_on_a_placement_group_bundle(pool):
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from rstar2_core.cluster.sandbox_pool import RaySandboxPool
+
+    pg = placement_group([{"CPU": 1}], strategy="STRICT_PACK")
+    ray.get(pg.ready(), timeout=60)
+    p2 = RaySandboxPool(small_cfg(preload=["math"], backend="ray", workers=0), placements=[(pg, 0, 1)])
+    try:
+        assert [s.workers for s in p2.slots] == [2]
+        res = asyncio.run(p2.run_batch([ExecutionRequest(code="6 * 7", id="pg")]))
+        assert (res[0].id, res[0].stdout) == ("pg", "42\n")
+    finally:
+        p2.close()
+        remove_placement_group(pg)
