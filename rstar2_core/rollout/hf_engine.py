@@ -16,7 +16,9 @@ Prefix reuse: when a request finishes, its slot keeps the KV of the tokens it fe
 whose prompt starts with those tokens (the same trajectory's next turn: previous prompt + its
 generation + tool-response tokens) reuses that slot and prefills only the new suffix. This is why
 the scheduler keeps a trajectory on one engine across turns. Free slots with no cached prefix are
-used first; otherwise the least recently used cached prefix is evicted.
+used first; otherwise the least recently used cached prefix is evicted. A prefix shared with any
+other slot, running or cached (the system prompt, the same problem's other samples), is copied from
+it instead of prefilled (a memory copy of that many positions).
 
 Weights: `update_weights(state_dict | checkpoint URI)` loads between decode steps under the same
 lock the loop holds for each step, and drops every cached prefix (its KV came from the old weights).
@@ -102,7 +104,7 @@ class HFEngine:
         self._cached: dict[int, tuple[tuple[int, ...], float]] = {}   # free slot -> (fed tokens, last use)
         self._closed = False
         self._thread: threading.Thread | None = None
-        self.stats = {"decode_steps": 0, "decode_tokens": 0, "prefill_tokens": 0, "reused_tokens": 0,
+        self.stats = {"decode_steps": 0, "decode_tokens": 0, "prefill_tokens": 0, "reused_tokens": 0, "copied_tokens": 0,
                       "decode_s": 0.0, "prefill_s": 0.0}
 
     # ------------------------------------------------------------------------------- Engine API
@@ -188,21 +190,33 @@ class HFEngine:
         return self._kv
 
     def _take_slot(self, prompt: list[int]) -> tuple[int, int]:
-        """(slot, reusable prefix length) for a new request: longest cached prefix, else an empty slot,
-        else the least recently used cached one."""
+        """(slot, reusable prefix length) for a new request. The slot: a free one whose cached tokens
+        share the longest prefix with the prompt, else an empty one, else the least recently used. If
+        another slot (running or cached) shares a longer prefix, e.g. the same system prompt, its KV
+        for that prefix is copied over: KV at a position depends only on the tokens up to it."""
+        limit = len(prompt) - 1                      # at least one prompt token is fed
+
+        def shared(toks) -> int:
+            n, m = 0, min(len(toks), limit)
+            while n < m and toks[n] == prompt[n]:
+                n += 1
+            return n
+
         free = [s for s in range(self.slots) if s not in self._active]
-        best, best_len = None, 0
-        for s in free:
-            if s in self._cached:
-                toks = self._cached[s][0]
-                n = min(len(toks), len(prompt) - 1)        # at least one prompt token is fed
-                if n > best_len and tuple(prompt[:n]) == toks[:n]:
-                    best, best_len = s, n
-        if best is None:
+        lengths = {s: shared(self._cached[s][0]) for s in free if s in self._cached}
+        target = max(lengths, key=lengths.get) if lengths and max(lengths.values()) > 0 else None
+        if target is None:
             empty = [s for s in free if s not in self._cached]
-            best = empty[0] if empty else min(free, key=lambda s: self._cached[s][1])
-        self._cached.pop(best, None)
-        return best, best_len
+            target = empty[0] if empty else min(free, key=lambda s: self._cached[s][1])
+        reuse = lengths.get(target, 0)
+        lengths.update({s: shared(r.fed_tokens()) for s, r in self._active.items()})
+        src = max((s for s in lengths if s != target), key=lengths.get, default=None)
+        self._cached.pop(target, None)
+        if src is not None and lengths[src] > reuse:
+            reuse = lengths[src]
+            self._store().copy_slot(src, target, reuse)
+            self.stats["copied_tokens"] += reuse
+        return target, reuse
 
     def _admit(self) -> None:
         while True:

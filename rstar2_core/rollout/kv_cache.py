@@ -93,6 +93,7 @@ class SlotKVCache:
 
     def copy_slot(self, src: int, dst: int, length: int) -> None:
         """Copy the first `length` positions of one slot into another (prefix reuse)."""
+        self.ensure_initialised(max(src, dst) + 1)
         for k, v in zip(self.keys, self.values):
             k[dst, :, :length] = k[src, :, :length]
             v[dst, :, :length] = v[src, :, :length]

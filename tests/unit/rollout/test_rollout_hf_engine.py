@@ -163,3 +163,17 @@ def test_bad_requests_are_refused_with_the_fix(model, tokenizer):
     assert HFEngine(model, tokenizer, max_batch_size=8, max_seq_len=64).kv_capacity_tokens() == 8 * 64
     assert HFEngine(model, tokenizer, max_batch_size=8, max_seq_len=64,
                     kv_capacity_tokens=200).kv_capacity_tokens() == 3 * 64
+
+
+def test_shared_prompt_prefix_is_copied_not_prefilled(model, tokenizer):
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
+    shared = list(range(20, 40))
+    prompts = [shared + [3, 4], shared + [5], shared + [3, 4]]
+    engine = HFEngine(model, tokenizer, max_batch_size=3, max_seq_len=64)
+    outs = _run(_staggered(engine, prompts, lambda i: greedy, gap_s=0.0))
+    assert engine.stats["copied_tokens"] == len(shared) + (len(shared) + 1)   # third copies 21 from the first
+    assert engine.stats["prefill_tokens"] == len(prompts[0]) + 1 + 1
+    for p, out in zip(prompts, outs):
+        alone = _run(_staggered(HFEngine(model, tokenizer, max_batch_size=1, max_seq_len=64), [p], lambda i: greedy))
+        assert out.token_ids == alone[0].token_ids
+        assert out.logprobs == pytest.approx(_forward_logprobs(model, p, out.token_ids), abs=1e-4)

@@ -10,6 +10,7 @@ import importlib
 import sys
 import types
 from types import SimpleNamespace
+from typing import ClassVar
 
 import pytest
 
@@ -25,7 +26,7 @@ class _Kind(enum.Enum):
 class FakeAsyncLLM:
     """Emits prompt[-1]+1, +2, ... until a stop id, a stop string (when the text has one) or max_tokens."""
 
-    instances: list[FakeAsyncLLM] = []
+    instances: ClassVar[list[FakeAsyncLLM]] = []
 
     def __init__(self, args):
         self.args, self.calls, self.aborted, self.rpcs, self.resets, self.loops = args, [], [], [], 0, set()
@@ -106,7 +107,7 @@ def test_requests_are_token_in_token_out_and_outputs_convert(fake_vllm):
     assert a.logprobs == pytest.approx((-0.1, -0.2, -0.3))         # the sampled token's entry, not the others
     assert b.token_ids == (46, 47, 48) and b.finish_reason == "length"
     assert c.token_ids == (48, 49, 50) and c.stop_string == "x"
-    prompt, sp, rid = fake.calls[0]
+    prompt, sp, _ = fake.calls[0]
     assert prompt == {"prompt_token_ids": [7, 40]}
     assert (sp.max_tokens, sp.temperature, sp.top_p, sp.seed, sp.n) == (5, 0.6, 0.9, 4, 1)
     assert sp.stop == ["x"] and sp.stop_token_ids == [43] and sp.include_stop_str_in_output
