@@ -176,6 +176,7 @@ class _Dispatcher:
         base = self.cfg.uid_base + (self.kinds.index(kind) * self.n_per_kind + index) * self.workers
         settings = {"kind": kind, "index": index, "preload": self.preload[kind], "slots": self.workers,
                     "uid_base": base, "workdir": self.workdir, "network": self.cfg.network, "namespaces": self.cfg.namespaces,
+                    "scratch_mb": self.cfg.scratch_mb,
                     "ctrl_in": to_r, "ctrl_out": from_w, "parent_pid": os.getpid()}
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8", "HOME": self.workdir,
                "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",

@@ -45,6 +45,7 @@ import time
 
 CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x20000, 0x10000000, 0x20000000, 0x40000000
 PR_SET_PDEATHSIG, PR_SET_KEEPCAPS, PR_SET_NO_NEW_PRIVS = 1, 8, 38
+MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 2, 4, 1 << 14, 1 << 18
 CAP_DAC_READ_SEARCH = 2
 _CAP_V3 = 0x20080522
 SYS_CLONE = 56 if os.uname().machine == "x86_64" else 220  # aarch64: 220
@@ -112,10 +113,24 @@ def _clone_newpid() -> int:
 
 
 # ------------------------------------------------------------------------------------ host set-up
-def setup_isolation(network: str, namespaces: bool = True) -> dict:
-    """Enter a network namespace (and a user namespace when not root), probe PID namespaces."""
+def mount_scratch(workdir: str, size_mb: int) -> None:
+    """A private mount namespace with a size-limited tmpfs over `workdir` for the calls' directories:
+    rmdir on the host's disk cost ~4 ms per call here (ext4 mounted with `discard`), on tmpfs ~5 us,
+    and the size limit bounds what all calls of this template can write there at once."""
+    _unshare(CLONE_NEWNS)
+    for args in ((None, b"/", None, MS_REC | MS_PRIVATE, None),
+                 (b"rstar2-scratch", workdir.encode(), b"tmpfs", MS_NOSUID | MS_NODEV,
+                  f"size={int(size_mb)}m,mode=711".encode())):
+        if _libc.mount(*args) != 0:
+            e = ctypes.get_errno()
+            raise OSError(e, f"mount {args[1]!r}: {os.strerror(e)}")
+
+
+def setup_isolation(network: str, namespaces: bool = True, workdir: str = "", scratch_mb: int = 0) -> dict:
+    """Enter a network namespace (and a user namespace when not root), mount the scratch tmpfs,
+    probe PID namespaces."""
     f = {"root": os.geteuid() == 0, "userns": False, "netns": False, "pidns": False, "uid_drop": False,
-         "notes": []}
+         "scratch_tmpfs": False, "notes": []}
     uid, gid = os.getuid(), os.getgid()
     if not namespaces:
         f["notes"].append("namespaces disabled by configuration (sandbox.namespaces = false)")
@@ -141,6 +156,12 @@ def setup_isolation(network: str, namespaces: bool = True) -> dict:
             f["netns"] = f["netns"] or network == "isolated"
         except OSError as e:
             f["notes"].append(f"unshare(CLONE_NEWUSER): {e.strerror}")
+    if workdir and scratch_mb:
+        try:
+            mount_scratch(workdir, scratch_mb)
+            f["scratch_tmpfs"] = True
+        except OSError as e:
+            f["notes"].append(f"scratch tmpfs: {e.strerror or e}; call directories stay on the host's disk")
     try:
         pid = _clone_newpid()
         if pid == 0:
@@ -366,7 +387,8 @@ class Template:
         _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         if os.getppid() != self.s["parent_pid"]:
             os._exit(1)
-        feats = setup_isolation(self.s["network"], self.s.get("namespaces", True))
+        feats = setup_isolation(self.s["network"], self.s.get("namespaces", True), self.s["workdir"],
+                                self.s.get("scratch_mb", 0))
         for name in ("ast", "io", "linecache", "traceback", "types"):  # what _run_program needs
             importlib.import_module(name)
         loaded, missing = [], []

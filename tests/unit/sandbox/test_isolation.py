@@ -173,6 +173,9 @@ def test_files_written_go_away(light_only):
     cwd = r.stdout.strip()
     assert r.status is Status.OK and cwd.startswith(light_only._d.workdir)
     assert not os.path.exists(cwd)
+    # Seen from the sandbox itself (the directories may live on the template's private tmpfs):
+    r = run(light_only, f"import os\nprint(os.path.exists({cwd!r}), os.path.exists(os.getcwd()))")
+    assert r.stdout == "False True\n"
     r = run(light_only, "open('big', 'wb').write(b'x' * (80 << 20))")  # over RLIMIT_FSIZE (64 MiB)
     assert r.status is not Status.OK
 
