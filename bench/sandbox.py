@@ -35,8 +35,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rstar2_core.config import SandboxConfig  # noqa: E402
-from rstar2_core.sandbox import ExecutionRequest, LocalSandbox, Status  # noqa: E402
+from rstar2_core.config import SandboxConfig
+from rstar2_core.sandbox import ExecutionRequest, LocalSandbox, Status
 
 TRIVIAL = "print(sum(range(1000)))"
 SYMPY = "import sympy; print(sympy.factorint(2**64+1))"
@@ -93,7 +93,8 @@ def naive_caller(pool: concurrent.futures.ThreadPoolExecutor, timeout_s: float, 
 
     def blocking(code: str) -> str:
         try:
-            p = subprocess.run([sys.executable, "-c", prefix + code], timeout=timeout_s, capture_output=True)
+            p = subprocess.run([sys.executable, "-c", prefix + code], timeout=timeout_s, capture_output=True,
+                               check=False)
         except subprocess.TimeoutExpired:
             return "timeout"
         return "ok" if p.returncode == 0 else "error"

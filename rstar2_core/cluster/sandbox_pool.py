@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from typing import Self
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
@@ -66,7 +67,7 @@ class SandboxActor:
 
 
 class _Slot:
-    __slots__ = ("node_id", "workers", "options", "actor", "inflight", "generation")
+    __slots__ = ("actor", "generation", "inflight", "node_id", "options", "workers")
 
     def __init__(self, node_id: str, workers: int, options: dict):
         self.node_id, self.workers, self.options = node_id, workers, options
@@ -122,13 +123,13 @@ class RaySandboxPool:
             return  # another caller already replaced it
         try:
             ray.kill(s.actor)
-        except Exception:  # noqa: BLE001 - it is dead already
+        except Exception:  # noqa: BLE001, S110 - it is dead already
             pass
         self.replacements += 1
         self._start(s)
 
     # -- lifecycle
-    async def __aenter__(self) -> "RaySandboxPool":
+    async def __aenter__(self) -> Self:
         await self.health()
         return self
 
@@ -155,7 +156,7 @@ class RaySandboxPool:
             try:
                 info = await asyncio.wait_for(s.actor.ping.remote(), timeout_s)
                 out.append({**info, "healthy": True})
-            except (RayActorError, asyncio.TimeoutError) as e:
+            except (TimeoutError, RayActorError) as e:
                 out.append({"node_id": s.node_id, "healthy": False, "error": type(e).__name__})
                 self._replace(s, gen)
         return out

@@ -13,7 +13,8 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import json
-from typing import IO, Callable
+from collections.abc import Callable
+from typing import IO
 
 from rstar2_core.sandbox.types import ExecutionRequest, ExecutionResult, Status
 

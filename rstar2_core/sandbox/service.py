@@ -41,9 +41,10 @@ import tempfile
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Self
 
 from rstar2_core.config import SandboxConfig
 from rstar2_core.sandbox.types import ExecutionRequest, ExecutionResult, Status
@@ -137,7 +138,7 @@ class _Dispatcher:
         self.preload = {"light": light, "heavy": list(cfg.preload)}
         self.kinds = ["light", "heavy"] if set(light) != set(cfg.preload) else ["light"]
         words = [re.escape(m) for m in cfg.heavy_modules]
-        self.heavy_re = re.compile(r"\b(?:%s)\b" % "|".join(words)) if words and "heavy" in self.kinds else None
+        self.heavy_re = re.compile(r"\b(?:{})\b".format("|".join(words))) if words and "heavy" in self.kinds else None
         self.n_per_kind = max(1, math.ceil(workers / 4))
 
     # ---------------------------------------------------------------------------- other threads
@@ -163,7 +164,7 @@ class _Dispatcher:
             for kind in self.kinds:
                 self.templates[kind] = [self._spawn(kind, i) for i in range(self.n_per_kind)]
             self._loop()
-        except BaseException as e:  # noqa: BLE001 - report to callers instead of dying silently
+        except BaseException as e:
             self.start_error = self.start_error or f"sandbox dispatcher crashed: {type(e).__name__}: {e}"
             self.started.set()
             raise
@@ -394,7 +395,7 @@ class LocalSandbox:
         self._finalizer: weakref.finalize | None = None
 
     # -- lifecycle
-    def start(self) -> "LocalSandbox":
+    def start(self) -> LocalSandbox:
         with self._lock:
             if self._closed:
                 raise SandboxError("this sandbox was closed; make a new one with make_sandbox(cfg)")
@@ -422,14 +423,14 @@ class LocalSandbox:
             if self._finalizer is not None:
                 self._finalizer()
 
-    async def __aenter__(self) -> "LocalSandbox":
+    async def __aenter__(self) -> Self:
         await asyncio.to_thread(self.start)
         return self
 
     async def __aexit__(self, *exc) -> None:
         await asyncio.to_thread(self.close)
 
-    def __enter__(self) -> "LocalSandbox":
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc) -> None:

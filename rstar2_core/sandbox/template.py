@@ -282,7 +282,7 @@ def _run_program(code: str) -> int:
         main = types.ModuleType("__main__")
         main.__builtins__ = builtins
         sys.modules["__main__"] = main
-        exec(compile(tree, FILENAME, "exec"), main.__dict__)
+        exec(compile(tree, FILENAME, "exec"), main.__dict__)  # noqa: S102 - running it is the point
         if last is not None:
             value = eval(compile(last, FILENAME, "eval"), main.__dict__)
             if value is not None:
@@ -307,7 +307,7 @@ def _run_program(code: str) -> int:
     if "threading" in sys.modules:  # wait for non-daemon threads, as the interpreter would
         try:
             sys.modules["threading"]._shutdown()
-        except BaseException:  # noqa: BLE001
+        except BaseException:  # noqa: BLE001, S110 - the program's threads are its own business
             pass
     return _flush(rc)
 
@@ -325,15 +325,31 @@ def _flush(rc: int) -> int:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except BaseException:  # noqa: BLE001 - a closed or broken pipe: nothing left to tell
+        except BaseException:  # noqa: BLE001, S110 - a closed or broken pipe: nothing left to tell
             pass
     return rc
 
 
 # ------------------------------------------------------------------------------- the parent side
 class _Call:
-    __slots__ = ("req", "pid", "pidfd", "cwd", "slot", "t0", "deadline", "out", "err", "stdin",
-                 "stdin_fd", "open_fds", "kill_reason", "exited", "wait_status", "rusage")
+    __slots__ = (
+        "cwd",
+        "deadline",
+        "err",
+        "exited",
+        "kill_reason",
+        "open_fds",
+        "out",
+        "pid",
+        "pidfd",
+        "req",
+        "rusage",
+        "slot",
+        "stdin",
+        "stdin_fd",
+        "t0",
+        "wait_status",
+    )
 
     def __init__(self, req: dict, slot: int, cwd: str):
         self.req, self.slot, self.cwd = req, slot, cwd
@@ -347,7 +363,7 @@ class _Call:
 class _Capture:
     """Keeps the first bytes of a stream (enough for max_chars characters), counts the rest."""
 
-    __slots__ = ("keep", "chunks", "kept", "total")
+    __slots__ = ("chunks", "keep", "kept", "total")
 
     def __init__(self, req: dict):
         self.keep = 4 * int(req["max_chars"]) + 4
@@ -531,10 +547,9 @@ class Template:
                 self._close_fd(call, fd)
                 return
             cap.add(data)
-            if call.kill_reason is None and not call.exited:
-                if cap.total > int(call.req["drain_bytes"]) or (
-                        call.req["mode"] == "reject" and cap.total > cap.keep):
-                    self._kill(call, "output")
+            over = cap.total > int(call.req["drain_bytes"]) or (call.req["mode"] == "reject" and cap.total > cap.keep)
+            if over and call.kill_reason is None and not call.exited:
+                self._kill(call, "output")
 
     def _kill(self, call: _Call, reason: str) -> None:
         call.kill_reason = reason

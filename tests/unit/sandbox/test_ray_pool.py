@@ -29,7 +29,7 @@ def pool():
                          object_store_memory=100 * 1024 * 1024, _node_ip_address="127.0.0.1",
                          _temp_dir=f"/tmp/rstar2-ray-sbx-{os.getuid()}")
                 break
-            except Exception as e:  # noqa: BLE001 - only the start-up timeout is retried
+            except Exception as e:
                 ray.shutdown()
                 if attempt or "timed out during startup" not in str(e):
                     raise

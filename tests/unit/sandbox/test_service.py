@@ -134,7 +134,7 @@ def test_cli_run_contract():
     env = {**os.environ, "RSTAR2_HOME": str(ROOT / ".rstar2" / "test")}
     p = subprocess.run([sys.executable, "-m", "rstar2_cli.main", "sandbox", "run", "--workers", "2", "--timeout-s", "1",
                         "--memory-mb", "256", "--set", "sandbox.preload=[\"math\"]"],
-                       input="\n".join(reqs) + "\n", capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+                       input="\n".join(reqs) + "\n", capture_output=True, text=True, cwd=ROOT, env=env, timeout=120, check=False)
     assert p.returncode == 0, p.stderr
     rows = [json.loads(x) for x in p.stdout.splitlines()]
     assert [(r["id"], r["status"]) for r in rows] == [("1", "ok"), (None, "invalid_request"), ("2", "timeout"), ("3", "ok")]
@@ -142,5 +142,5 @@ def test_cli_run_contract():
     assert rows[2]["exit_code"] is None and 0.9 < rows[2]["duration_s"] < 3
     assert rows[3]["stdout"] == "None\n"
     bad = subprocess.run([sys.executable, "-m", "rstar2_cli.main", "sandbox", "run", "--timeout-s", "-1"],
-                         input="", capture_output=True, text=True, cwd=ROOT, env=env, timeout=60)
+                         input="", capture_output=True, text=True, cwd=ROOT, env=env, timeout=60, check=False)
     assert bad.returncode != 0 and "timeout_s" in bad.stderr
