@@ -121,6 +121,10 @@ class DataConfig(_Section):
     """External problem sets to curate (the paper: DAPO 17K, OpenMathReasoning AoPS 93K, Project Euler 937)."""
     synthetic: SyntheticConfig = Field(default_factory=SyntheticConfig)
     """The synthetic tool-use task."""
+    sft_sources: list[str] = Field(default_factory=list)
+    """fsspec URLs of extra SFT conversations (JSONL rows {"problem", "turns": [[assistant_text,
+    [tool_response, ...] or null], ...]}) mixed into the SFT set; malformed rows are rejected and
+    counted. The paper: 165K function-call + 30K instruction-following + 27K chat samples."""
     max_answer_digits: int = Field(30, ge=1)
     """Drop answers with more digits than this (huge answers time out the verifier)."""
     near_dup_threshold: float = Field(0.85, gt=0.0, le=1.0)

@@ -37,12 +37,18 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from math import comb, factorial
-from typing import Callable, Sequence
 
-from rstar2_core.chat.tokens import (ANSWER_CLOSE, ANSWER_OPEN, REASON_CLOSE, TOOL_CALL_CLOSE, TOOL_CALL_OPEN,
-                                     TOOL_NAME)
+from rstar2_core.chat.tokens import (
+    ANSWER_CLOSE,
+    ANSWER_OPEN,
+    REASON_CLOSE,
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    TOOL_NAME,
+)
 from rstar2_core.sandbox.types import ExecutionRequest, ExecutionResult, Status
 
 SPLITS = ("sft", "rl", "eval")
@@ -279,7 +285,7 @@ def _subprocess_execute(reqs: Sequence[ExecutionRequest], timeout_s: float) -> l
     def one(r: ExecutionRequest) -> ExecutionResult:
         t0 = time.perf_counter()
         try:
-            p = subprocess.run([sys.executable, "-c", r.code], input=r.stdin, capture_output=True, text=True,
+            p = subprocess.run([sys.executable, "-c", r.code], check=False, input=r.stdin, capture_output=True, text=True,
                                timeout=timeout_s)
         except subprocess.TimeoutExpired as e:
             out, err = (x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr))

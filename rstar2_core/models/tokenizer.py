@@ -26,13 +26,22 @@ through `ChatFormat` before the real tokenizer exists.
 from __future__ import annotations
 
 import json
-from typing import Iterable
+from collections.abc import Iterable
 
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from rstar2_core.chat.tokens import (ENDOFTEXT, IM_END, IM_START, REASON_OPEN, SPECIAL_TOKENS, TOOL_CALL_CLOSE,
-                                     TOOL_CALL_OPEN, TOOL_RESPONSE_CLOSE, TOOL_RESPONSE_OPEN)
+from rstar2_core.chat.tokens import (
+    ENDOFTEXT,
+    IM_END,
+    IM_START,
+    REASON_OPEN,
+    SPECIAL_TOKENS,
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    TOOL_RESPONSE_CLOSE,
+    TOOL_RESPONSE_OPEN,
+)
 
 _MIN_VOCAB = 256 + len(SPECIAL_TOKENS)
 

@@ -9,8 +9,15 @@ import pytest
 from rstar2_core.chat import ChatFormat, extract_answer, parse_tool_calls, render_tool_result
 from rstar2_core.chat.tool_calls import ToolCall
 from rstar2_core.config import SandboxConfig
-from rstar2_core.data.synthetic import (FAMILIES, SFT_PHRASINGS, broken_code, execute_requests, generate_problems,
-                                        reference_code, sft_demonstrations)
+from rstar2_core.data.synthetic import (
+    FAMILIES,
+    SFT_PHRASINGS,
+    broken_code,
+    execute_requests,
+    generate_problems,
+    reference_code,
+    sft_demonstrations,
+)
 from rstar2_core.models.tokenizer import bootstrap_tokenizer
 from rstar2_core.sandbox.types import ExecutionRequest, Status
 
@@ -40,7 +47,7 @@ def test_eval_split_is_held_out():
     sft = generate_problems(0, 700, "sft")
     rl = generate_problems(0, 700, "rl")
     ev = generate_problems(0, 350, "eval")
-    key = lambda p: (p.family, p.params)  # noqa: E731
+    key = lambda p: (p.family, p.params)
     assert not {key(p) for p in ev} & ({key(p) for p in sft} | {key(p) for p in rl})
     assert not {p.problem for p in ev} & {p.problem for p in sft + rl}
     assert max(p.phrasing for p in sft) == SFT_PHRASINGS - 1
@@ -79,7 +86,7 @@ def test_demonstrations_use_real_tool_output_and_render():
         ids, mask = chat.render_trajectory(d.problem, d.turn_lists())
         assert len(ids) == len(mask) and 0 < sum(mask) < len(mask)
     again = sft_demonstrations(0, 14, 0.5, execute=_execute, render=render_tool_result)
-    untimed = lambda ds: re.sub(r"execution time: [0-9.]+ s", "", repr(ds))  # noqa: E731  (wall time varies)
+    untimed = lambda ds: re.sub(r"execution time: [0-9.]+ s", "", repr(ds))
     assert untimed(again) == untimed(demos)
 
 

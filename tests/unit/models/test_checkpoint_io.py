@@ -8,8 +8,13 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from rstar2_core import storage
-from rstar2_core.models.io import (latest_complete, load_model_and_tokenizer, read_extra, read_meta,
-                                   save_checkpoint)
+from rstar2_core.models.io import (
+    latest_complete,
+    load_model_and_tokenizer,
+    read_extra,
+    read_meta,
+    save_checkpoint,
+)
 
 
 def _tiny_model():

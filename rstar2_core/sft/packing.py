@@ -1,0 +1,161 @@
+"""Tokenize SFT conversations and pack them into fixed-length rows, sharing the common prompt prefix.
+
+Each conversation becomes `(ids, loss_mask)` through `ChatFormat.render_trajectory` (the same pieces
+the agent loop produces; loss_mask 1 only on assistant text and the final `<|im_end|>`; prompt and
+tool responses 0). Conversations are never split; over-long ones are rejected and counted.
+
+Two packings, both exact (every conversation sees exactly the tokens and positions it would see
+alone; `tests/unit/sft/test_sft_packing.py` compares logits):
+
+- plain: conversations concatenated greedily into rows of `max_seq_len`; `position_ids` restart at 0
+  for each one and, with `attention_mask=None`, transformers derives a block-diagonal causal mask from
+  the restarts (`masking_utils.find_packed_sequence_indices`; also the flash-attention varlen path).
+- shared prefix (when all conversations start with the same >= `MIN_SHARED_PREFIX` tokens, i.e. the
+  system turn with the tool schema, ~370 tokens for the tiny tokenizer, 2-3x the assistant text): the
+  prefix is written once at the start of a row and each conversation's remainder follows with
+  positions continuing after the prefix; an explicit additive 4D mask lets a token attend to the
+  prefix and to earlier tokens of its own conversation only. Each row then holds ~3x more
+  conversations. Needs an attention implementation that takes an arbitrary mask (eager/sdpa, not
+  flash-attention 2), which is why the plain mode stays the fallback.
+
+Padding fills the row tail (its own attention group, label -100).
+
+Shapes: `PackedRow.input_ids`, `labels`, `position_ids`, `groups`: (T,) with T = max_seq_len;
+`collate` stacks them to (B, T) and, for shared-prefix rows, adds `attention_mask`: (B, 1, T, T).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+IGNORE = -100
+PREFIX_GROUP, PAD_GROUP = -1, -2
+MIN_SHARED_PREFIX = 16
+Doc = tuple[list[int], list[int]]
+
+
+@dataclass(frozen=True)
+class PackedRow:
+    input_ids: tuple[int, ...]
+    labels: tuple[int, ...]
+    position_ids: tuple[int, ...]
+    groups: tuple[int, ...]      # conversation index within the row; PREFIX_GROUP / PAD_GROUP
+    n_docs: int
+    n_real: int                  # tokens that are not padding
+    shared_prefix: bool = False
+
+
+def encode_conversations(rows: Sequence[dict], chat, max_seq_len: int) -> tuple[list[Doc], int]:
+    """[(ids, loss_mask)] for rows in render_trajectory form; also the count of rows over max_seq_len."""
+    docs, too_long = [], 0
+    for r in rows:
+        ids, mask = chat.render_trajectory(r["problem"], [(t, res) for t, res in r["turns"]])
+        if len(ids) > max_seq_len:
+            too_long += 1
+            continue
+        docs.append((ids, mask))
+    return docs, too_long
+
+
+def common_prefix(docs: Sequence[Doc]) -> list[int]:
+    """Longest run of leading ids shared by all docs on which no doc has a label (loss_mask 0),
+    leaving at least one token of each doc outside it."""
+    if not docs:
+        return []
+    n = min(len(d[0]) for d in docs) - 1
+    first = docs[0][0]
+    k = 0
+    while k < n and not any(d[1][k] for d in docs) and all(d[0][k] == first[k] for d in docs):
+        k += 1
+    return first[:k]
+
+
+def _row(parts: list[Doc], max_seq_len: int, pad_id: int, prefix: list[int]) -> PackedRow:
+    p = len(prefix)
+    ids, labels, pos, groups = list(prefix), [IGNORE] * p, list(range(p)), [PREFIX_GROUP] * p
+    for g, (d_ids, d_mask) in enumerate(parts):
+        ids += d_ids[p:]
+        lab = [t if m else IGNORE for t, m in zip(d_ids[p:], d_mask[p:])]
+        lab[0] = IGNORE  # never learn a conversation's first token from the previous conversation
+        labels += lab
+        pos += list(range(p, len(d_ids)))
+        groups += [g] * (len(d_ids) - p)
+    n_real = len(ids)
+    pad = max_seq_len - n_real
+    ids += [pad_id] * pad
+    labels += [IGNORE] * pad
+    pos += list(range(pad))
+    groups += [PAD_GROUP] * pad
+    return PackedRow(tuple(ids), tuple(labels), tuple(pos), tuple(groups), len(parts), n_real, bool(p))
+
+
+def pack(docs: Sequence[Doc], max_seq_len: int, pad_id: int, pack: bool = True,
+         prefix: list[int] | None = None) -> list[PackedRow]:
+    """Greedy in-order packing (a new row starts when the next conversation does not fit);
+    `pack=False` puts one conversation per row; `prefix` (shared by every doc) is written once per row."""
+    prefix = list(prefix or [])
+    p = len(prefix)
+    if any(d[0][:p] != prefix for d in docs):
+        raise ValueError("prefix is not shared by every conversation; compute it with common_prefix(docs)")
+    rows: list[PackedRow] = []
+    cur: list[Doc] = []
+    used = p
+    for d in docs:
+        n = len(d[0]) - p
+        if n + p > max_seq_len:
+            raise ValueError(f"a conversation of {n + p} tokens exceeds max_seq_len={max_seq_len}; filter with "
+                             "encode_conversations first or raise sft.max_seq_len")
+        if cur and (not pack or used + n > max_seq_len):
+            rows.append(_row(cur, max_seq_len, pad_id, prefix))
+            cur, used = [], p
+        cur.append(d)
+        used += n
+    if cur:
+        rows.append(_row(cur, max_seq_len, pad_id, prefix))
+    return rows
+
+
+def epoch_rows(docs: Sequence[Doc], epochs: float, seed: int, max_seq_len: int, pad_id: int,
+               pack_rows: bool = True, share_prefix: bool = True) -> list[PackedRow]:
+    """Rows of `epochs` passes (fractional: the first share of the last pass's rows); each pass packs
+    the conversations in a fresh order shuffled with `seed + pass`."""
+    prefix = common_prefix(docs) if share_prefix and pack_rows else []
+    if len(prefix) < MIN_SHARED_PREFIX:
+        prefix = []
+    out: list[PackedRow] = []
+    full = int(epochs)
+    frac = epochs - full
+    for e in range(full + (1 if frac > 0 else 0)):
+        order = list(range(len(docs)))
+        random.Random(seed * 1_000_003 + e).shuffle(order)
+        rows = pack([docs[i] for i in order], max_seq_len, pad_id, pack_rows, prefix)
+        out += rows if e < full else rows[: max(1, round(frac * len(rows)))]
+    return out
+
+
+def attention_mask_4d(groups: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Additive mask (B, 1, T, T): 0 where query q may attend key k (k <= q and k is in q's group or the
+    shared prefix), the dtype's minimum elsewhere. groups: (B, T)."""
+    t = groups.shape[-1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=groups.device).tril()
+    same = groups[:, :, None] == groups[:, None, :]
+    to_prefix = (groups[:, None, :] == PREFIX_GROUP)
+    allowed = causal[None] & (same | to_prefix)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=groups.device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[:, None]
+
+
+def collate(rows: Sequence[PackedRow], device: str | torch.device = "cpu",
+            dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """input_ids, labels, position_ids: (B, T) long; plus attention_mask (B, 1, T, T) for shared-prefix rows."""
+    out = {k: torch.tensor([getattr(r, k) for r in rows], dtype=torch.long, device=device)
+           for k in ("input_ids", "labels", "position_ids")}
+    if any(r.shared_prefix for r in rows):
+        groups = torch.tensor([r.groups for r in rows], dtype=torch.long, device=device)
+        out["attention_mask"] = attention_mask_4d(groups, dtype)
+    return out

@@ -1,0 +1,138 @@
+"""Packing keeps conversations whole and isolated; labels are the assistant tokens only."""
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from rstar2_core.chat import ChatFormat
+from rstar2_core.models.io import load_model_and_tokenizer
+from rstar2_core.sft.data import read_sft_rows
+from rstar2_core.sft.packing import (
+    IGNORE,
+    MIN_SHARED_PREFIX,
+    collate,
+    common_prefix,
+    encode_conversations,
+    epoch_rows,
+    pack,
+)
+from rstar2_core.sft.train import masked_token_loss
+
+
+def _docs(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in lengths:
+        ids = torch.randint(3, 60, (n,), generator=g).tolist()
+        mask = [0] * (n // 2) + [1] * (n - n // 2)
+        out.append((ids, mask))
+    return out
+
+
+def test_pack_keeps_docs_whole_in_order_with_restarting_positions():
+    docs = _docs([5, 7, 4, 9, 3])
+    rows = pack(docs, 12, pad_id=0)
+    assert [r.n_docs for r in rows] == [2, 1, 2]
+    flat = [t for r in rows for t, p in zip(r.input_ids[:r.n_real], r.position_ids[:r.n_real])]
+    assert flat == [t for ids, _ in docs for t in ids]
+    r0 = rows[0]
+    assert r0.position_ids[:12] == (0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6)
+    for r in rows:
+        assert len(r.input_ids) == len(r.labels) == len(r.position_ids) == 12
+        assert all(l == IGNORE for l in r.labels[r.n_real:])
+    assert len(pack(docs, 12, 0, pack=False)) == 5
+    with pytest.raises(ValueError, match="max_seq_len"):
+        pack(_docs([13]), 12, 0)
+
+
+def test_epoch_rows_seeded_and_fractional():
+    docs = _docs([4] * 10)
+    a = epoch_rows(docs, 2, seed=1, max_seq_len=8, pad_id=0)
+    assert a == epoch_rows(docs, 2, seed=1, max_seq_len=8, pad_id=0)
+    assert a != epoch_rows(docs, 2, seed=2, max_seq_len=8, pad_id=0)
+    assert len(a) == 10 and a[:5] != a[5:]
+    assert len(epoch_rows(docs, 1.4, seed=1, max_seq_len=8, pad_id=0)) == 7
+
+
+def _model():
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, intermediate_size=64)).eval()
+
+
+def test_packed_attention_equals_each_conversation_alone():
+    model = _model()
+    docs = _docs([6, 9, 5])
+    row = pack(docs, 24, pad_id=0)[0]
+    assert row.n_docs == 3
+    b = collate([row])
+    with torch.no_grad():
+        packed = model(input_ids=b["input_ids"], position_ids=b["position_ids"], use_cache=False).logits[0]
+        off = 0
+        for ids, _ in docs:
+            alone = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0]
+            assert torch.allclose(packed[off:off + len(ids)], alone, atol=1e-5)
+            off += len(ids)
+        # without the restarting positions the second conversation would see the first one
+        crossed = model(input_ids=b["input_ids"], use_cache=False).logits[0]
+        assert not torch.allclose(crossed[6:15], packed[6:15], atol=1e-3)
+
+
+def test_shared_prefix_rows_equal_each_conversation_alone():
+    model = _model()
+    prefix = list(range(3, 3 + MIN_SHARED_PREFIX + 2))
+    docs = [(prefix + ids, [0] * len(prefix) + mask) for ids, mask in _docs([6, 9, 5], seed=3)]
+    assert common_prefix(docs) == prefix
+    rows = epoch_rows(docs, 1, seed=0, max_seq_len=48, pad_id=0)
+    assert len(rows) == 1 and rows[0].shared_prefix and rows[0].n_docs == 3
+    assert rows[0].n_real == len(prefix) + 20               # the prefix is written once
+    b = collate(rows)
+    assert b["attention_mask"].shape == (1, 1, 48, 48)
+    with torch.no_grad():
+        packed = model(input_ids=b["input_ids"], position_ids=b["position_ids"],
+                       attention_mask=b["attention_mask"], use_cache=False).logits[0]
+        seq = b["input_ids"][0].tolist()
+        off = len(prefix)
+        seen = 0
+        while seen < 3:
+            d = next(d for d in docs if seq[off:off + len(d[0]) - len(prefix)] == d[0][len(prefix):])
+            alone = model(input_ids=torch.tensor([d[0]]), use_cache=False).logits[0]
+            n = len(d[0]) - len(prefix)
+            assert torch.allclose(packed[off:off + n], alone[len(prefix):], atol=1e-5)
+            assert torch.allclose(packed[:len(prefix)], alone[:len(prefix)], atol=1e-5)
+            off += n
+            seen += 1
+    labels = sorted(t for t in rows[0].labels if t != IGNORE)
+    assert labels == sorted(t for ids, m in docs for t, mm in zip(ids, m) if mm)
+    with pytest.raises(ValueError, match="common_prefix"):
+        pack(docs + [([1] * 30, [0] * 30)], 48, 0, prefix=prefix)
+
+
+def test_labels_are_assistant_tokens_only(sft_assets):
+    base, data_url, _ = sft_assets
+    _, tok = load_model_and_tokenizer(base)
+    chat = ChatFormat(tok)
+    rows = read_sft_rows(data_url)
+    row = next(r for r in rows if r["failed_first"])
+    (ids, mask), = encode_conversations([row], chat, 4096)[0]
+    assert mask[0] == 0
+    learned = tok.decode([t for t, m in zip(ids, mask) if m])
+    ignored = tok.decode([t for t, m in zip(ids, mask) if not m])
+    for text, results in row["turns"]:
+        assert text in learned
+        for res in results or []:
+            assert res in ignored and res not in learned
+    assert row["problem"] in ignored and "<tool_response>" not in learned
+    assert learned.endswith("<|im_end|>") and "\\boxed{" + row["answer"] + "}" in learned
+    packed = pack([(ids, mask)], 4096, pad_id=0)[0]
+    assert [t for t in packed.labels if t != IGNORE] == [t for t, m in zip(ids, mask) if m]
+
+
+def test_masked_loss_ignores_prompt_and_tool_positions():
+    logits = torch.randn(1, 6, 10, requires_grad=True)
+    labels = torch.tensor([[IGNORE, IGNORE, 3, IGNORE, 4, 5]])
+    loss, n = masked_token_loss(logits, labels)
+    assert n == 3
+    loss.backward()
+    # position t predicts label t+1: only positions 1, 3, 4 receive gradient
+    assert [bool(g.abs().sum() > 0) for g in logits.grad[0]] == [False, True, False, True, True, False]

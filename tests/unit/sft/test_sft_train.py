@@ -1,0 +1,95 @@
+"""run_sft: loss falls on a small fixed set; interrupted + resumed training gives identical weights and
+metrics; metrics and checkpoints are where the contract says."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from sft_test_config import small_cfg
+
+from rstar2_core import storage
+from rstar2_core.faults import InjectedFault
+from rstar2_core.models.io import latest_complete, read_meta
+from rstar2_core.sft.data import build_sft_dataset
+from rstar2_core.sft.train import run_sft
+
+
+def _weights(url):
+    return load_file(str(storage.to_local_path(url) / "model.safetensors"))
+
+
+@pytest.mark.slow
+def test_sft_loss_falls_on_small_fixed_set(sft_assets, tmp_path):
+    base, data, _ = sft_assets
+    cfg = small_cfg("sft.epochs=8", "sft.batch_size=2", "sft.micro_batch_size=1", "sft.lr=5e-3")
+    log = []
+    res = run_sft(cfg, base_model_url=base, sft_data_url=data, out_url=(tmp_path / "sft").as_uri(),
+                  log_metrics=lambda m, s: log.append((s, m)))
+    losses = [m["sft/loss"] for _, m in log]
+    assert [s for s, _ in log] == list(range(1, res.steps + 1)) and res.steps >= 12
+    assert {"sft/loss", "sft/lr", "sft/grad_norm", "sft/tokens_per_s"} <= set(log[0][1])
+    assert sum(losses[-3:]) / 3 < 0.5 * sum(losses[:2]) / 2, losses
+    assert res.checkpoint_url.endswith("/final") and storage.is_complete(res.checkpoint_url)
+    lrs = [m["sft/lr"] for _, m in log]
+    assert max(lrs) == pytest.approx(5e-3) and lrs[-1] < 0.1 * 5e-3      # warm-up then cosine to ~0
+
+
+@pytest.mark.slow
+def test_resume_after_fault_gives_identical_weights_and_metrics(sft_assets, tmp_path, monkeypatch):
+    base, data, _ = sft_assets
+    monkeypatch.setenv("RSTAR2_HOME", str(tmp_path / "home"))   # fresh fault markers
+    cfg = small_cfg("sft.epochs=2", "sft.batch_size=2", "sft.micro_batch_size=1", "sft.checkpoint_every=2")
+    straight_log = []
+    straight = run_sft(cfg, base_model_url=base, sft_data_url=data, out_url=(tmp_path / "a").as_uri(),
+                       log_metrics=lambda m, s: straight_log.append((s, m)))
+    assert straight.steps >= 5
+
+    out = (tmp_path / "b").as_uri()
+    log = []
+    monkeypatch.setenv("RSTAR2_FAULT_INJECT", "sft:step=4")
+    with pytest.raises(InjectedFault):
+        run_sft(cfg, base_model_url=base, sft_data_url=data, out_url=out, log_metrics=lambda m, s: log.append((s, m)))
+    assert [s for s, _ in log] == [1, 2, 3]
+    steps_dir = tmp_path / "b" / "steps"
+    assert latest_complete(steps_dir.as_uri()).endswith("step-000002")
+    # a checkpoint whose write was interrupted (no _COMPLETE marker) must be ignored on resume
+    (steps_dir / "step-000003").mkdir()
+    (steps_dir / "step-000003" / "model.safetensors").write_bytes(b"partial")
+    log.clear()
+    resumed = run_sft(cfg, base_model_url=base, sft_data_url=data, out_url=out,
+                      log_metrics=lambda m, s: log.append((s, m)))
+    assert resumed.extra["resumed_from"].endswith("step-000002")
+    assert [s for s, _ in log] == list(range(3, straight.steps + 1))
+    for (s, m), (s2, m2) in zip(log, straight_log[2:]):
+        assert s == s2 and m["sft/loss"] == m2["sft/loss"] and m["sft/grad_norm"] == m2["sft/grad_norm"]
+    wa, wb = _weights(straight.checkpoint_url), _weights(resumed.checkpoint_url)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert read_meta(resumed.checkpoint_url)["step"] == straight.steps
+    # a finished stage returns its final checkpoint without training again
+    again = run_sft(cfg, base_model_url=base, sft_data_url=data, out_url=out)
+    assert again.checkpoint_url == resumed.checkpoint_url and again.extra == {"resumed_final": True}
+
+
+def test_external_sft_rows_validated_and_counted(tmp_path, sft_assets):
+    _, _, ref = sft_assets
+    assert ref.n_rows == 16 and ref.counts["failed_first"] == 4 and len(ref.digest) == 64
+    good = {"problem": "What is 1+1?", "turns": [["\nAdd.\n</reason>\n<answer>\\boxed{2}</answer>", None]]}
+    bad = [
+        "{not json",
+        json.dumps({"turns": good["turns"]}),
+        json.dumps({"problem": "p", "turns": [["a", ["r"]], ["b", ["r2"]]]}),
+        json.dumps({"problem": "p", "turns": [["a", None], ["b", None]]}),
+        json.dumps({"problem": "p", "turns": [["<reason>x", None]]}),
+    ]
+    src = tmp_path / "extra.jsonl"
+    src.write_text("\n".join([json.dumps(good), *bad, json.dumps(good)]) + "\n")
+    cfg = small_cfg("data.synthetic.enabled=false", f'data.sft_sources=["{src.as_uri()}"]')
+    out = build_sft_dataset(cfg, (tmp_path / "sft.jsonl").as_uri())
+    assert out.n_rows == 2
+    assert out.counts == {f"source/{src.as_uri()}": 2, "rejected/invalid_json": 1, "rejected/missing_problem": 1,
+                          "rejected/last_turn_has_tool_results": 1, "rejected/missing_tool_results": 1,
+                          "rejected/first_turn_repeats_reason_tag": 1}
+    src.write_text("\n".join(bad) + "\n")
+    with pytest.raises(ValueError, match="SFT set is empty"):
+        build_sft_dataset(cfg, (tmp_path / "sft2.jsonl").as_uri())
