@@ -84,3 +84,21 @@ def test_resume_after_crash_matches_straight_run(toy_policy, tmp_path, monkeypat
     assert again.checkpoint_url == res_b.checkpoint_url and again.extra["resumed"]
     assert read_meta(res_b.checkpoint_url)["steps"] == 4
     json.dumps(res_b.to_json())
+
+
+def test_hard_subset_drops_problems_solved_k_of_k(toy_policy, tmp_path, one_thread):
+    from rstar2_core.rl.data import load_problems
+    from rstar2_core.rl.hard_subset import select_hard_subset
+
+    ckpt, data, _ = toy_policy
+    cfg = load_config("tiny", OVERRIDES + ["rl.stages.2.hard_subset_k=2", "rl.stages.2.max_response_tokens=200"])
+    out = (tmp_path / "hard").as_uri()
+    ref = select_hard_subset(cfg, 2, checkpoint_url=ckpt, data_url=data, out_url=out)
+    c = ref.counts
+    assert c["input"] == 12 and c["k"] == 2 and c["kept"] + c["solved_all"] == 12 and c["kept"] == ref.n_rows
+    kept, rejected = load_problems(ref.url)
+    assert len(kept) == ref.n_rows and not rejected
+    assert {p.id for p in kept} <= {f"t{i}" for i in range(12)}
+    # same inputs -> the published subset is returned as is (no new sampling, same digest)
+    again = select_hard_subset(cfg, 2, checkpoint_url=ckpt, data_url=data, out_url=out)
+    assert again == ref
