@@ -174,7 +174,10 @@ class _Dispatcher:
     def _spawn(self, kind: str, index: int) -> _Template:
         to_r, to_w = os.pipe()
         from_r, from_w = os.pipe()
-        base = self.cfg.uid_base + (self.kinds.index(kind) * self.n_per_kind + index) * self.workers
+        # Services on one host (CLI, trainer, Ray actors) get disjoint uid blocks, keyed by their pid.
+        block = 2 * self.n_per_kind * self.workers
+        base = (self.cfg.uid_base + (os.getpid() % 10007) * block
+                + (self.kinds.index(kind) * self.n_per_kind + index) * self.workers)
         settings = {"kind": kind, "index": index, "preload": self.preload[kind], "slots": self.workers,
                     "uid_base": base, "workdir": self.workdir, "network": self.cfg.network, "namespaces": self.cfg.namespaces,
                     "scratch_mb": self.cfg.scratch_mb,
