@@ -5,11 +5,22 @@ the RL step loop (`rl.trainer`, `rl.stage`, `rl.hard_subset`, imported on demand
         grpo_advantages, grpo_advantages_batched, policy_loss
 """
 
-from rstar2_core.rl.advantages import (ADVANTAGE_ESTIMATORS, get_advantage_estimator, grpo_advantages,
-                                       grpo_advantages_batched)
+from rstar2_core.rl.advantages import (
+                                       ADVANTAGE_ESTIMATORS,
+                                       get_advantage_estimator,
+                                       grpo_advantages,
+                                       grpo_advantages_batched,
+)
 from rstar2_core.rl.loss import POLICY_LOSSES, get_policy_loss, policy_loss
-from rstar2_core.rl.roc import (RESAMPLERS, class_counts, filter_zero_variance, get_resampler, keep_all,
-                                resample_on_correct, trajectory_penalty)
+from rstar2_core.rl.roc import (
+                                       RESAMPLERS,
+                                       class_counts,
+                                       filter_zero_variance,
+                                       get_resampler,
+                                       keep_all,
+                                       resample_on_correct,
+                                       trajectory_penalty,
+)
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "POLICY_LOSSES", "RESAMPLERS", "class_counts", "filter_zero_variance",

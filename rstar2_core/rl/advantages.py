@@ -13,7 +13,7 @@ Shapes: `grpo_advantages(rewards: (G,)) -> (G,)`; `grpo_advantages_batched(rewar
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -19,8 +19,8 @@ call) are omitted rather than reported as 0.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 

@@ -26,7 +26,7 @@ from rstar2_core import storage
 from rstar2_core.config import Config
 from rstar2_core.models.io import load_model_and_tokenizer
 from rstar2_core.results import DatasetRef
-from rstar2_core.rl.data import read_rows, load_problems
+from rstar2_core.rl.data import load_problems, read_rows
 from rstar2_core.rl.groups import is_infra_failed
 from rstar2_core.rl.stage import _build_engine, _engine_seq_len, grade_rewards, step_seed
 from rstar2_core.rollout.types import RolloutLimits

@@ -17,7 +17,7 @@ excluded before the exponential, so they change neither the loss nor the gradien
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -30,7 +30,7 @@ Registry: `RESAMPLERS` maps `cfg.rl.grpo.resample` (`roc`, `none` = plain GRPO, 
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch

@@ -36,7 +36,7 @@ import asyncio
 import copy
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from tqdm import tqdm
 
@@ -46,8 +46,15 @@ from rstar2_core.faults import maybe_inject_fault
 from rstar2_core.models.backend import make_backend
 from rstar2_core.models.io import load_model_and_tokenizer, read_meta
 from rstar2_core.results import StageResult
-from rstar2_core.rl.checkpoint import (final_url, latest_step_checkpoint, prune_step_checkpoints, read_rl_state,
-                                       save_rl_checkpoint, set_rng_state, step_url)
+from rstar2_core.rl.checkpoint import (
+    final_url,
+    latest_step_checkpoint,
+    prune_step_checkpoints,
+    read_rl_state,
+    save_rl_checkpoint,
+    set_rng_state,
+    step_url,
+)
 from rstar2_core.rl.data import RLProblem, batch_indices, load_problems
 from rstar2_core.rl.groups import build_step_batch
 from rstar2_core.rl.trainer import rl_update

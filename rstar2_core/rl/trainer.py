@@ -30,8 +30,8 @@ it); RL assumes dropout probabilities of 0 (true of Qwen2/Qwen3 configs), otherw
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 

@@ -5,21 +5,20 @@ step has something to learn (prefer `print(1)`)."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
 import torch
 
+from rstar2_core import storage
 from rstar2_core.chat import ChatFormat, render_tool_result
 from rstar2_core.chat.tokens import REASON_CLOSE, TOOL_NAME
 from rstar2_core.config import TinyModelConfig
-from rstar2_core import storage
 from rstar2_core.models.io import save_checkpoint
 from rstar2_core.models.tiny import build_tiny_model
 from rstar2_core.models.tokenizer import bootstrap_tokenizer, train_tokenizer
 from rstar2_core.sandbox.types import ExecutionResult, Status
-
-import json
 
 
 def _call(code):

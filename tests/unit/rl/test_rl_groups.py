@@ -2,11 +2,11 @@
 
 import pytest
 
+from rstar2_core import storage
 from rstar2_core.config import GRPOConfig
 from rstar2_core.rl.data import batch_indices, load_problems
 from rstar2_core.rl.groups import build_step_batch
 from rstar2_core.rollout.types import ToolCallRecord, Trajectory
-from rstar2_core import storage
 
 
 def T(name, calls=(), infra=None, infra_call=False, answers=1, turns=1, truncated=False):

@@ -5,8 +5,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rstar2_core.rl import (get_advantage_estimator, get_policy_loss, grpo_advantages, grpo_advantages_batched,
-                            policy_loss)
+from rstar2_core.rl import (
+    get_advantage_estimator,
+    get_policy_loss,
+    grpo_advantages,
+    grpo_advantages_batched,
+    policy_loss,
+)
 
 
 def test_grpo_advantages_population_std_vector():

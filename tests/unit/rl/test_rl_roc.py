@@ -8,8 +8,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rstar2_core.rl import (class_counts, filter_zero_variance, get_resampler, keep_all, resample_on_correct,
-                            trajectory_penalty)
+from rstar2_core.rl import (
+    class_counts,
+    filter_zero_variance,
+    get_resampler,
+    keep_all,
+    resample_on_correct,
+    trajectory_penalty,
+)
 
 
 # ------------------------------------------------------------------------------------ trajectory_penalty
