@@ -25,7 +25,15 @@ from prefect.artifacts import create_markdown_artifact
 from tasks.context import RecipeContext, stage_label
 from tasks.recipe import close_recipe, open_recipe, register_best, summary_markdown
 from tasks.runners import placement, task_runner
-from tasks.stages import build_sft_data, curate_data, evaluate_checkpoint, hard_subset, prepare_base_model, rl_stage, sft
+from tasks.stages import (
+    build_sft_data,
+    curate_data,
+    evaluate_checkpoint,
+    hard_subset,
+    prepare_base_model,
+    rl_stage,
+    sft,
+)
 
 
 def _configured(t, cfg):
@@ -89,7 +97,7 @@ def _on_completion(flow, flow_run, state):
                  "FINISHED")
 
 
-@flow(name="full-recipe", log_prints=True, on_failure=[_on_failure], on_completion=[_on_completion])
+@flow(name="rstar2", flow_run_name="full-recipe {profile}", log_prints=True, on_failure=[_on_failure], on_completion=[_on_completion])
 def full_recipe(profile: str = "tiny", overrides: list[str] | None = None, run_id: str | None = None) -> dict:
     """Run the recipe of `profile` with dotted `overrides`; `run_id` (default: this flow run's id) keys its
     storage, so the UI's Retry of this flow run reuses every finished stage."""

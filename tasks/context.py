@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 
 from rstar2_core import storage
 from rstar2_core.config import Config, load_config
-
 from tasks.run_store import RunStore
 
 

@@ -15,7 +15,6 @@ from prefect.cache_policies import NO_CACHE
 
 from rstar2_core import storage
 from rstar2_core.config import Config, ConfigError, load_config
-
 from tasks import registry, tracking
 from tasks.context import RecipeContext, apply_storage_settings
 from tasks.evals import pass1_by_benchmark, primary_benchmark
@@ -48,7 +47,7 @@ def preflight(cfg: Config) -> None:
         probe = storage.join(root, ".preflight")
         storage.write_text_atomic(probe, "ok")
         storage.remove(probe)
-    except Exception as e:  # any failure here means the run could not save anything
+    except Exception as e:  # noqa: BLE001 - whatever the cause, the run could not save anything: say so
         problems.append(f"storage root {root!r} is not writable ({type(e).__name__}: {e}); fix storage.root "
                         "or storage.s3_endpoint_url")
     if problems:
@@ -56,17 +55,18 @@ def preflight(cfg: Config) -> None:
 
 
 def open_recipe(profile: str, overrides: list[str], run_id: str | None, flow_run_id: str | None,
-                attempt: int) -> RecipeContext:
-    """Validate, then get or create the recipe run's MLflow parent run; returns the tasks' context."""
+                attempt: int, kind: str = "recipe") -> RecipeContext:
+    """Validate, then get or create the run's MLflow parent run (named `<kind> <profile> <id>`);
+    returns the tasks' context."""
     cfg = load_config(profile, overrides)
     preflight(cfg)
     rid = run_id or flow_run_id
     if not rid:
-        raise ConfigError("full_recipe needs a run_id when it runs outside a Prefect flow run")
+        raise ConfigError(f"{kind} needs a run_id when it runs outside a Prefect flow run")
     store = RunStore.for_run(cfg.resolved_storage_root(), rid)
     parent = store.tracking_id("parent")
     if parent is None:
-        parent = tracking.start_parent_run(cfg, run_name=f"recipe {cfg.profile} {rid[:8]}",
+        parent = tracking.start_parent_run(cfg, run_name=f"{kind} {cfg.profile} {rid[:8]}",
                                            recipe_run_id=rid, flow_run_id=flow_run_id)
         store.set_tracking_id("parent", parent)
     else:
@@ -78,7 +78,10 @@ def open_recipe(profile: str, overrides: list[str], run_id: str | None, flow_run
 
 def close_recipe(profile: str, overrides: list[str], run_id: str, status: str) -> None:
     """Mark the parent MLflow run FINISHED/FAILED (called from flow state hooks)."""
-    cfg = load_config(profile, overrides)
+    try:
+        cfg = load_config(profile, overrides)
+    except ConfigError:  # the run failed on its config: it never opened an MLflow run
+        return
     apply_storage_settings(cfg)
     parent = RunStore.for_run(cfg.resolved_storage_root(), run_id).tracking_id("parent")
     if parent is not None:

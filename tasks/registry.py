@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rstar2_core.config import Config
-
 from tasks import tracking
 
 
@@ -62,11 +61,7 @@ def existing_version(cfg: Config, recipe_run_id: str):
     """The version already registered for this recipe run (a retried flow run must not add another)."""
     c = tracking.client(cfg)
     name = cfg.tracking.registered_model
-    try:
-        versions = c.search_model_versions(f"name='{name}' and tag.`rstar2.recipe_run_id`='{recipe_run_id}'")
-    except Exception:
-        versions = [v for v in c.search_model_versions(f"name='{name}'")
-                    if v.tags.get("rstar2.recipe_run_id") == recipe_run_id]
+    versions = c.search_model_versions(f"name='{name}' and tag.`rstar2.recipe_run_id`='{recipe_run_id}'")
     return versions[0] if versions else None
 
 

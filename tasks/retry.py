@@ -36,8 +36,5 @@ def is_infrastructure_error(exc: BaseException) -> bool:
 
 def retry_on_infrastructure_error(task, task_run, state) -> bool:
     """Prefect `retry_condition_fn`: retry only when the failed state holds an infrastructure error."""
-    try:
-        state.result()
-    except BaseException as exc:  # the state re-raises the task's exception
-        return is_infrastructure_error(exc)
-    return False
+    exc = state.result(raise_on_failure=False)  # the task's exception, returned instead of raised
+    return isinstance(exc, BaseException) and is_infrastructure_error(exc)

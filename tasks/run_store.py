@@ -37,7 +37,7 @@ class RunStore:
     run_id: str
 
     @classmethod
-    def for_run(cls, storage_root: str, run_id: str) -> "RunStore":
+    def for_run(cls, storage_root: str, run_id: str) -> RunStore:
         return cls(root=storage.join(storage_root, "runs", run_id), run_id=run_id)
 
     def url(self, *parts: str) -> str:

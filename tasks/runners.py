@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-from typing import Iterator
+from collections.abc import Iterator
 
 from rstar2_core.config import Config
 

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from rstar2_core.config import Config
 from rstar2_core.results import DatasetRef, StageResult
-
 from tasks import tracking
 from tasks.context import RecipeContext
 from tasks.retry import retry_on_infrastructure_error
@@ -79,8 +79,7 @@ def _run_tracked(ctx: RecipeContext, key: str, params: dict[str, Any],
         tracking.finish(cfg, run_id, "FAILED")
         raise
     if isinstance(result, StageResult):
-        tracking.log_checkpoint(cfg, run_id, result.checkpoint_url)
-        tracking.metrics_logger(cfg, run_id)({k: v for k, v in result.metrics.items()}, result.steps)
+        tracking.log_checkpoint(cfg, run_id, result.checkpoint_url)  # per-step metrics came through log_metrics
     elif isinstance(result, DatasetRef):
         tracking.log_dataset(cfg, run_id, result, name=key, context="output")
     tracking.log_metric_plot(cfg, run_id, key)

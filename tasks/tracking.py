@@ -18,12 +18,16 @@ import re
 import subprocess
 import tempfile
 import time
+import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from rstar2_core.config import REPO_ROOT, Config, config_to_toml_dict
 from rstar2_core.results import DatasetRef
 
+_PLOT_FIRST = ("rollout/reward_mean", "actor/loss", "actor/grad_norm", "rollout/response_tokens_mean",
+               "rollout/tool_calls_per_traj", "rollout/dropped_group_frac", "eval/synthetic/pass1", "data/kept")
 _BAD_KEY_CHARS = re.compile(r"[^0-9A-Za-z_\-. /:]")
 
 
@@ -141,10 +145,13 @@ def log_dataset(cfg: Config, run_id: str, ref: DatasetRef, *, name: str, context
     from mlflow.data.dataset_source_registry import resolve_dataset_source
     from mlflow.data.meta_dataset import MetaDataset
     from mlflow.entities import DatasetInput, InputTag
+    from mlflow.exceptions import MlflowException
 
     try:
-        source = resolve_dataset_source(ref.url)
-    except Exception:  # an URL scheme MLflow has no source type for: fall back to HTTP-like URL source
+        with warnings.catch_warnings():  # "can be interpreted in multiple ways": all are the same local source
+            warnings.simplefilter("ignore")
+            source = resolve_dataset_source(ref.url)
+    except MlflowException:  # a URL scheme MLflow has no source type for: record it as a URL source
         from mlflow.data.http_dataset_source import HTTPDatasetSource
 
         source = HTTPDatasetSource(ref.url)
@@ -165,7 +172,8 @@ def log_checkpoint(cfg: Config, run_id: str, checkpoint_url: str, key: str = "ch
 def log_metric_plot(cfg: Config, run_id: str, title: str, max_metrics: int = 6) -> str | None:
     """PNG of the run's per-step metric curves (the first `max_metrics` keys), logged as `plots/<run>.png`."""
     c = client(cfg)
-    keys = sorted(c.get_run(run_id).data.metrics)[:max_metrics]
+    have = c.get_run(run_id).data.metrics
+    keys = ([k for k in _PLOT_FIRST if k in have] + sorted(k for k in have if k not in _PLOT_FIRST))[:max_metrics]
     series = {k: sorted((m.step, m.value) for m in c.get_metric_history(run_id, k)) for k in keys}
     series = {k: v for k, v in series.items() if len(v) > 1}
     if not series:

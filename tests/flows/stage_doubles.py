@@ -90,7 +90,12 @@ def run_rl_stage(cfg, stage_index, *, init_checkpoint_url, data_url, out_url, lo
 
 def select_hard_subset(cfg, stage_index, *, checkpoint_url, data_url, out_url):
     _note("hard_subset")
-    rows = [json.loads(x) for x in storage.read_text(data_url).splitlines()]
+    if data_url.endswith(".parquet"):  # the real curation's output (test_s3_storage)
+        from rstar2_core.data.curate import read_dataset
+
+        rows = read_dataset(data_url)
+    else:
+        rows = [json.loads(x) for x in storage.read_text(data_url).splitlines()]
     return _dataset(out_url, rows[: len(rows) // 2])
 
 

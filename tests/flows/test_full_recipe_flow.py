@@ -85,3 +85,27 @@ def test_bad_input_fails_before_any_compute(state):
     with pytest.raises(ConfigError, match=r"data.sources.0.url .* does not exist"):
         full_recipe(profile="tiny", overrides=state.overrides + ['data.sources=[{url="file:///nope/x.parquet"}]'], run_id="x")
     assert stage_doubles.calls() == []
+
+
+@pytest.mark.slow
+def test_evaluate_and_nightly_regression(state):
+    from prefect.artifacts import Artifact
+
+    from flows.evaluate import RegressionError, evaluate, nightly_eval
+
+    _run(state, ["pipeline.eval_stages=last"], "run-d")  # registers rl-stage-3 (pass@1 0.5) as champion
+    first = nightly_eval(profile="tiny", overrides=state.overrides)
+    assert first["pass1"] == {"synthetic": 0.5} and first["version"] == "1"
+    assert "first night" in Artifact.get("nightly-eval").data
+    cfg = load_config("tiny", state.overrides)
+    sft_ckpt = RunStore.for_run(cfg.resolved_storage_root(), "run-d").load("sft").checkpoint_url  # pass@1 0.2
+    with pytest.raises(RegressionError, match="synthetic"):
+        nightly_eval(model=sft_ckpt, profile="tiny", overrides=state.overrides)
+    assert "| synthetic | 0.500 | 0.200 | -0.300 | REGRESSION |" in Artifact.get("nightly-eval").data
+    out = evaluate(model=f"models:/{cfg.tracking.registered_model}@candidate", profile="tiny",
+                   overrides=state.overrides)
+    assert out["pass1"] == {"synthetic": 0.5} and out["checkpoint_url"].endswith("rl-stage-3/final")
+    with pytest.raises(ConfigError, match="unknown benchmarks"):
+        evaluate(benchmarks=["nope"], profile="tiny", overrides=state.overrides)
+    with pytest.raises(ValueError, match="has alias 'nope'"):
+        evaluate(model="nope", profile="tiny", overrides=state.overrides)

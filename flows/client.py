@@ -1,0 +1,140 @@
+"""Client side of the deployments: start a run of `rstar2/full-recipe` (or any deployment), show its
+progress while it runs, retry a failed run exactly as the UI's Retry button does, print the summary.
+
+    python -m flows.client run rstar2/full-recipe --param profile=tiny --set rl.stages.0.steps=2
+    python -m flows.client retry <flow-run-id>
+    python -m flows.client summary <flow-run-id>
+
+The UI's Retry (flow run page -> "Retry") sets the failed run's state to Scheduled named
+"AwaitingRetry" with the message "Retry from the UI" and force=False; a worker then runs the same
+flow run again (same id, run_count + 1). `retry_flow_run` sends exactly that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from uuid import UUID
+
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import (
+    FlowRunFilter,
+    FlowRunFilterParentFlowRunId,
+    TaskRunFilter,
+    TaskRunFilterFlowRunId,
+)
+from prefect.states import Scheduled
+
+TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+
+
+async def start_run(deployment: str, parameters: dict) -> UUID:
+    async with get_client() as c:
+        dep = await c.read_deployment_by_name(deployment)
+        fr = await c.create_flow_run_from_deployment(dep.id, parameters=parameters)
+        return fr.id
+
+
+async def retry_flow_run(flow_run_id: UUID | str) -> None:
+    """What the Prefect UI's Retry button sends (prefect/server/ui: retryFlowRun)."""
+    async with get_client() as c:
+        await c.set_flow_run_state(UUID(str(flow_run_id)),
+                                   Scheduled(name="AwaitingRetry", message="Retry from the UI"), force=False)
+
+
+async def _task_lines(c, flow_run_id: UUID) -> list[str]:
+    subs = await c.read_flow_runs(flow_run_filter=FlowRunFilter(
+        parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id])))
+    ids = [flow_run_id] + [s.id for s in subs]
+    trs = await c.read_task_runs(task_run_filter=TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(any_=ids)))
+    # a subflow run is itself a task run of its parent: skip those dummy entries
+    trs = [t for t in trs if not t.name.startswith("recipe-stages")]
+    return [f"{t.name}: {t.state.name if t.state else '?'}" for t in sorted(trs, key=lambda t: t.expected_start_time or t.created)]
+
+
+async def watch(flow_run_id: UUID, timeout_s: float = 3600, poll_s: float = 2.0, quiet: bool = False) -> str:
+    """Poll until the flow run is terminal; print a line per change in its (sub)flow's task runs."""
+    t0 = time.time()
+    seen: set[str] = set()
+    async with get_client() as c:
+        while True:
+            fr = await c.read_flow_run(flow_run_id)
+            state = fr.state.type.value if fr.state else "PENDING"
+            if not quiet:
+                for line in await _task_lines(c, flow_run_id):
+                    if line not in seen:
+                        seen.add(line)
+                        print(f"[{time.time() - t0:6.0f} s] {line}", flush=True)
+            if state in TERMINAL and fr.state.name not in ("AwaitingRetry",):
+                if not quiet:
+                    print(f"[{time.time() - t0:6.0f} s] flow run {fr.name}: {fr.state.name} {fr.state.message or ''}",
+                          flush=True)
+                return fr.state.name
+            if time.time() - t0 > timeout_s:
+                raise TimeoutError(f"flow run {flow_run_id} still {fr.state.name} after {timeout_s:.0f} s")
+            await asyncio.sleep(poll_s)
+
+
+async def summary_markdown(flow_run_id: UUID) -> str | None:
+    """The `recipe-summary` markdown artifact of a finished full-recipe run."""
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    async with get_client() as c:
+        arts = await c.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]), key=ArtifactFilterKey(any_=["recipe-summary"])))
+        return arts[-1].data if arts else None
+
+
+def _parse_params(items: list[str], overrides: list[str]) -> dict:
+    params: dict = {}
+    for it in items:
+        k, _, v = it.partition("=")
+        try:
+            params[k] = json.loads(v)
+        except json.JSONDecodeError:
+            params[k] = v
+    if overrides:
+        params["overrides"] = list(params.get("overrides", [])) + overrides
+    return params
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m flows.client")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="start a deployment run and watch it")
+    r.add_argument("deployment", nargs="?", default="rstar2/full-recipe")
+    r.add_argument("--param", action="append", default=[], metavar="NAME=JSON")
+    r.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    r.add_argument("--timeout", type=float, default=3600)
+    r.add_argument("--id-file", help="write the flow run id here")
+    t = sub.add_parser("retry", help="retry a failed flow run as the UI does, and watch it")
+    t.add_argument("flow_run_id")
+    s = sub.add_parser("summary", help="print the recipe summary of a finished run")
+    s.add_argument("flow_run_id")
+    a = ap.parse_args(argv)
+    ui = os.environ.get("PREFECT_API_URL", "http://127.0.0.1:4200/api").removesuffix("/api")
+    if a.cmd == "run":
+        fid = asyncio.run(start_run(a.deployment, _parse_params(a.param, a.overrides)))
+        if a.id_file:
+            with open(a.id_file, "w") as f:
+                f.write(str(fid))
+        print(f"flow run {fid}: {ui}/runs/flow-run/{fid}", flush=True)
+        state = asyncio.run(watch(fid, a.timeout))
+    elif a.cmd == "retry":
+        fid = UUID(a.flow_run_id)
+        asyncio.run(retry_flow_run(fid))
+        state = asyncio.run(watch(fid))
+    else:
+        fid, state = UUID(a.flow_run_id), "Completed"
+    md = asyncio.run(summary_markdown(fid))
+    if md:
+        print(md)
+    return 0 if state == "Completed" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# Local services of the pipeline, started once and left up: a Prefect server (SQLite under
+# $RSTAR2_HOME/prefect, 127.0.0.1), the process work pool `rstar2-local` with one worker polling every
+# second, and the MLflow UI (127.0.0.1, the same SQLite DB the flows log to).
+#
+#   scripts/services.sh up      start what is not running; writes $RSTAR2_HOME/services.env
+#   scripts/services.sh down    stop what `up` started (by the PIDs in $RSTAR2_HOME/pids/)
+#   scripts/services.sh status
+#   scripts/services.sh wait    wait until the Prefect server and the MLflow UI answer
+#
+# Ports: RSTAR2_PREFECT_PORT (default 4200), RSTAR2_MLFLOW_PORT (default 5000); a busy port is
+# replaced by a free one. RSTAR2_NO_MLFLOW_UI=1 skips the MLflow UI (tests).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/env.sh
+export RSTAR2_REPO="$ROOT"
+PY="$ROOT/.venv/bin/python"
+BIN="$ROOT/.venv/bin"
+PIDS="$RSTAR2_HOME/pids"
+LOGS="$RSTAR2_HOME/logs"
+ENVF="$RSTAR2_HOME/services.env"
+mkdir -p "$PIDS" "$LOGS" "$PREFECT_HOME"
+
+alive() { [ -f "$PIDS/$1.pid" ] && kill -0 "$(cat "$PIDS/$1.pid")" 2>/dev/null; }
+
+free_port() {  # $1 = preferred port; prints it if free, else a free one
+  "$PY" - "$1" <<'PYEOF'
+import socket, sys
+want = int(sys.argv[1])
+s = socket.socket()
+try:
+    s.bind(("127.0.0.1", want))
+except OSError:
+    s.close(); s = socket.socket(); s.bind(("127.0.0.1", 0))
+print(s.getsockname()[1]); s.close()
+PYEOF
+}
+
+start() {  # $1 = name, rest = command; own session so that `down` can stop its whole process group
+  local name=$1; shift
+  setsid "$@" >"$LOGS/$name.log" 2>&1 < /dev/null &
+  echo $! > "$PIDS/$name.pid"
+}
+
+wait_http() {  # $1 = url, $2 = what, $3 = timeout s
+  local t0=$SECONDS
+  until "$PY" -c "import sys,urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)" "$1" 2>/dev/null; do
+    if (( SECONDS - t0 > $3 )); then echo "[services] $2 did not answer at $1 within $3 s; see $LOGS" >&2; return 1; fi
+    sleep 1
+  done
+  echo "[services] $2 up at $1 ($(( SECONDS - t0 )) s)"
+}
+
+up() {
+  [ -f "$ENVF" ] && source "$ENVF"
+  if ! alive prefect-server; then
+    PREFECT_PORT=$(free_port "${RSTAR2_PREFECT_PORT:-4200}")
+    start prefect-server env PREFECT_SERVER_API_HOST=127.0.0.1 PREFECT_UI_API_URL="http://127.0.0.1:$PREFECT_PORT/api" \
+      "$BIN/prefect" server start --host 127.0.0.1 --port "$PREFECT_PORT"
+  fi
+  export PREFECT_API_URL="http://127.0.0.1:$PREFECT_PORT/api"
+  wait_http "$PREFECT_API_URL/health" "Prefect server" 240
+  "$BIN/prefect" work-pool inspect rstar2-local >/dev/null 2>&1 || \
+    "$BIN/prefect" work-pool create rstar2-local --type process >/dev/null
+  if ! alive prefect-worker; then
+    start prefect-worker env PREFECT_API_URL="$PREFECT_API_URL" PREFECT_WORKER_QUERY_SECONDS=1 \
+      PREFECT_WORKER_PREFETCH_SECONDS=5 RSTAR2_REPO="$RSTAR2_REPO" \
+      "$BIN/prefect" worker start --pool rstar2-local --type process --name "rstar2-local-worker"
+  fi
+  if [ -z "${RSTAR2_NO_MLFLOW_UI:-}" ] && ! alive mlflow-ui; then
+    MLFLOW_PORT=$(free_port "${RSTAR2_MLFLOW_PORT:-5000}")
+    mkdir -p "$RSTAR2_HOME/mlartifacts"
+    # create/migrate the DB once here, so that the server and the flows never migrate it concurrently
+    "$PY" -c "import sys; from mlflow.tracking import MlflowClient; MlflowClient(sys.argv[1]).search_experiments()" \
+      "sqlite:///$RSTAR2_HOME/mlflow.db" >/dev/null 2>&1
+    start mlflow-ui "$BIN/mlflow" server --host 127.0.0.1 --port "$MLFLOW_PORT" --workers 1 \
+      --backend-store-uri "sqlite:///$RSTAR2_HOME/mlflow.db" --default-artifact-root "$RSTAR2_HOME/mlartifacts"
+  fi
+  cat > "$ENVF" <<ENVEOF
+PREFECT_PORT=$PREFECT_PORT
+MLFLOW_PORT=${MLFLOW_PORT:-}
+export PREFECT_API_URL=$PREFECT_API_URL
+ENVEOF
+  if alive mlflow-ui; then echo "[services] MLflow UI starting at http://127.0.0.1:$MLFLOW_PORT ('$0 wait' waits for it)"; fi
+}
+
+wait_all() {
+  source "$ENVF"
+  wait_http "$PREFECT_API_URL/health" "Prefect server" 240
+  if alive mlflow-ui; then wait_http "http://127.0.0.1:$MLFLOW_PORT/health" "MLflow UI" 300; fi
+}
+
+down() {
+  for f in "$PIDS"/*.pid; do
+    [ -e "$f" ] || continue
+    local pid name; pid=$(cat "$f"); name=$(basename "$f" .pid)
+    if kill -0 "$pid" 2>/dev/null; then
+      kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
+      for _ in $(seq 1 20); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
+      kill -KILL -- "-$pid" 2>/dev/null || true
+      echo "[services] stopped $name (pid $pid)"
+    fi
+    rm -f "$f"
+  done
+  rm -f "$ENVF"
+}
+
+status() {
+  for f in "$PIDS"/*.pid; do
+    [ -e "$f" ] || { echo "[services] nothing started"; return 0; }
+    local name; name=$(basename "$f" .pid)
+    if alive "$name"; then echo "$name: running (pid $(cat "$f"))"; else echo "$name: not running"; fi
+  done
+  [ -f "$ENVF" ] && cat "$ENVF"
+}
+
+case "${1:-}" in
+  up) up ;;
+  wait) wait_all ;;
+  down) down ;;
+  status) status ;;
+  *) echo "usage: $0 up|down|status|wait" >&2; exit 2 ;;
+esac

@@ -1,0 +1,103 @@
+"""End to end through real services: scripts/services.sh starts a Prefect server and a process worker
+(as `make demo` does), prefect.yaml is deployed, and `rstar2/full-recipe` runs the tiny recipe (shrunk
+by overrides) with a fault injected in RL stage 1. The failed flow run is retried through the API
+exactly as the UI's Retry button does; the test then checks that finished stages were not recomputed,
+RL stage 1 resumed from its step checkpoint into the same MLflow run with no step lost or repeated,
+one model version was registered and MLflow holds one parent run with its nested stage runs."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# The tiny recipe, shrunk: a few steps per stage, a small evaluation, threads instead of Ray.
+E2E_OVERRIDES = [
+    "cluster.use_ray=false", "pipeline.task_retries=0",
+    "data.synthetic.n_sft=16", "data.synthetic.n_rl=16", "data.synthetic.n_eval=8",
+    "sft.epochs=1", "sft.batch_size=8", "sft.micro_batch_size=8", "sft.max_seq_len=1024",
+    "rl.prompts_per_step=2", "rl.grpo.group_size=2", "rl.grpo.oversample=2", "rl.micro_batch_size=4",
+    "rl.stages.0.steps=3", "rl.stages.1.steps=1", "rl.stages.2.steps=1", "rl.stages.2.hard_subset_k=2",
+    "rl.stages.0.max_response_tokens=64", "rl.stages.1.max_response_tokens=64", "rl.stages.2.max_response_tokens=64",
+    "eval.k=1", "eval.max_tokens=64", "eval.max_turns=2", "eval.benchmarks.0.limit=4", "pipeline.eval_stages=rl",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def services(tmp_path):
+    home = tmp_path / "home"
+    env = {**os.environ, "RSTAR2_HOME": str(home), "RSTAR2_PREFECT_PORT": str(_free_port()),
+           "RSTAR2_NO_MLFLOW_UI": "1", "RSTAR2_FAULT_INJECT": "rl-stage-1:step=2"}
+    env.pop("PREFECT_API_URL", None)
+    subprocess.run(["bash", "scripts/services.sh", "up"], cwd=ROOT, env=env, check=True, timeout=600)
+    try:
+        api = next(line.split("=", 1)[1] for line in (home / "services.env").read_text().splitlines()
+                   if line.startswith("export PREFECT_API_URL="))
+        env["PREFECT_API_URL"] = api
+        subprocess.run([str(ROOT / ".venv/bin/prefect"), "--no-prompt", "deploy", "--name", "full-recipe"],
+                       cwd=ROOT, env={**env, "RSTAR2_REPO": str(ROOT)}, check=True, timeout=300,
+                       capture_output=True)
+        yield home, api
+    finally:
+        subprocess.run(["bash", "scripts/services.sh", "down"], cwd=ROOT, env=env, timeout=120, check=False)
+
+
+@pytest.mark.slow
+def test_fault_retry_resume_through_the_deployment(services, monkeypatch):
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.client import retry_flow_run, start_run, watch
+    from rstar2_core.config import load_config
+    from tasks import tracking
+    from tasks.run_store import RunStore
+
+    home, api = services
+    monkeypatch.setenv("RSTAR2_HOME", str(home))
+    cfg = load_config("tiny", E2E_OVERRIDES)
+    with temporary_settings({PREFECT_API_URL: api}):
+        fid = asyncio.run(start_run("rstar2/full-recipe", {"profile": "tiny", "overrides": E2E_OVERRIDES}))
+        assert asyncio.run(watch(fid, timeout_s=900, quiet=True)) == "Failed"
+        store = RunStore.for_run(cfg.resolved_storage_root(), str(fid))
+        first = {k: store.record(k) for k in ("curate", "sft-data", "base-model", "sft")}
+        assert all(r is not None and r["attempt"] == 1 for r in first.values()), first
+        assert store.record("rl-stage-1") is None
+        rl1_run = store.tracking_id("rl-stage-1")
+        assert rl1_run is not None
+
+        asyncio.run(retry_flow_run(fid))  # the UI's Retry
+        assert asyncio.run(watch(fid, timeout_s=900, quiet=True)) == "Completed"
+
+    # finished stages were reused, not recomputed
+    assert {k: store.record(k) for k in first} == first
+    assert store.record("rl-stage-1")["attempt"] == 2
+    # stage 1 resumed in the same MLflow run: every step exactly once, in order
+    assert store.tracking_id("rl-stage-1") == rl1_run
+    c = tracking.client(cfg)
+    run = c.get_run(rl1_run)
+    step_keys = [k for k in run.data.metrics if k.startswith(("actor/", "rollout/"))]
+    assert step_keys
+    for k in step_keys:
+        assert tracking.metric_steps(cfg, rl1_run, k) == [1, 2, 3], k
+    # one registered version for this recipe run, one parent run with its nested runs
+    versions = c.search_model_versions(f"name='{cfg.tracking.registered_model}'")
+    mine = [v for v in versions if v.tags.get("rstar2.recipe_run_id") == str(fid)]
+    assert len(mine) == 1 and mine[0].tags["checkpoint_url"]
+    exp = tracking.experiment_id(cfg)
+    parents = c.search_runs([exp], f"tags.`prefect.flow_run_id` = '{fid}'")
+    assert len(parents) == 1
+    children = c.search_runs([exp], f"tags.mlflow.parentRunId = '{parents[0].info.run_id}'")
+    assert {"curate", "sft", "rl-stage-1", "rl-stage-2", "rl-stage-3", "eval-rl-stage-3"} <= {
+        r.info.run_name for r in children}
+    assert len([r for r in children if r.info.run_name == "rl-stage-1"]) == 1
