@@ -178,10 +178,11 @@ def simulate(trajs: list[Traj], engines: int, capacity: int, max_len: int, cost:
                 if e.running:
                     heapq.heappush(heap, (e.t, i))
             continue
-        batch, kv0 = len(e.running), e.used()
+        batch = len(e.running)
+        kv0 = sum(t.length for t in e.running)      # attention reads the decoding sequences' KV only
         k = min(tr.left for tr in e.running)
         if mode == "static":
-            k = max(1, min(k, (e.capacity - kv0) // batch))
+            k = max(1, min(k, (e.capacity - e.used()) // batch))
         nxt = min((w.ready_at for w in e.waiting_tool), default=math.inf)
         if e.t + cost.steps(k, batch, kv0) > nxt:            # stop at the next tool return
             lo, hi = 1, k
