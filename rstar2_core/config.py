@@ -313,6 +313,10 @@ class RLConfig(_Section):
     """Rollout sampling temperature. Paper: 1.0."""
     micro_batch_size: int = Field(8, ge=1)
     """Trajectories per forward/backward; gradients accumulate to one optimizer step per RL step."""
+    old_logprobs: Literal["recompute", "engine"] = "recompute"
+    """Where the PPO ratio's old log-probs come from: a no-grad forward of the policy before the update
+    (verl; ratio exactly 1 for identical weights) or the engine's sampling log-probs (one forward less;
+    the ratio then also carries engine/trainer numeric mismatch)."""
     checkpoint_every: int = Field(1, ge=1)
     """Save a resumable checkpoint (model, optimizer, scheduler, RNG, data cursor, run id) every N steps."""
     keep_checkpoints: int = Field(2, ge=1)

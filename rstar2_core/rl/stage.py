@@ -176,7 +176,8 @@ async def _run(cfg: Config, stage_index: int, init_url: str, data_url: str, out_
                     if sb.trajectories:
                         actor = rl_update(backend, sb.trajectories, sb.advantages, pad_id=pad_id,
                                           temperature=rl.temperature, micro_batch_size=rl.micro_batch_size,
-                                          clip_low=grpo.clip_low, clip_high=grpo.clip_high, loss_key=grpo.policy_loss)
+                                          clip_low=grpo.clip_low, clip_high=grpo.clip_high, loss_key=grpo.policy_loss,
+                                          old_logprobs=rl.old_logprobs)
                     else:
                         actor = {"actor/skipped": 1.0, "actor/tokens": 0.0}
                     t3 = time.perf_counter()

@@ -8,8 +8,8 @@ optimizer step per RL step, grad clip from the config):
    kernel set and precision), so their ratio to the trainer's forward is not exactly 1 even for
    identical weights, and clipping would then act on numerical noise. With `old_logprobs="engine"` the
    sampling log-probs are used instead (cheaper by one forward; the ratio then also measures
-   engine/trainer mismatch). Either way `actor/engine_logprob_gap` (mean |engine - trainer| over
-   sampled tokens) is logged, which catches a temperature or template mismatch at once.
+   engine/trainer mismatch). In recompute mode `actor/engine_logprob_gap` (mean |engine - trainer|
+   over sampled tokens) is logged, which catches a temperature or template mismatch at once.
 2. The loss is `policy_loss` per micro-batch with `total_tokens` = the mask sum over *all* kept
    trajectories, so the accumulated gradient is that of the token-level mean over the whole step (not
    a mean of per-micro-batch means).
@@ -138,7 +138,8 @@ def rl_update(backend, trajectories: Sequence[Trajectory], advantages: Sequence[
     if total_tokens == 0:
         return {"actor/skipped": 1.0, "actor/tokens": 0.0}
     model.train()
-    recomputed = sequence_logprobs(model, trajectories, pad_id, temperature, micro_batch_size)
+    recompute = old_logprobs == "recompute"
+    recomputed = sequence_logprobs(model, trajectories, pad_id, temperature, micro_batch_size) if recompute else []
     gap_sum = 0.0
     sums = {"actor/pg_clipfrac": 0.0, "actor/ratio_mean": 0.0, "actor/ppo_kl": 0.0, "actor/pg_loss": 0.0}
     adv_all = torch.tensor(list(advantages), dtype=torch.float32)
@@ -147,11 +148,12 @@ def rl_update(backend, trajectories: Sequence[Trajectory], advantages: Sequence[
         batch = collate(chunk, pad_id, device)
         if float(batch.loss_mask.sum()) == 0:
             continue
-        old = torch.zeros_like(batch.engine_logprobs)
-        for b, t in enumerate(chunk):
-            old[b, :len(t.response_ids)] = recomputed[sl.start + b].to(device)
-        gap_sum += float(((old - batch.engine_logprobs).abs() * batch.loss_mask).sum())
-        if old_logprobs == "engine":
+        if recompute:
+            old = torch.zeros_like(batch.engine_logprobs)
+            for b, t in enumerate(chunk):
+                old[b, :len(t.response_ids)] = recomputed[sl.start + b].to(device)
+            gap_sum += float(((old - batch.engine_logprobs).abs() * batch.loss_mask).sum())
+        else:
             old = batch.engine_logprobs
         with backend.autocast() if hasattr(backend, "autocast") else contextlib.nullcontext():
             lp = batch_logprobs(model, batch, temperature)
@@ -165,6 +167,7 @@ def rl_update(backend, trajectories: Sequence[Trajectory], advantages: Sequence[
     model.eval()
     metrics = {k: v / total_tokens for k, v in sums.items()}
     metrics.update({"actor/grad_norm": float(grad_norm), "actor/tokens": total_tokens,
-                    "actor/engine_logprob_gap": gap_sum / total_tokens, "actor/skipped": 0.0,
-                    "actor/lr": lr})
+                    "actor/skipped": 0.0, "actor/lr": lr})
+    if recompute:
+        metrics["actor/engine_logprob_gap"] = gap_sum / total_tokens
     return metrics

@@ -90,10 +90,16 @@ def test_engine_logprob_gap_reports_mismatch():
     m = rl_update(exact, [traj([5, 6, 7], [8, 9, 10, 11], logprobs=true_lp)], [1.0], pad_id=PAD)
     assert m["actor/engine_logprob_gap"] < 1e-5
     off = [x - 0.3 for x in true_lp]
+    m = rl_update(GradCapture(model), [traj([5, 6, 7], [8, 9, 10, 11], logprobs=off)], [1.0], pad_id=PAD)
+    assert m["actor/engine_logprob_gap"] == pytest.approx(0.3, abs=1e-4)
+    assert m["actor/ratio_mean"] == pytest.approx(1.0)
+    # with the engine's log-probs as old_logprobs the ratio carries the mismatch
     m = rl_update(GradCapture(model), [traj([5, 6, 7], [8, 9, 10, 11], logprobs=off)], [1.0], pad_id=PAD,
                   old_logprobs="engine")
-    assert m["actor/engine_logprob_gap"] == pytest.approx(0.3, abs=1e-4)
+    assert "actor/engine_logprob_gap" not in m
     assert m["actor/ratio_mean"] == pytest.approx(torch.exp(torch.tensor(0.3)).item(), rel=1e-4)
+    with pytest.raises(ValueError, match="recompute"):
+        rl_update(GradCapture(model), TRAJS[:1], [1.0], pad_id=PAD, old_logprobs="vllm")
 
 
 def test_rl_step_moves_policy_toward_positive_advantage():
