@@ -162,3 +162,22 @@ def test_real_engine_trajectory_keeps_engine_tokens_and_logprobs(chat, tokenizer
             assert lp == pytest.approx(logp[p + i - 1, t].item(), abs=1e-4)
     again = asyncio.run(go())
     assert again.response_ids == traj.response_ids                          # same seed, same trajectory
+
+
+def test_real_sandbox_results_reach_the_model(chat, tokenizer):
+    from rstar2_core.config import SandboxConfig
+    from rstar2_core.sandbox import make_sandbox
+
+    key = tuple(chat.prompt_ids(PROBLEM))
+    engine = ScriptedEngine({key: [scripted_turn(tokenizer, call_text("print(6 * 7)"), TOOL_CALL_CLOSE),
+                                   scripted_turn(tokenizer, call_text("print(1 / 0)"), TOOL_CALL_CLOSE),
+                                   scripted_turn(tokenizer, ANSWER, ANSWER_CLOSE)]})
+
+    async def go():
+        async with make_sandbox(SandboxConfig(workers=1)) as sandbox:
+            return await run_trajectory(engine, sandbox, chat, PROBLEM, RolloutLimits(4, 4000), seed=1)
+    traj = asyncio.run(go())
+    assert [(c.status, c.failed, c.infra) for c in traj.tool_calls] == [("ok", False, False), ("error", True, False)]
+    assert "<tool_response>\n42\n" in tokenizer.decode(engine.requests[1][0], skip_special_tokens=False)
+    assert "ZeroDivisionError" in tokenizer.decode(engine.requests[2][0], skip_special_tokens=False)
+    assert traj.finish == "answer" and traj.tool_time_s > 0
