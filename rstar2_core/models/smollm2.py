@@ -15,6 +15,7 @@ experiments, not for published numbers.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import os
 from pathlib import Path
@@ -48,7 +49,7 @@ def cache_dir() -> Path:
 def convert_smollm2(dst: Path | None = None) -> Path:
     """The cached HF checkpoint folder of SmolLM2-135M-Instruct, converting the GGUF on first use."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rstar2_core.models.tokenizer import chat_template
 
@@ -57,7 +58,7 @@ def convert_smollm2(dst: Path | None = None) -> Path:
         return dst
     src = gguf_path()
     gguf_model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
-    config = AutoConfig.from_pretrained(str(src.parent), gguf_file=src.name)
+    config = copy.deepcopy(gguf_model.config)
     config.dtype = torch.bfloat16
     fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     missing, unexpected = fresh.load_state_dict(gguf_model.state_dict(), strict=False)
