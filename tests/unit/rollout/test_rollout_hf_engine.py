@@ -177,3 +177,42 @@ def test_shared_prompt_prefix_is_copied_not_prefilled(model, tokenizer):
         alone = _run(_staggered(HFEngine(model, tokenizer, max_batch_size=1, max_seq_len=64), [p], lambda i: greedy))
         assert out.token_ids == alone[0].token_ids
         assert out.logprobs == pytest.approx(_forward_logprobs(model, p, out.token_ids), abs=1e-4)
+
+
+def test_close_cancel_and_a_failing_step_leave_the_engine_consistent(tokenizer):
+    from rstar2_core.rollout.hf_engine import EngineClosed
+
+    model = tiny_model(len(tokenizer))
+    engine = HFEngine(model, tokenizer, max_batch_size=2, max_seq_len=600)
+    long = SamplingParams(max_new_tokens=500, temperature=0.0)
+    real_forward = model.forward
+
+    async def go():
+        # a cancelled request frees its slot; the engine keeps serving
+        task = asyncio.ensure_future(engine.generate([1, 2, 3], long))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        ok = await engine.generate([4, 5], SamplingParams(max_new_tokens=3, temperature=0.0))
+        assert len(ok.token_ids) == 3
+
+        # a forward that raises fails the requests in that step, not the engine
+        def broken(*a, **k):
+            raise RuntimeError("device lost")
+        model.forward = broken
+        with pytest.raises(RuntimeError, match="device lost"):
+            await engine.generate([6, 7], SamplingParams(max_new_tokens=3))
+        model.forward = real_forward
+        assert len((await engine.generate([6, 7], SamplingParams(max_new_tokens=3))).token_ids) == 3
+
+        # closing fails what is still running, and refuses new requests
+        task = asyncio.ensure_future(engine.generate([8, 9], long))
+        await asyncio.sleep(0.05)
+        await engine.close()
+        with pytest.raises(EngineClosed):
+            await task
+        with pytest.raises(EngineClosed):
+            await engine.generate([1], long)
+        assert not engine._active and not engine._pending
+    _run(go())
