@@ -28,6 +28,7 @@ free_port() {  # $1 = preferred port; prints it if free, else a free one
 import socket, sys
 want = int(sys.argv[1])
 s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port we just freed may sit in TIME_WAIT
 try:
     s.bind(("127.0.0.1", want))
 except OSError:

@@ -79,7 +79,7 @@ def register(cfg: Config, *, parent_run_id: str, recipe_run_id: str, stage: str,
             c.log_artifact(parent_run_id, str(ptr), artifact_path="model")
         source = f"{c.get_run(parent_run_id).info.artifact_uri.rstrip('/')}/model"
         tags = {"checkpoint_url": checkpoint_url, "stage": stage, "rstar2.recipe_run_id": recipe_run_id,
-                "git_sha": tracking.git_sha(), **lineage,
+                "git_sha": c.get_run(parent_run_id).data.tags.get("git_sha", tracking.git_sha()), **lineage,
                 **{tracking.metric_key(k): f"{v:.6g}" for k, v in metrics.items()}}
         mv = c.create_model_version(name, source=source, run_id=parent_run_id, tags=tags)
     version = int(mv.version)

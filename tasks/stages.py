@@ -169,9 +169,17 @@ def evaluate_checkpoint(ctx: RecipeContext, stage: str, checkpoint: StageResult 
     url = checkpoint.checkpoint_url if isinstance(checkpoint, StageResult) else checkpoint["checkpoint_url"]
     key = f"eval-{stage}"
 
-    def compute(cfg, log_metrics, _):
+    def compute(cfg, log_metrics, run_id):
         report = core("eval")(cfg, checkpoint_url=url, out_url=ctx.store(cfg).url("eval", stage),
                               benchmarks=benchmarks, k=k, log_metrics=log_metrics)
-        return {"stage": stage, "checkpoint_url": url, "report": report_json(report)}
+        rep = report_json(report)
+        for plot in rep.get("plot_urls") or []:  # the core's summary PNGs, copied into the stage run
+            tracking.log_file_artifact(cfg, run_id, plot, "plots")
+        c = tracking.client(cfg)
+        if rep.get("report_url"):
+            c.set_tag(run_id, "report_url", rep["report_url"])
+        for bench, digest in (rep.get("benchmark_digests") or {}).items():
+            c.set_tag(run_id, f"benchmark.{bench}.digest", str(digest))
+        return {"stage": stage, "checkpoint_url": url, "report": rep}
 
     return _run_tracked(ctx, key, {"checkpoint_url": url, "benchmarks": benchmarks, "k": k}, compute)

@@ -198,6 +198,16 @@ def log_metric_plot(cfg: Config, run_id: str, title: str, max_metrics: int = 6) 
         return f"plots/{path.name}"
 
 
+def log_file_artifact(cfg: Config, run_id: str, url: str, artifact_path: str) -> None:
+    """Copy one small file (a PNG or report) from a storage URL into the run's artifacts."""
+    from rstar2_core import storage
+
+    with tempfile.TemporaryDirectory(prefix="rstar2-art-") as d:
+        path = Path(d) / url.rstrip("/").rsplit("/", 1)[-1]
+        path.write_bytes(storage.read_bytes(url))
+        client(cfg).log_artifact(run_id, str(path), artifact_path=artifact_path)
+
+
 def metric_steps(cfg: Config, run_id: str, key: str) -> list[int]:
     """Steps at which `key` was logged, in logging order (for resume checks)."""
     hist = client(cfg).get_metric_history(run_id, metric_key(key))
