@@ -56,8 +56,23 @@ async def _task_lines(c, flow_run_id: UUID) -> list[str]:
     return [f"{t.name}: {t.state.name if t.state else '?'}" for t in sorted(trs, key=lambda t: t.expected_start_time or t.created)]
 
 
-async def watch(flow_run_id: UUID, timeout_s: float = 3600, poll_s: float = 2.0, quiet: bool = False) -> str:
-    """Poll until the flow run is terminal; print a line per change in its (sub)flow's task runs."""
+def expected_tasks(parameters: dict) -> int | None:
+    """Task runs in the stage DAG of a full-recipe run with these parameters (None if not a recipe run)."""
+    from rstar2_core.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(parameters.get("profile", "tiny"), list(parameters.get("overrides") or []))
+    except ConfigError:
+        return None
+    stages = cfg.rl.stages
+    evals = {"all": len(stages) + 1, "rl": len(stages), "last": 1}[cfg.pipeline.eval_stages]
+    return 4 + len(stages) + sum(s.dataset == "hard_subset" for s in stages) + evals + 1
+
+
+async def watch(flow_run_id: UUID, timeout_s: float = 3600, poll_s: float = 2.0, quiet: bool = False,
+                total: int | None = None) -> str:
+    """Poll until the flow run is terminal; print a line per change in its (sub)flow's task runs, with
+    tasks done out of `total` and a rough ETA (elapsed time per finished task) when `total` is known."""
     t0 = time.time()
     seen: set[str] = set()
     async with get_client() as c:
@@ -65,10 +80,15 @@ async def watch(flow_run_id: UUID, timeout_s: float = 3600, poll_s: float = 2.0,
             fr = await c.read_flow_run(flow_run_id)
             state = fr.state.type.value if fr.state else "PENDING"
             if not quiet:
-                for line in await _task_lines(c, flow_run_id):
+                lines = await _task_lines(c, flow_run_id)
+                done = sum(line.endswith(": Completed") for line in lines)
+                for line in lines:
                     if line not in seen:
                         seen.add(line)
-                        print(f"[{time.time() - t0:6.0f} s] {line}", flush=True)
+                        el = time.time() - t0
+                        eta = f", ETA {el / done * (total - done):.0f} s" if total and done else ""
+                        frac = f" ({done}/{total} tasks{eta})" if total else ""
+                        print(f"[{el:6.0f} s]{frac} {line}", flush=True)
             if state in TERMINAL and fr.state.name not in ("AwaitingRetry",):
                 if not quiet:
                     print(f"[{time.time() - t0:6.0f} s] flow run {fr.name}: {fr.state.name} {fr.state.message or ''}",
@@ -118,12 +138,14 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     ui = os.environ.get("PREFECT_API_URL", "http://127.0.0.1:4200/api").removesuffix("/api")
     if a.cmd == "run":
-        fid = asyncio.run(start_run(a.deployment, _parse_params(a.param, a.overrides)))
+        params = _parse_params(a.param, a.overrides)
+        fid = asyncio.run(start_run(a.deployment, params))
         if a.id_file:
             with open(a.id_file, "w") as f:
                 f.write(str(fid))
         print(f"flow run {fid}: {ui}/runs/flow-run/{fid}", flush=True)
-        state = asyncio.run(watch(fid, a.timeout))
+        total = expected_tasks(params) if a.deployment.endswith("full-recipe") else None
+        state = asyncio.run(watch(fid, a.timeout, total=total))
     elif a.cmd == "retry":
         fid = UUID(a.flow_run_id)
         asyncio.run(retry_flow_run(fid))

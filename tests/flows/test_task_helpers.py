@@ -85,3 +85,14 @@ def test_resources_and_ray_settings():
     with placement(cfg, "rl"):
         assert RemoteOptionsContext.get().current_remote_options == {"num_cpus": 2.0}
     assert RemoteOptionsContext.get().current_remote_options == {}
+
+
+def test_progress_knows_the_dag_size():
+    from flows.client import _parse_params, expected_tasks
+
+    # curate, sft-data, base-model, sft, 3 RL stages, 1 hard subset, 4 evaluations, register
+    assert expected_tasks({"profile": "tiny"}) == 13
+    assert expected_tasks({"profile": "tiny", "overrides": ["pipeline.eval_stages=last"]}) == 10
+    assert expected_tasks({"profile": "no-such-profile"}) is None
+    assert _parse_params(['profile="tiny"', "k=3"], ["rl.lr=1e-5"]) == {
+        "profile": "tiny", "k": 3, "overrides": ["rl.lr=1e-5"]}
