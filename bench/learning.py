@@ -22,6 +22,11 @@ Keys of the JSON object (the last line with `--json`):
 A plot (training pass rate and positive tool-error ratio per step for both arms, and the eval pass@1
 bars) is saved under `.rstar2/bench/` and its path printed. `--quick` runs 2 RL steps and 20 eval
 problems: a smoke run of the whole path, not a measurement.
+
+`--toy` swaps the task for `rstar2_core.rl.toy` (a 0.1M-parameter policy SFT-ed in-process to call the
+tool with print(1)/print(2), 30% after a failing misspelt call; gold answer 1; held-out eval set of
+32 toy problems): a cheap mechanism check of the RL loop and of RoC on 2 shared cores. Its figures are
+labelled `"task": "toy"` and are not the issue's learning target.
 """
 
 from __future__ import annotations
@@ -52,14 +57,21 @@ class RecordingSampler:
         self.inner.close()
 
 
-def eval_arm(cfg, ckpt_url: str, out_url: str, log) -> dict:
+TOY_RL = ["rl.prompts_per_step=4", "rl.grpo.group_size=4", "rl.grpo.oversample=2", "rl.stages.0.steps=15",
+          "rl.stages.0.max_response_tokens=200", "rl.stages.0.max_turns=3", "rl.lr=1e-3", "rl.warmup_steps=0",
+          "rl.micro_batch_size=16", "rl.checkpoint_every=5", "rollout.max_batch_size=32", "eval.k=4",
+          "eval.max_tokens=200", "eval.max_turns=3"]
+
+
+def eval_arm(cfg, ckpt_url: str, out_url: str, log, benchmarks=None) -> dict:
     from rstar2_core import storage
     from rstar2_core.eval.run import evaluate
     from rstar2_core.eval.sampler import PolicySampler
 
     sampler = RecordingSampler(PolicySampler.open(cfg, ckpt_url))
     t0 = time.time()
-    report = evaluate(cfg, checkpoint_url=ckpt_url, out_url=out_url, sampler=sampler, progress=False)
+    report = evaluate(cfg, checkpoint_url=ckpt_url, out_url=out_url, sampler=sampler, progress=False,
+                      benchmarks=benchmarks)
     sampler.close()
     name = next(iter(report.metrics))
     m = report.metrics[name]
@@ -116,6 +128,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="2 RL steps, 20 eval problems: smoke run")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     ap.add_argument("--sft-url", default=None, help="reuse this SFT checkpoint (wall_s then excludes SFT)")
+    ap.add_argument("--toy", action="store_true", help="the toy task of rstar2_core.rl.toy (mechanism check)")
+    ap.add_argument("--toy-sft-steps", type=int, default=300, help="SFT steps of the toy policy")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads (default 1: on 2 shared cores the sandbox and grader need the other)")
     args = ap.parse_args(argv)
@@ -133,7 +147,7 @@ def main(argv=None) -> int:
     from rstar2_core.sft.train import run_sft
 
     t_start = time.time()
-    overrides = list(args.overrides)
+    overrides = (TOY_RL if args.toy else []) + list(args.overrides)
     if args.quick:
         overrides += ["rl.stages.0.steps=2", "eval.benchmarks.0.limit=20"]
     cfg = load_config(args.profile, overrides)
@@ -144,7 +158,16 @@ def main(argv=None) -> int:
     def log(msg: str) -> None:
         print(f"[{time.time() - t_start:7.1f} s] {msg}", file=sys.stderr, flush=True)
 
-    if args.sft_url:
+    benches = None
+    if args.toy:
+        from rstar2_core.config import BenchmarkConfig
+        from rstar2_core.rl.toy import build_toy_policy, write_toy_problems
+
+        sft_url, toy_rl_url, loss = build_toy_policy(work / "toy", sft_steps=args.toy_sft_steps)
+        log(f"toy policy SFT-ed ({args.toy_sft_steps} steps, last loss {loss:.3f})")
+        benches = [BenchmarkConfig(name="toy", url=write_toy_problems(storage.join(root, "toy", "eval.jsonl"),
+                                                                      range(1000, 1032)), layout="generic")]
+    elif args.sft_url:
         sft_url = args.sft_url
         log(f"reusing SFT checkpoint {sft_url}")
     else:
@@ -155,9 +178,13 @@ def main(argv=None) -> int:
         sft_url = run_sft(cfg, base_model_url=base, sft_data_url=sft_data.url, out_url=storage.join(root, "sft")
                           ).checkpoint_url
         log(f"SFT done {sft_url}")
-    rl_data = curate(cfg, storage.join(root, "data"), progress=False)
-    log(f"RL problems: {rl_data.n_rows}")
-    evals = {"sft": eval_arm(cfg, sft_url, storage.join(root, "eval-sft"), log)}
+    if args.toy:
+        rl_data_url = toy_rl_url
+    else:
+        rl_data = curate(cfg, storage.join(root, "data"), progress=False)
+        rl_data_url = rl_data.url
+        log(f"RL problems: {rl_data.n_rows}")
+    evals = {"sft": eval_arm(cfg, sft_url, storage.join(root, "eval-sft"), log, benches)}
 
     arms = {"roc": cfg,
             "grpo": load_config(args.profile, overrides + ["rl.grpo.resample=none", "rl.grpo.oversample=1"])}
@@ -165,13 +192,13 @@ def main(argv=None) -> int:
     for arm, acfg in arms.items():
         stream: list = []
         t0 = time.time()
-        res = run_rl_stage(acfg, 0, init_checkpoint_url=sft_url, data_url=rl_data.url,
+        res = run_rl_stage(acfg, 0, init_checkpoint_url=sft_url, data_url=rl_data_url,
                            out_url=storage.join(root, f"rl-{arm}"), resume=False,
                            log_metrics=lambda m, s, st=stream: st.append((s, dict(m))))
         streams[arm] = stream
         log(f"RL {arm}: {len(stream)} steps in {time.time() - t0:.0f} s; pass rate per step "
             f"{[round(m.get('rollout/pass_rate', float('nan')), 3) for _, m in stream]}")
-        evals[arm] = eval_arm(acfg, res.checkpoint_url, storage.join(root, f"eval-{arm}"), log)
+        evals[arm] = eval_arm(acfg, res.checkpoint_url, storage.join(root, f"eval-{arm}"), log, benches)
 
     png = Path(os.environ["RSTAR2_HOME"]).resolve() / "bench" / f"learning-{stamp}.png"
     plot(streams, evals, png)
@@ -183,6 +210,7 @@ def main(argv=None) -> int:
         "roc_train_pos_tool_error_ratio": late_mean(streams["roc"], "rollout/pos_tool_error_ratio"),
         "grpo_train_pos_tool_error_ratio": late_mean(streams["grpo"], "rollout/pos_tool_error_ratio"),
         "wall_s": round(wall, 1), "sft_reused": bool(args.sft_url), "quick": args.quick,
+        "task": "toy" if args.toy else "synthetic",
         "rl_steps": cfg.rl.stages[0].steps, "eval_problems": evals["sft"]["n_problems"], "eval_k": evals["sft"]["k"],
         "overrides": overrides, "plot": str(png), "evals": evals,
     }

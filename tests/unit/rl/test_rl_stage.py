@@ -98,7 +98,7 @@ def test_hard_subset_drops_problems_solved_k_of_k(toy_policy, tmp_path, one_thre
     assert c["input"] == 12 and c["k"] == 2 and c["kept"] + c["solved_all"] == 12 and c["kept"] == ref.n_rows
     kept, rejected = load_problems(ref.url)
     assert len(kept) == ref.n_rows and not rejected
-    assert {p.id for p in kept} <= {f"t{i}" for i in range(12)}
+    assert {p.id for p in kept} <= {f"t{i}" for i in range(100, 112)}
     # same inputs -> the published subset is returned as is (no new sampling, same digest)
     again = select_hard_subset(cfg, 2, checkpoint_url=ckpt, data_url=data, out_url=out)
     assert again == ref
