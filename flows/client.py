@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import sys
 import time
 from uuid import UUID
@@ -52,7 +53,7 @@ async def _task_lines(c, flow_run_id: UUID) -> list[str]:
     ids = [flow_run_id] + [s.id for s in subs]
     trs = await c.read_task_runs(task_run_filter=TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(any_=ids)))
     # a subflow run is itself a task run of its parent: skip those dummy entries
-    trs = [t for t in trs if not t.name.startswith("recipe-stages")]
+    trs = [t for t in trs if not re.fullmatch(r"(recipe-stages|rstar2)-\d+", t.name)]
     return [f"{t.name}: {t.state.name if t.state else '?'}" for t in sorted(trs, key=lambda t: t.expected_start_time or t.created)]
 
 
