@@ -200,6 +200,7 @@ def main(argv=None) -> int:
             f"{[round(m.get('rollout/pass_rate', float('nan')), 3) for _, m in stream]}")
         evals[arm] = eval_arm(acfg, res.checkpoint_url, storage.join(root, f"eval-{arm}"), log, benches)
 
+    storage.write_json_atomic(storage.join(root, "streams.json"), {a: st for a, st in streams.items()})
     png = Path(os.environ["RSTAR2_HOME"]).resolve() / "bench" / f"learning-{stamp}.png"
     plot(streams, evals, png)
     wall = time.time() - t_start
