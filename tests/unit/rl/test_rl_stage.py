@@ -102,3 +102,23 @@ def test_hard_subset_drops_problems_solved_k_of_k(toy_policy, tmp_path, one_thre
     # same inputs -> the published subset is returned as is (no new sampling, same digest)
     again = select_hard_subset(cfg, 2, checkpoint_url=ckpt, data_url=data, out_url=out)
     assert again == ref
+
+
+def test_next_stage_continues_the_optimizer_and_lr_schedule(toy_policy, tmp_path, one_thread):
+    ckpt, data, _ = toy_policy
+    cfg = load_config("tiny", OVERRIDES + ["rl.stages.0.steps=2", "rl.stages.1.steps=1", "rl.warmup_steps=4"])
+    s1: list = []
+    r1 = run_rl_stage(cfg, 0, init_checkpoint_url=ckpt, data_url=data, out_url=(tmp_path / "s1").as_uri(),
+                      log_metrics=lambda m, s: s1.append((s, m)))
+    s2: list = []
+    r2 = run_rl_stage(cfg, 1, init_checkpoint_url=r1.checkpoint_url, data_url=data,
+                      out_url=(tmp_path / "s2").as_uri(), log_metrics=lambda m, s: s2.append((s, m)))
+    assert [s for s, _ in s1] == [1, 2] and [s for s, _ in s2] == [3]   # global steps continue
+    taken = sum(1 for _, m in s1 if not m["actor/skipped"])
+    st1, st2 = read_rl_state(r1.checkpoint_url), read_rl_state(r2.checkpoint_url)
+    assert taken >= 1 and not s2[0][1]["actor/skipped"]   # seeded: these rollouts do have signal
+    assert st2["backend"]["step"] == taken + 1
+    # warm-up position carried over: stage 2's first update is optimizer step `taken` (0-based) of 4 warm-up
+    # steps; a fresh schedule would give 1e-3 / 4
+    assert s2[0][1]["actor/lr"] == pytest.approx(1e-3 * (taken + 1) / 4)
+    assert st2["cursor"] == 3 and st1["cursor"] == 6   # each stage has its own data cursor
