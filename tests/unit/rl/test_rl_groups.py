@@ -87,13 +87,7 @@ def test_batch_indices_deterministic_epochs_without_replacement():
 
 def test_load_problems_rejects_malformed_rows_with_reasons(tmp_path):
     url = (tmp_path / "rl.jsonl").as_uri()
-    storage.write_text_atomic(url, "\n".join([
-        '{"id": "a", "problem": "1+1?", "answer": "2"}',
-        '{"id": "b", "problem": "", "answer": "2"}',
-        '{"id": "c", "problem": "x", "answer": null}',
-        'not json',
-        '{"id": "a", "problem": "dup", "answer": "3"}',
-        '{"id": "d", "problem": "2+2?", "answer": 4}']))
+    storage.write_text_atomic(url, '{"id": "a", "problem": "1+1?", "answer": "2"}\n{"id": "b", "problem": "", "answer": "2"}\n{"id": "c", "problem": "x", "answer": null}\nnot json\n{"id": "a", "problem": "dup", "answer": "3"}\n{"id": "d", "problem": "2+2?", "answer": 4}')
     problems, rejected = load_problems(url)
     assert [(p.id, p.answer) for p in problems] == [("a", "2"), ("d", "4")]
     assert rejected == {"missing_problem": 1, "missing_answer": 1, "invalid_json": 1, "duplicate_id": 1}
