@@ -1,34 +1,13 @@
-"""One typed config tree for the whole recipe, loaded from `configs/<profile>.toml` plus dotted overrides.
-
-Every field carries one docstring: unit, default, the paper's value (RECIPE.md) and the trade-off.
-Bounds live on the field; cross-field rules live in validators whose message names the fix.
-
-    cfg = load_config("tiny", ["rl.stages.0.max_response_tokens=4096"])
-
-A bad value raises `ConfigError` whose message names the dotted field path, what was wrong and
-what to set instead. Profiles are looked up in `$RSTAR2_CONFIG_DIR` (default: `configs/` at the
-repository root); a path to a `.toml` file also works as a profile.
-"""
+"""Sections of the config tree: model, data, sandbox, rollout, SFT, eval, tracking, storage,
+cluster, pipeline (the RL sections are in `rl.py`, the root in `__init__.py`)."""
 
 from __future__ import annotations
 
-import json
-import os
-import tomllib
-from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, model_validator
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-class ConfigError(ValueError):
-    """A profile or override that does not describe a valid config; the message says how to fix it."""
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+from rstar2_core.config.base import _Section
 
 
 # --------------------------------------------------------------------------------------------- model
@@ -49,7 +28,7 @@ class TinyModelConfig(_Section):
     """Longest sequence the model is built for, in tokens. Default 2048."""
 
     @model_validator(mode="after")
-    def _heads_divide(self) -> "TinyModelConfig":
+    def _heads_divide(self) -> TinyModelConfig:
         if self.hidden_size % self.num_heads:
             raise ValueError(f"num_heads={self.num_heads} must divide hidden_size={self.hidden_size}; "
                              "pick num_heads among the divisors of hidden_size")
@@ -73,7 +52,7 @@ class ModelConfig(_Section):
     """Recompute activations in backward: saves memory at ~30% more compute. On for 14B."""
 
     @model_validator(mode="after")
-    def _hf_needs_path(self) -> "ModelConfig":
+    def _hf_needs_path(self) -> ModelConfig:
         if self.kind == "hf" and not self.name_or_path:
             raise ValueError('kind = "hf" needs name_or_path (an HF checkpoint folder or URL)')
         return self
@@ -247,103 +226,12 @@ class SFTConfig(_Section):
     """Shuffling/initialisation seed."""
 
     @model_validator(mode="after")
-    def _micro_divides(self) -> "SFTConfig":
+    def _micro_divides(self) -> SFTConfig:
         if self.batch_size % self.micro_batch_size:
             raise ValueError(f"batch_size={self.batch_size} must be a multiple of micro_batch_size="
                              f"{self.micro_batch_size}; lower micro_batch_size to a divisor")
         return self
 
-
-# ------------------------------------------------------------------------------------------ GRPO-RoC
-class GRPOConfig(_Section):
-    advantage_estimator: Literal["grpo"] = "grpo"
-    """Advantage registry key: `grpo` = (r - mean) / (std + eps) per group (population std)."""
-    policy_loss: Literal["ppo_clip"] = "ppo_clip"
-    """Policy-loss registry key: `ppo_clip` = clipped ratio with clip-higher, token-level mean."""
-    resample: Literal["roc", "none"] = "roc"
-    """`roc`: Resample-on-Correct down-sampling of oversample x group_size rollouts to group_size.
-    `none`: plain GRPO, keep every rollout (oversample should then be 1)."""
-    oversample: int = Field(2, ge=1)
-    """Rollouts per prompt = oversample x group_size. Paper: 2 (32 rollouts -> 16 kept)."""
-    group_size: int = Field(16, ge=2)
-    """Rollouts kept per prompt (G). Paper: 16."""
-    positive_mode: Literal["weighted", "lowest_penalty"] = "weighted"
-    """How positives are kept: sampled with p ~ 1/penalty (paper) or lowest penalty first (reference code)."""
-    min_per_class: int = Field(2, ge=0)
-    """Floor of kept rollouts per class when a group has both classes (reference code: 2)."""
-    clip_low: float = Field(0.2, ge=0.0, lt=1.0)
-    """Lower PPO clip: ratio >= 1 - clip_low. Paper: 0.2."""
-    clip_high: float = Field(0.28, ge=0.0)
-    """Upper PPO clip (clip-higher): ratio <= 1 + clip_high. Paper: 0.28."""
-    adv_eps: float = Field(1e-6, gt=0)
-    """Added to the group std in the advantage denominator."""
-
-
-class RLStageConfig(_Section):
-    name: str = ""
-    """Stage name used in run names and URLs; default `rl-stage-<n>`."""
-    steps: int = Field(ge=1)
-    """RL steps in this stage. Paper: 300, 85, 125."""
-    max_response_tokens: int = Field(ge=1)
-    """Budget of generated + tool tokens per trajectory. Paper: 8K, 12K, 12K."""
-    max_turns: int = Field(ge=1)
-    """Most assistant turns per trajectory. Paper: 10, 10, 15."""
-    dataset: Literal["curated", "hard_subset"] = "curated"
-    """Problems to train on: the curated set, or its hard subset under the previous stage's policy."""
-    reset_optimizer: bool = False
-    """Start this stage with fresh AdamW state (paper: at stage 3)."""
-    hard_subset_k: int = Field(8, ge=1)
-    """For dataset = hard_subset: rollouts per problem; problems solved k/k are dropped. Paper: 8."""
-
-
-class RLConfig(_Section):
-    lr: float = Field(1e-6, gt=0)
-    """AdamW learning rate, constant after warm-up. Paper: 1e-6."""
-    warmup_steps: int = Field(20, ge=0)
-    """Linear warm-up steps (counted over the whole RL run). Paper: 20."""
-    weight_decay: float = Field(0.0, ge=0.0)
-    """AdamW weight decay."""
-    betas: tuple[float, float] = (0.9, 0.999)
-    """AdamW betas."""
-    grad_clip: float = Field(1.0, gt=0)
-    """Global gradient-norm clip. Paper: 1.0."""
-    prompts_per_step: int = Field(512, ge=1)
-    """Prompts sampled per RL step. Paper: 512."""
-    temperature: float = Field(1.0, gt=0)
-    """Rollout sampling temperature. Paper: 1.0."""
-    micro_batch_size: int = Field(8, ge=1)
-    """Trajectories per forward/backward; gradients accumulate to one optimizer step per RL step."""
-    old_logprobs: Literal["recompute", "engine"] = "recompute"
-    """Where the PPO ratio's old log-probs come from: a no-grad forward of the policy before the update
-    (verl; ratio exactly 1 for identical weights) or the engine's sampling log-probs (one forward less;
-    the ratio then also carries engine/trainer numeric mismatch)."""
-    checkpoint_every: int = Field(1, ge=1)
-    """Save a resumable checkpoint (model, optimizer, scheduler, RNG, data cursor, run id) every N steps."""
-    keep_checkpoints: int = Field(2, ge=1)
-    """Step checkpoints kept per stage (the stage's final checkpoint is always kept)."""
-    backend: Literal["torch", "deepspeed"] = "torch"
-    """Actor training backend: `torch` (CPU/one GPU) or `deepspeed` ZeRO."""
-    zero_stage: Literal[0, 1, 2, 3] = 2
-    """DeepSpeed ZeRO stage for the actor (3 for 14B)."""
-    seed: int = 0
-    """Seed of prompt sampling, rollout sampling and resampling."""
-    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
-    """GRPO-RoC settings."""
-    stages: list[RLStageConfig] = Field(min_length=1)
-    """The RL stages in order; each starts from the previous one's weights."""
-
-    @model_validator(mode="after")
-    def _stage_rules(self) -> "RLConfig":
-        for i, st in enumerate(self.stages):
-            if not st.name:
-                st.name = f"rl-stage-{i + 1}"
-        if self.stages[0].dataset == "hard_subset":
-            raise ValueError("rl.stages.0.dataset = \"hard_subset\" needs a previous stage's policy; "
-                             "use \"curated\" for the first stage")
-        names = [s.name for s in self.stages]
-        if len(set(names)) != len(names):
-            raise ValueError(f"rl.stages names must be unique, got {names}")
-        return self
 
 
 # ---------------------------------------------------------------------------------------------- eval
@@ -387,7 +275,7 @@ class EvalConfig(_Section):
     last halves; 0 = no text). Full 30K-token responses x 16 x 500 problems would be ~1 GB."""
 
     @model_validator(mode="after")
-    def _primary_exists(self) -> "EvalConfig":
+    def _primary_exists(self) -> EvalConfig:
         names = [b.name for b in self.benchmarks]
         if self.primary_benchmark is not None and self.primary_benchmark not in names:
             raise ValueError(f"eval.primary_benchmark={self.primary_benchmark!r} is not among "
@@ -460,166 +348,3 @@ class PipelineConfig(_Section):
     because training past step 510 collapsed."""
 
 
-# ---------------------------------------------------------------------------------------------- root
-class Config(_Section):
-    profile: str = "custom"
-    """Name of the profile this config was loaded from."""
-    seed: int = 0
-    """Global seed."""
-    state_dir: str | None = None
-    """Local state folder (caches, Prefect home, MLflow DB, artifacts, Ray temp); default
-    $RSTAR2_HOME or <repo>/.rstar2."""
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    data: DataConfig = Field(default_factory=DataConfig)
-    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
-    sft: SFTConfig = Field(default_factory=SFTConfig)
-    rl: RLConfig
-    eval: EvalConfig = Field(default_factory=EvalConfig)
-    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
-    storage: StorageConfig = Field(default_factory=StorageConfig)
-    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
-    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
-    """Orchestration settings of the Prefect pipeline (retries, which checkpoints are ranked)."""
-
-    @model_validator(mode="after")
-    def _cross(self) -> "Config":
-        g = self.rl.grpo
-        if g.resample == "none" and g.oversample != 1:
-            raise ValueError("rl.grpo.resample = \"none\" (plain GRPO) keeps every rollout; set "
-                             "rl.grpo.oversample = 1 or use resample = \"roc\"")
-        if self.cluster.layout == "separate" and self.cluster.gpus_per_node:
-            total = self.cluster.nodes * self.cluster.gpus_per_node
-            if not 0 < self.cluster.trainer_gpus < total:
-                raise ValueError(f"cluster.layout = \"separate\" needs 0 < cluster.trainer_gpus < {total} "
-                                 "(the rest go to engines)")
-        return self
-
-    # resolved locations -------------------------------------------------------------------------
-    def resolved_state_dir(self) -> Path:
-        return Path(self.state_dir or os.environ.get("RSTAR2_HOME") or REPO_ROOT / ".rstar2").resolve()
-
-    def resolved_storage_root(self) -> str:
-        return self.storage.root or (self.resolved_state_dir() / "artifacts").as_uri()
-
-    def resolved_tracking_uri(self) -> str:
-        return self.tracking.tracking_uri or f"sqlite:///{self.resolved_state_dir() / 'mlflow.db'}"
-
-
-# ---------------------------------------------------------------------------------------- loading
-def config_dir() -> Path:
-    return Path(os.environ.get("RSTAR2_CONFIG_DIR") or REPO_ROOT / "configs")
-
-
-def available_profiles() -> list[str]:
-    return sorted(p.stem for p in config_dir().glob("*.toml"))
-
-
-def _profile_path(profile: str) -> Path:
-    p = Path(profile)
-    if p.suffix == ".toml" and p.exists():
-        return p
-    cand = config_dir() / f"{profile}.toml"
-    if not cand.exists():
-        raise ConfigError(f"unknown profile {profile!r}: choose one of {available_profiles()} "
-                          f"(files in {config_dir()}) or pass a path to a .toml file")
-    return cand
-
-
-def _parse_value(raw: str) -> Any:
-    try:
-        return tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        pass
-    try:
-        return json.loads(raw)
-    except json.JSONDecodeError:
-        return raw
-
-
-def apply_override(tree: dict, dotted: str) -> None:
-    """Apply one `a.b.0.c=value` override to a raw dict tree in place (value parsed as TOML, else string)."""
-    if "=" not in dotted:
-        raise ConfigError(f"override {dotted!r} must look like section.field=value "
-                          "(e.g. rl.stages.0.max_response_tokens=4096)")
-    key, raw = dotted.split("=", 1)
-    parts = key.strip().split(".")
-    node: Any = tree
-    for i, part in enumerate(parts[:-1]):
-        path = ".".join(parts[: i + 1])
-        if isinstance(node, list):
-            if not part.isdigit() or int(part) >= len(node):
-                raise ConfigError(f"override {key}: {path} indexes a list of {len(node)} items; "
-                                  f"use an index 0..{len(node) - 1}")
-            node = node[int(part)]
-        else:
-            node = node.setdefault(part, {})
-        if not isinstance(node, (dict, list)):
-            raise ConfigError(f"override {key}: {path} is a value, not a section")
-    last = parts[-1]
-    value = _parse_value(raw.strip())
-    if isinstance(node, list):
-        if not last.isdigit() or int(last) >= len(node):
-            raise ConfigError(f"override {key}: index {last} out of range for a list of {len(node)} items")
-        node[int(last)] = value
-    else:
-        node[last] = value
-
-
-def _field_doc(loc: tuple) -> str:
-    model: Any = Config
-    doc = ""
-    for part in loc:
-        if isinstance(part, int) or not hasattr(model, "model_fields"):
-            continue
-        field = model.model_fields.get(part)
-        if field is None:
-            return ""
-        doc = field.description or ""
-        ann = field.annotation
-        args = getattr(ann, "__args__", ())
-        model = next((a for a in (ann, *args) if isinstance(a, type) and issubclass(a, BaseModel)), None)
-        if model is None:
-            dict_or_list = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
-            model = dict_or_list[0] if dict_or_list else None
-    return " ".join(doc.split())
-
-
-def _format_validation_error(err: ValidationError, source: str) -> str:
-    lines = [f"invalid config ({source}):"]
-    for e in err.errors():
-        loc = tuple(x for x in e["loc"] if not (isinstance(x, str) and x.startswith("function-after")))
-        path = ".".join(str(x) for x in loc) or "<root>"
-        msg = e["msg"].removeprefix("Value error, ")
-        got = f" (got {e['input']!r})" if e["type"] not in ("missing",) and not isinstance(e["input"], dict) else ""
-        if e["type"] == "extra_forbidden":
-            msg = "unknown field; check the spelling against `rstar2 config show`"
-        doc = _field_doc(loc)
-        fix = f"\n    field: {doc}" if doc else ""
-        lines.append(f"  {path}: {msg}{got}{fix}")
-    return "\n".join(lines)
-
-
-def load_config(profile: str = "tiny", overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Load `configs/<profile>.toml` (or a .toml path), apply dotted overrides, validate."""
-    path = _profile_path(profile)
-    try:
-        tree = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: not valid TOML: {e}") from None
-    tree.setdefault("profile", path.stem)
-    for o in overrides:
-        apply_override(tree, o)
-    return config_from_dict(tree, source=f"profile {path.stem}" + (f" with {list(overrides)}" if overrides else ""))
-
-
-def config_from_dict(tree: dict, source: str = "dict") -> Config:
-    try:
-        return Config.model_validate(tree)
-    except ValidationError as e:
-        raise ConfigError(_format_validation_error(e, source)) from None
-
-
-def config_to_toml_dict(cfg: Config) -> dict:
-    """Plain JSON-able dict of the resolved config (for printing and MLflow params)."""
-    return cfg.model_dump(mode="json")

@@ -1,0 +1,103 @@
+"""RL sections of the config tree: GRPO-RoC, the stages, the RL optimizer and loop."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from rstar2_core.config.base import _Section
+
+
+# ------------------------------------------------------------------------------------------ GRPO-RoC
+class GRPOConfig(_Section):
+    advantage_estimator: Literal["grpo"] = "grpo"
+    """Advantage registry key: `grpo` = (r - mean) / (std + eps) per group (population std)."""
+    policy_loss: Literal["ppo_clip"] = "ppo_clip"
+    """Policy-loss registry key: `ppo_clip` = clipped ratio with clip-higher, token-level mean."""
+    resample: Literal["roc", "none"] = "roc"
+    """`roc`: Resample-on-Correct down-sampling of oversample x group_size rollouts to group_size.
+    `none`: plain GRPO, keep every rollout (oversample should then be 1)."""
+    oversample: int = Field(2, ge=1)
+    """Rollouts per prompt = oversample x group_size. Paper: 2 (32 rollouts -> 16 kept)."""
+    group_size: int = Field(16, ge=2)
+    """Rollouts kept per prompt (G). Paper: 16."""
+    positive_mode: Literal["weighted", "lowest_penalty"] = "weighted"
+    """How positives are kept: sampled with p ~ 1/penalty (paper) or lowest penalty first (reference code)."""
+    min_per_class: int = Field(2, ge=0)
+    """Floor of kept rollouts per class when a group has both classes (reference code: 2)."""
+    clip_low: float = Field(0.2, ge=0.0, lt=1.0)
+    """Lower PPO clip: ratio >= 1 - clip_low. Paper: 0.2."""
+    clip_high: float = Field(0.28, ge=0.0)
+    """Upper PPO clip (clip-higher): ratio <= 1 + clip_high. Paper: 0.28."""
+    adv_eps: float = Field(1e-6, gt=0)
+    """Added to the group std in the advantage denominator."""
+
+
+class RLStageConfig(_Section):
+    name: str = ""
+    """Stage name used in run names and URLs; default `rl-stage-<n>`."""
+    steps: int = Field(ge=1)
+    """RL steps in this stage. Paper: 300, 85, 125."""
+    max_response_tokens: int = Field(ge=1)
+    """Budget of generated + tool tokens per trajectory. Paper: 8K, 12K, 12K."""
+    max_turns: int = Field(ge=1)
+    """Most assistant turns per trajectory. Paper: 10, 10, 15."""
+    dataset: Literal["curated", "hard_subset"] = "curated"
+    """Problems to train on: the curated set, or its hard subset under the previous stage's policy."""
+    reset_optimizer: bool = False
+    """Start this stage with fresh AdamW state (paper: at stage 3)."""
+    hard_subset_k: int = Field(8, ge=1)
+    """For dataset = hard_subset: rollouts per problem; problems solved k/k are dropped. Paper: 8."""
+
+
+class RLConfig(_Section):
+    lr: float = Field(1e-6, gt=0)
+    """AdamW learning rate, constant after warm-up. Paper: 1e-6."""
+    warmup_steps: int = Field(20, ge=0)
+    """Linear warm-up steps (counted over the whole RL run). Paper: 20."""
+    weight_decay: float = Field(0.0, ge=0.0)
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Global gradient-norm clip. Paper: 1.0."""
+    prompts_per_step: int = Field(512, ge=1)
+    """Prompts sampled per RL step. Paper: 512."""
+    temperature: float = Field(1.0, gt=0)
+    """Rollout sampling temperature. Paper: 1.0."""
+    micro_batch_size: int = Field(8, ge=1)
+    """Trajectories per forward/backward; gradients accumulate to one optimizer step per RL step."""
+    old_logprobs: Literal["recompute", "engine"] = "recompute"
+    """Where the PPO ratio's old log-probs come from: a no-grad forward of the policy before the update
+    (verl; ratio exactly 1 for identical weights) or the engine's sampling log-probs (one forward less;
+    the ratio then also carries engine/trainer numeric mismatch)."""
+    checkpoint_every: int = Field(1, ge=1)
+    """Save a resumable checkpoint (model, optimizer, scheduler, RNG, data cursor, run id) every N steps."""
+    keep_checkpoints: int = Field(2, ge=1)
+    """Step checkpoints kept per stage (the stage's final checkpoint is always kept)."""
+    backend: Literal["torch", "deepspeed"] = "torch"
+    """Actor training backend: `torch` (CPU/one GPU) or `deepspeed` ZeRO."""
+    zero_stage: Literal[0, 1, 2, 3] = 2
+    """DeepSpeed ZeRO stage for the actor (3 for 14B)."""
+    seed: int = 0
+    """Seed of prompt sampling, rollout sampling and resampling."""
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    """GRPO-RoC settings."""
+    stages: list[RLStageConfig] = Field(min_length=1)
+    """The RL stages in order; each starts from the previous one's weights."""
+
+    @model_validator(mode="after")
+    def _stage_rules(self) -> RLConfig:
+        for i, st in enumerate(self.stages):
+            if not st.name:
+                st.name = f"rl-stage-{i + 1}"
+        if self.stages[0].dataset == "hard_subset":
+            raise ValueError("rl.stages.0.dataset = \"hard_subset\" needs a previous stage's policy; "
+                             "use \"curated\" for the first stage")
+        names = [s.name for s in self.stages]
+        if len(set(names)) != len(names):
+            raise ValueError(f"rl.stages names must be unique, got {names}")
+        return self
+
+
