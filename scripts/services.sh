@@ -91,8 +91,22 @@ wait_all() {
   if alive mlflow-ui; then wait_http "http://127.0.0.1:$MLFLOW_PORT/health" "MLflow UI" 300; fi
 }
 
+descendants() {  # every process below $1 (flow runs the worker started live in sessions of their own)
+  local c
+  for c in $(pgrep -P "$1" 2>/dev/null); do echo "$c"; descendants "$c"; done
+}
+
 down() {
-  for f in "$PIDS"/*.pid; do
+  # Flow-run processes first (a worker's children run in their own sessions, so stopping the worker's
+  # process group would orphan them), then the worker, the server and the MLflow UI.
+  if alive prefect-worker; then
+    local runs; runs=$(descendants "$(cat "$PIDS/prefect-worker.pid")")
+    for r in $runs; do kill -TERM -- "-$r" 2>/dev/null || kill -TERM "$r" 2>/dev/null || true; done
+    sleep 1
+    for r in $runs; do kill -KILL -- "-$r" 2>/dev/null || kill -KILL "$r" 2>/dev/null || true; done
+    [ -n "$runs" ] && echo "[services] stopped flow-run processes: $(echo $runs)"
+  fi
+  for f in "$PIDS"/prefect-worker.pid "$PIDS"/*.pid; do
     [ -e "$f" ] || continue
     local pid name; pid=$(cat "$f"); name=$(basename "$f" .pid)
     if kill -0 "$pid" 2>/dev/null; then
