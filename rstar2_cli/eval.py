@@ -31,12 +31,12 @@ def _default_out(cfg, model_ref: str) -> str:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from rstar2_cli.modelref import ModelRefError, resolve_model_ref
     from rstar2_core import storage
     from rstar2_core.data.sources import SourceLayoutError
     from rstar2_core.eval.benchmarks import benchmark_from_url, load_benchmark, resolve_benchmarks
     from rstar2_core.eval.report import metrics_table
     from rstar2_core.eval.run import evaluate
+    from tasks.modelref import ModelRefError, resolve_model_ref
 
     cfg = load(args)
     storage.configure_s3(cfg.storage.s3_endpoint_url, cfg.storage.s3_region)

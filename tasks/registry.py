@@ -16,6 +16,7 @@ from pathlib import Path
 
 from rstar2_core.config import Config
 from tasks import tracking
+from tasks.modelref import registry_checkpoint
 
 
 @dataclass(frozen=True)
@@ -100,32 +101,10 @@ def register(cfg: Config, *, parent_run_id: str, recipe_run_id: str, stage: str,
 
 def resolve_model(cfg: Config, model: str) -> tuple[str, str | None]:
     """(checkpoint URL, version) for `models:/<name>@<alias>`, `models:/<name>/<version>`, a bare alias
-    (`champion`) or a checkpoint URL/path (returned as is, version None)."""
-    c = tracking.client(cfg)
-    name, ref = cfg.tracking.registered_model, None
-    if model.startswith("models:/"):
-        body = model[len("models:/"):]
-        if "@" in body:
-            name, ref = body.split("@", 1)
-        elif "/" in body:
-            name, ver = body.split("/", 1)
-            mv = c.get_model_version(name, ver)
-            return _checkpoint_of(mv, model), str(mv.version)
-        else:
-            raise ValueError(f"model URI {model!r}: use models:/<name>@<alias> or models:/<name>/<version>")
-    elif "/" not in model and "." not in model and ":" not in model:
-        ref = model
-    if ref is None:
+    (`champion`, looked up under `cfg.tracking.registered_model`) or a checkpoint URL/path (returned
+    as is, version None)."""
+    if "/" not in model and "." not in model and ":" not in model:
+        model = f"models:/{cfg.tracking.registered_model}@{model}"
+    if not model.startswith("models:/"):
         return model, None
-    mv = _alias_version(c, name, ref)
-    if mv is None:
-        raise ValueError(f"no version of registered model {name!r} has alias {ref!r}; run the full recipe "
-                         f"first (it sets candidate/champion) or pass a checkpoint URL")
-    return _checkpoint_of(mv, model), str(mv.version)
-
-
-def _checkpoint_of(mv, model: str) -> str:
-    url = mv.tags.get("checkpoint_url")
-    if not url:
-        raise ValueError(f"{model}: version {mv.version} has no checkpoint_url tag (not registered by rstar2)")
-    return url
+    return registry_checkpoint(model, cfg.resolved_tracking_uri())

@@ -107,5 +107,5 @@ def test_evaluate_and_nightly_regression(state):
     assert out["pass1"] == {"synthetic": 0.5} and out["checkpoint_url"].endswith("rl-stage-3/final")
     with pytest.raises(ConfigError, match="unknown benchmarks"):
         evaluate(benchmarks=["nope"], profile="tiny", overrides=state.overrides)
-    with pytest.raises(ValueError, match="has alias 'nope'"):
+    with pytest.raises(ValueError, match="has no alias 'nope'"):
         evaluate(model="nope", profile="tiny", overrides=state.overrides)

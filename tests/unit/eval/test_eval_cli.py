@@ -7,7 +7,7 @@ import pytest
 from eval_fakes import ScriptedSampler, exact_grader
 
 from rstar2_cli.main import main
-from rstar2_cli.modelref import ModelRefError, resolve_model_ref
+from tasks.modelref import ModelRefError, resolve_model_ref
 from rstar2_core.config import config_dir
 
 FIX = Path(__file__).resolve().parents[2] / "fixtures"

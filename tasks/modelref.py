@@ -7,7 +7,8 @@
 
 Either way the folder must exist and be a complete checkpoint (`_COMPLETE` marker, or an HF
 `config.json` for folders not written by us); otherwise `ModelRefError` says what is missing,
-before any model is loaded. mlflow is imported only here, lazily (rstar2_core never imports it).
+before any model is loaded. Used by `rstar2 eval` and by the evaluate/nightly flows
+(`tasks.registry.resolve_model`); mlflow is imported lazily so the CLI stays fast for plain URLs.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ def _sqlite_path(tracking_uri: str) -> str | None:
     return tracking_uri[len("sqlite:///"):] if tracking_uri.startswith("sqlite:///") else None
 
 
-def _registry_checkpoint(ref: str, tracking_uri: str) -> str:
+def registry_checkpoint(ref: str, tracking_uri: str) -> tuple[str, str]:
+    """(checkpoint URL, version) of a `models:/NAME@ALIAS` or `models:/NAME/VERSION` reference."""
     body = ref[len("models:/"):]
     if "@" in body:
         name, alias, version = *body.split("@", 1), None
@@ -62,7 +64,7 @@ def _registry_checkpoint(ref: str, tracking_uri: str) -> str:
     if not url:
         raise ModelRefError(f"{ref!r}: version {mv.version} of {name!r} has no `checkpoint_url` tag; "
                             "register versions through the recipe flow (it sets the tag)")
-    return url
+    return url, str(mv.version)
 
 
 def check_checkpoint(url: str) -> str:
@@ -77,5 +79,5 @@ def check_checkpoint(url: str) -> str:
 
 def resolve_model_ref(ref: str, tracking_uri: str) -> str:
     """Checkpoint URL for a `models:/...` reference or a checkpoint URL/path (checked to exist)."""
-    url = _registry_checkpoint(ref, tracking_uri) if ref.startswith("models:/") else ref
+    url = registry_checkpoint(ref, tracking_uri)[0] if ref.startswith("models:/") else ref
     return check_checkpoint(url)
