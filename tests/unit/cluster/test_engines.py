@@ -101,7 +101,7 @@ def test_remote_engines_generate_and_sync_weights(ray_here):
 
 
 @pytest.mark.slow
-def test_dead_engine_raises_actor_failure(ray_here):
+def test_dead_engine_raises_actor_failure(ray_here, kill_and_wait):
     import ray
 
     from rstar2_core.cluster.engines import start_engines
@@ -109,7 +109,7 @@ def test_dead_engine_raises_actor_failure(ray_here):
 
     with ActorGroup(None) as group:
         engines = start_engines(group, _cpu_layout(1), factory=_fake_factory)
-        ray.kill(engines[0].handle, no_restart=True)
+        kill_and_wait(ray, engines[0].handle)
         with pytest.raises(ActorFailure, match="engine-0"):
             asyncio.run(engines[0].generate([1, 2], SamplingParams(max_new_tokens=2)))
         with pytest.raises(ActorFailure):

@@ -5,6 +5,7 @@ cluster cannot hold times out with a message listing the free resources."""
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import psutil
@@ -55,7 +56,11 @@ def test_killed_actor_fails_the_group_cleanly(ray_here):
     assert group.call_all("ping") == ["pong", "pong"]
     pids = group.call_all("pid")
     assert len(set(pids)) == 2 and os.getpid() not in pids
-    ray.kill(group.actors["w1"], no_restart=True)
+    # A crash, as on a GPU node: SIGKILL the worker process. Wait until it is gone before calling, since
+    # a call submitted while the process is still alive would legitimately be answered (ray.kill is
+    # asynchronous too, which made an earlier version of this test race).
+    os.kill(pids[1], signal.SIGKILL)
+    assert _gone(pids[1]), "SIGKILL did not end the actor process"
     with pytest.raises(ActorFailure) as ei:
         group.call_all("ping", timeout=60)
     err = ei.value

@@ -85,7 +85,7 @@ class FakeSandbox:
 
 
 @pytest.mark.slow
-def test_two_zero2_shards_match_one_torch_step_and_sync_to_engines(ray_here):
+def test_two_zero2_shards_match_one_torch_step_and_sync_to_engines(ray_here, kill_and_wait):
     """Through StageRuntime: trainers, engines and the sandbox placed per a layout; one RL step on two
     ZeRO-2 ranks equals one TorchBackend step; weights reach the engine; a killed trainer fails the
     next step with ActorFailure and takes every actor and placement group down with it."""
@@ -132,7 +132,7 @@ def test_two_zero2_shards_match_one_torch_step_and_sync_to_engines(ray_here):
         out = asyncio.run(rt.engines[0].generate([1], SamplingParams(max_new_tokens=1)))
         assert out.token_ids[0] == pytest.approx(int(total * 1000) % 10_000, abs=1)
         pids = rt.trainers.pids
-        ray.kill(rt.group.actors["trainer-1"], no_restart=True)
+        kill_and_wait(ray, rt.group.actors["trainer-1"])
         with pytest.raises(ActorFailure, match="trainer-1"):
             rt.trainers.rl_update(trajs, adv, pad_id=0, micro_batch_size=2)
         assert rt.group.actors == {} and rt.group.pgs == []
