@@ -82,6 +82,11 @@ class SyntheticConfig(_Section):
     fail_first_share: float = Field(0.25, ge=0.0, le=1.0)
     """Share of SFT demonstrations whose first tool call fails and is then fixed, so that tool errors
     exist for RoC to act on."""
+    restate: bool = False
+    """Open each demonstration's first `<reason>` by restating the problem in its family's canonical
+    form with the problem's numbers (e.g. `This asks for 37^412 mod 91.`): the numbers are then copied
+    twice, from the phrasing into one fixed form and from that form into the code, a denser copy
+    signal for a from-scratch model (see docs/models-and-sft.md)."""
 
 
 class LabelCheckConfig(_Section):

@@ -112,6 +112,34 @@ def iter_rows(url: str, data: bytes) -> Iterator[dict | Reject]:
         yield row if isinstance(row, dict) else Reject("not_an_object")
 
 
+@dataclass
+class AdaptedRows:
+    """What `adapt_rows` made of one file: the adapted items, the row count, rejects by reason, and
+    every field name seen (for `check_layout`)."""
+
+    items: list
+    n_rows: int = 0
+    rejected: Counter = field(default_factory=Counter)
+    keys: set[str] = field(default_factory=set)
+
+
+def adapt_rows(url: str, data: bytes, adapt: Callable[[dict, int], Any]) -> AdaptedRows:
+    """`adapt(row, index)` over every row of the file; a row that cannot be parsed, or for which
+    `adapt` raises `Reject`, is counted under its reason instead of stopping the read."""
+    out = AdaptedRows(items=[])
+    for i, row in enumerate(iter_rows(url, data)):
+        out.n_rows += 1
+        if isinstance(row, Reject):
+            out.rejected[row.reason] += 1
+            continue
+        out.keys.update(row)
+        try:
+            out.items.append(adapt(row, i))
+        except Reject as r:
+            out.rejected[r.reason] += 1
+    return out
+
+
 def parquet_columns(data: bytes) -> list[str]:
     import pyarrow.parquet as pq
 
@@ -279,21 +307,7 @@ def read_source(url: str, layout: str = "generic", name: str | None = None) -> S
     file_format(url)
     data, digest = read_raw(url)
     sname = source_name(url, name)
-    out: list[Candidate] = []
-    rejected: Counter = Counter()
-    keys: set[str] = set()
-    n = 0
-    for i, row in enumerate(iter_rows(url, data)):
-        n += 1
-        if isinstance(row, Reject):
-            rejected[row.reason] += 1
-            continue
-        keys.update(row)
-        try:
-            c = adapt(row, i, sname)
-        except Reject as r:
-            rejected[r.reason] += 1
-            continue
-        out.append(Candidate(f"{sname}/{c.id}", c.problem, c.answer, c.source))
-    check_layout(url, layout, n, len(out), rejected, keys)
-    return SourceRead(sname, url, layout, digest, n, tuple(out), rejected)
+    rows = adapt_rows(url, data, lambda row, i: adapt(row, i, sname))
+    out = [Candidate(f"{sname}/{c.id}", c.problem, c.answer, c.source) for c in rows.items]
+    check_layout(url, layout, rows.n_rows, len(out), rows.rejected, rows.keys)
+    return SourceRead(sname, url, layout, digest, rows.n_rows, tuple(out), rows.rejected)

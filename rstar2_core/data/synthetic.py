@@ -93,6 +93,7 @@ class _Family:
     code: str
     sample: Callable[[random.Random], tuple[int, ...]]
     solve: Callable[..., int]
+    canonical: str = ""      # the problem restated in one fixed form (`restate` demonstrations)
 
 
 def _two_distinct(rng: random.Random) -> tuple[int, int, int]:
@@ -124,7 +125,8 @@ FAMILIES: tuple[_Family, ...] = (
              "What remainder does {0}^{1} leave on division by {2}?"),
             "print(pow({0}, {1}, {2}))",
             lambda r: (r.randint(2, 99), r.randint(20, 999), r.randint(7, 997)),
-            lambda a, b, m: pow(a, b, m)),
+            lambda a, b, m: pow(a, b, m),
+            "{0}^{1} mod {2}"),
     _Family("digitsum_pow",
             ("What is the sum of the digits of {0}^{1}?",
              "Find the digit sum of {0}^{1}.",
@@ -132,7 +134,8 @@ FAMILIES: tuple[_Family, ...] = (
              "If you write out {0}^{1} in full, what do its digits sum to?"),
             "print(sum(int(c) for c in str({0} ** {1})))",
             lambda r: (r.randint(2, 40), r.randint(8, 80)),
-            lambda a, b: sum(int(c) for c in str(a ** b))),
+            lambda a, b: sum(int(c) for c in str(a ** b)),
+            "the digit sum of {0}^{1}"),
     _Family("count_primes",
             ("How many primes are there from {0} to {1}, inclusive?",
              "Count the prime numbers between {0} and {1} inclusive.",
@@ -140,7 +143,8 @@ FAMILIES: tuple[_Family, ...] = (
              "Find the number of primes p such that {0} <= p <= {1}."),
             "print(sum(all(n % d for d in range(2, int(n ** 0.5) + 1)) for n in range({0}, {1} + 1)))",
             _prime_range,
-            lambda a, b: sum(_is_prime(n) for n in range(a, b + 1) if n % 2 or n == 2)),
+            lambda a, b: sum(_is_prime(n) for n in range(a, b + 1) if n % 2 or n == 2),
+            "the number of primes in [{0}, {1}]"),
     _Family("count_divisors",
             ("How many positive divisors does {0} have?",
              "Count the positive divisors of {0}.",
@@ -148,7 +152,8 @@ FAMILIES: tuple[_Family, ...] = (
              "How many divisors d > 0 does the number {0} have?"),
             "print(sum({0} % d == 0 for d in range(1, {0} + 1)))",
             lambda r: (r.randint(100, 99999),),
-            lambda n: _num_divisors(n)),
+            lambda n: _num_divisors(n),
+            "the number of divisors of {0}"),
     _Family("binom_mod",
             ("What is C({0}, {1}) mod {2}?",
              "Find the binomial coefficient {0} choose {1} modulo {2}.",
@@ -156,7 +161,8 @@ FAMILIES: tuple[_Family, ...] = (
              "What is the remainder of ({0} choose {1}) divided by {2}?"),
             "from math import comb; print(comb({0}, {1}) % {2})",
             _binom_params,
-            lambda n, k, m: comb(n, k) % m),
+            lambda n, k, m: comb(n, k) % m,
+            "C({0}, {1}) mod {2}"),
     _Family("factorial_mod",
             ("What is {0}! mod {1}?",
              "Find the remainder when {0} factorial is divided by {1}.",
@@ -164,7 +170,8 @@ FAMILIES: tuple[_Family, ...] = (
              "What remainder does the factorial of {0} leave on division by {1}?"),
             "from math import factorial; print(factorial({0}) % {1})",
             _fact_params,
-            lambda n, m: factorial(n) % m),
+            lambda n, m: factorial(n) % m,
+            "{0}! mod {1}"),
     _Family("sum_multiples",
             ("What is the sum of all positive integers up to {0} that are divisible by {1} or {2}?",
              "Add up every integer from 1 to {0} that is a multiple of {1} or of {2}.",
@@ -172,7 +179,8 @@ FAMILIES: tuple[_Family, ...] = (
              "Sum all integers i with 1 <= i <= {0} such that {1} divides i or {2} divides i."),
             "print(sum(i for i in range(1, {0} + 1) if i % {1} == 0 or i % {2} == 0))",
             _two_distinct,
-            lambda n, a, b: sum(i for i in range(1, n + 1) if i % a == 0 or i % b == 0)),
+            lambda n, a, b: sum(i for i in range(1, n + 1) if i % a == 0 or i % b == 0),
+            "the sum of i in [1, {0}] with {1} | i or {2} | i"),
 )
 FAMILY_BY_NAME = {f.name: f for f in FAMILIES}
 
@@ -305,11 +313,12 @@ def _plan(p: Problem, fail_first: bool, rng: random.Random) -> list[str]:
 def sft_demonstrations(seed: int, n: int, fail_first_share: float, *,
                        execute: Callable[[Sequence[ExecutionRequest]], list[ExecutionResult]],
                        render: Callable[[ExecutionResult], str],
-                       rejected: dict[str, int] | None = None) -> list[Demonstration]:
+                       rejected: dict[str, int] | None = None, restate: bool = False) -> list[Demonstration]:
     """Up to `n` demonstrations over `generate_problems(seed, n, "sft")`; each tool response is the
     rendered result of actually running the code (`execute`, e.g. a sandbox's batch run; `render`,
     e.g. `chat.render_tool_result`). A demonstration is rejected (counted in `rejected[reason]`) when
-    the correct call does not print the gold answer or a deliberately broken call does not fail."""
+    the correct call does not print the gold answer or a deliberately broken call does not fail.
+    `restate` opens the first `<reason>` with the problem in its family's canonical form."""
     if not 0.0 <= fail_first_share <= 1.0:
         raise ValueError(f"fail_first_share={fail_first_share} must be in [0, 1]")
     rng = random.Random(f"rstar2-demos:{seed}")
@@ -332,14 +341,16 @@ def sft_demonstrations(seed: int, n: int, fail_first_share: float, *,
             counts["broken_call_did_not_fail"] = counts.get("broken_call_did_not_fail", 0) + 1
             continue
         turns: list[tuple[str, tuple[str, ...] | None]] = []
+        opening = (f"\nThis asks for {FAMILY_BY_NAME[p.family].canonical.format(*p.params)}."
+                   if restate else "")
         if len(res) == 2:
             err = (res[0].stderr.strip().splitlines() or ["error"])[-1].split(":")[0]
-            turns.append((f"\nLet me compute it with Python.\n{REASON_CLOSE}\n{tool_call_text(codes[0])}",
+            turns.append((f"{opening}\nLet me compute it with Python.\n{REASON_CLOSE}\n{tool_call_text(codes[0])}",
                           (render(res[0]),)))
             turns.append((f"<reason>\nThe code raised {err}; fix it.\n{REASON_CLOSE}\n{tool_call_text(codes[1])}",
                           (render(final),)))
         else:
-            turns.append((f"\nLet me compute it with Python.\n{REASON_CLOSE}\n{tool_call_text(codes[0])}",
+            turns.append((f"{opening}\nLet me compute it with Python.\n{REASON_CLOSE}\n{tool_call_text(codes[0])}",
                           (render(final),)))
         turns.append((f"<reason>\nThe output is {p.answer}.\n{REASON_CLOSE}\n{answer_text(p.answer)}", None))
         out.append(Demonstration(id=p.id, problem=p.problem, answer=p.answer, family=p.family,

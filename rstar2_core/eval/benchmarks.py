@@ -32,6 +32,7 @@ from rstar2_core.data.sources import (
     PROBLEM,
     Reject,
     SourceLayoutError,
+    adapt_rows,
     check_layout,
     file_format,
     id_field,
@@ -166,29 +167,18 @@ def load_benchmark(bc: BenchmarkConfig, cfg: Config | None = None) -> Benchmark:
     file_format(bc.url)
     data, digest = read_raw(bc.url)
     load = LOADERS[bc.layout]
+    rows = adapt_rows(bc.url, data, load)
     probs: list[EvalProblem] = []
-    rejected: Counter = Counter()
-    keys: set[str] = set()
-    n = 0
+    rejected = rows.rejected
     seen: set[str] = set()
-    for i, row in enumerate(iter_rows(bc.url, data)):
-        n += 1
-        if isinstance(row, Reject):
-            rejected[row.reason] += 1
-            continue
-        keys.update(row)
-        try:
-            p = load(row, i)
-        except Reject as r:
-            rejected[r.reason] += 1
-            continue
+    for p in rows.items:
         if p.id in seen:
             rejected["duplicate_id"] += 1
             continue
         seen.add(p.id)
         probs.append(p)
     try:
-        check_layout(bc.url, bc.layout, n, len(probs), rejected, keys, LAYOUT_FIELDS)
+        check_layout(bc.url, bc.layout, rows.n_rows, len(probs), rejected, rows.keys, LAYOUT_FIELDS)
     except SourceLayoutError as e:
         raise SourceLayoutError(f"benchmark {bc.name!r}: {e}") from None
     if bc.limit:

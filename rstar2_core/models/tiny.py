@@ -48,7 +48,7 @@ def corpus_texts(cfg: Config, n: int = TOKENIZER_CORPUS_DEMOS) -> list[str]:
     from rstar2_core.models.tokenizer import bootstrap_tokenizer
 
     syn = cfg.data.synthetic
-    demos = sft_demonstrations(syn.seed, min(n, max(syn.n_sft, 1)), syn.fail_first_share,
+    demos = sft_demonstrations(syn.seed, min(n, max(syn.n_sft, 1)), syn.fail_first_share, restate=syn.restate,
                                execute=lambda reqs: execute_requests(reqs, cfg.sandbox),
                                render=lambda r: render_tool_result(
                                    r, cfg.rollout.tool_response_head_chars, cfg.rollout.tool_response_tail_chars,

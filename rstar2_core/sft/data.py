@@ -83,7 +83,7 @@ def build_sft_dataset(cfg: Config, out_url: str) -> DatasetRef:
         rejected: dict[str, int] = {}
         ro = cfg.rollout
         demos = sft_demonstrations(
-            syn.seed, syn.n_sft, syn.fail_first_share, rejected=rejected,
+            syn.seed, syn.n_sft, syn.fail_first_share, rejected=rejected, restate=syn.restate,
             execute=lambda reqs: execute_requests(reqs, cfg.sandbox),
             render=lambda r: render_tool_result(r, ro.tool_response_head_chars, ro.tool_response_tail_chars,
                                                 ro.tool_response_max_chars))

@@ -100,3 +100,15 @@ def test_wrong_reference_output_is_rejected_and_counted():
     rejected: dict[str, int] = {}
     demos = sft_demonstrations(0, 7, 0.0, execute=off_by_one, render=render_tool_result, rejected=rejected)
     assert demos == [] and rejected == {"reference_code_wrong": 7}
+
+
+def test_restate_opens_with_the_canonical_form_carrying_the_problems_numbers():
+    plain = sft_demonstrations(0, 7, 0.0, execute=_execute, render=render_tool_result)
+    restated = sft_demonstrations(0, 7, 0.0, execute=_execute, render=render_tool_result, restate=True)
+    assert len({f.canonical for f in FAMILIES}) == len(FAMILIES) and all(f.canonical for f in FAMILIES)
+    for p, r, prob in zip(plain, restated, generate_problems(0, 7, "sft")):
+        first = r.turns[0][0]
+        assert first.startswith("\nThis asks for ") and not p.turns[0][0].startswith("\nThis asks")
+        stated = re.findall(r"\d+", first.split("\n")[1])
+        assert [s for s in stated if s != "1" or 1 in prob.params] == [str(x) for x in prob.params], (p.problem, stated)
+        assert r.turns[1:] == p.turns[1:] and first.endswith(p.turns[0][0].split("\n", 1)[1][-60:])

@@ -1,0 +1,117 @@
+"""Copy probe: can an SFT checkpoint copy numbers? The synthetic task's bottleneck, measured without sampling.
+
+    .venv/bin/python bench/copy_probe.py CHECKPOINT_URL [CHECKPOINT_URL ...] [--n 60] [--json]
+
+The tiny model's pass@1 depends on one skill a pretrained LM has and a from-scratch ~1M-parameter model
+must grow: copying digit strings. For `--n` held-out eval problems this renders the demonstration the
+SFT data would contain (a failing first call, its real error, the fixed call, its real output, the
+answer; every tool response produced by actually running the code) and scores, teacher-forced, the
+digit tokens of three spans:
+
+- `problem_to_code`: the numbers of the first call, copied from the problem text (a mapping: the
+  order and template depend on the family and phrasing); with `--restate` also the numbers of the
+  restated problem that precedes the call (`data.synthetic.restate`);
+- `code_to_code`: the numbers of the fixed call, copied verbatim from the failed call above it;
+- `output_to_answer`: the answer digits, copied verbatim from the tool output.
+
+For each: mean NLL (nats; ~2.3 is chance over 10 digits) and greedy accuracy; plus `calls_exact`, the
+share of problems whose first-call digits are all argmax-correct. A model whose induction circuit has
+formed scores near 1.0 on the two verbatim spans; docs/models-and-sft.md has the measured figures.
+`--json` prints one JSON object (checkpoint -> figures) as the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SPANS = ("problem_to_code", "code_to_code", "output_to_answer")
+
+
+def probe(url: str, n: int, seed: int = 0, restate: bool = False) -> dict:
+    import torch
+
+    from rstar2_core.chat import ChatFormat, render_tool_result
+    from rstar2_core.chat.tokens import REASON_CLOSE
+    from rstar2_core.data.synthetic import (
+        FAMILY_BY_NAME,
+        _subprocess_execute,
+        answer_text,
+        broken_code,
+        generate_problems,
+        reference_code,
+        tool_call_text,
+    )
+    from rstar2_core.models.io import load_model_and_tokenizer
+    from rstar2_core.sandbox.types import ExecutionRequest
+
+    model, tok = load_model_and_tokenizer(url)
+    model.eval()
+    chat = ChatFormat(tok)
+    rng = random.Random(seed)
+    problems = generate_problems(seed, n, "eval")
+    codes = [(broken_code(reference_code(p), rng), reference_code(p)) for p in problems]
+    reqs = [ExecutionRequest(code=c, id=f"{i}:{j}") for i, cs in enumerate(codes) for j, c in enumerate(cs)]
+    results = {r.id: r for r in _subprocess_execute(reqs, timeout_s=10.0)}
+    sums = {s: [0.0, 0, 0] for s in SPANS}
+    exact = 0
+    for i, (p, (bad, good)) in enumerate(zip(problems, codes)):
+        err, out = results[f"{i}:0"], results[f"{i}:1"]
+        opening = f"\nThis asks for {FAMILY_BY_NAME[p.family].canonical.format(*p.params)}." if restate else ""
+        turns = [(f"{opening}\nLet me compute it with Python.\n{REASON_CLOSE}\n{tool_call_text(bad)}", [render_tool_result(err)]),
+                 (f"<reason>\nThe code raised an error; fix it.\n{REASON_CLOSE}\n{tool_call_text(good)}",
+                  [render_tool_result(out)]),
+                 (f"<reason>\nThe output is {p.answer}.\n{REASON_CLOSE}\n{answer_text(p.answer)}", None)]
+        ids, mask = chat.render_trajectory(p.problem, turns)
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), -1)
+        turn, prev, first_ok = -1, 0, True
+        for j in range(1, len(ids)):
+            if mask[j] and not prev:
+                turn += 1
+            prev = mask[j]
+            if not mask[j] or not tok.decode([ids[j]]).strip().isdigit():
+                continue
+            hit = int(logp[j - 1].argmax()) == ids[j]
+            s = sums[SPANS[turn]]
+            s[0] += -float(logp[j - 1, ids[j]])
+            s[1] += 1
+            s[2] += hit
+            if turn == 0:
+                first_ok &= hit
+        exact += first_ok
+    out = {s: {"nll": round(v[0] / max(v[1], 1), 3), "acc": round(v[2] / max(v[1], 1), 3), "digits": v[1]}
+           for s, v in sums.items()}
+    out["calls_exact"] = round(exact / max(len(problems), 1), 3)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("checkpoints", nargs="+")
+    ap.add_argument("--n", type=int, default=60, help="held-out eval problems")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--restate", action="store_true",
+                    help="render the first <reason> as data.synthetic.restate demonstrations do (its digits "
+                         "count in problem_to_code)")
+    args = ap.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)
+    res = {}
+    for url in args.checkpoints:
+        res[url] = r = probe(url, args.n, restate=args.restate)
+        print(f"{url}: " + " | ".join(f"{s} NLL {r[s]['nll']:.2f} acc {r[s]['acc']:.2f}" for s in SPANS)
+              + f" | first call all digits right {r['calls_exact']:.2f}", flush=True)
+    if args.json:
+        print(json.dumps(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
