@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/copy_probe.py CHECKPOINT_URL [CHECKPOINT_URL ...] [--n 60] [--json]
 
-The tiny model's pass@1 depends on one skill a pretrained LM has and a from-scratch ~1M-parameter model
+The tiny model's pass@1 depends on one skill a pretrained LM has and a from-scratch ~0.2M-parameter model
 must grow: copying digit strings. For `--n` held-out eval problems this renders the demonstration the
 SFT data would contain (a failing first call, its real error, the fixed call, its real output, the
 answer; every tool response produced by actually running the code) and scores, teacher-forced, the
