@@ -86,7 +86,7 @@ class SyntheticConfig(_Section):
     """Open each demonstration's first `<reason>` by restating the problem in its family's canonical
     form with the problem's numbers (e.g. `This asks for 37^412 mod 91.`): the numbers are then copied
     twice, from the phrasing into one fixed form and from that form into the code, a denser copy
-    signal for a from-scratch model (see docs/models-and-sft.md)."""
+    signal for a from-scratch model. Measured on the tiny model: no gain (docs/models-and-sft.md)."""
 
 
 class LabelCheckConfig(_Section):
