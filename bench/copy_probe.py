@@ -38,11 +38,12 @@ def probe(url: str, n: int, seed: int = 0, restate: bool = False) -> dict:
 
     from rstar2_core.chat import ChatFormat, render_tool_result
     from rstar2_core.chat.tokens import REASON_CLOSE
+    from rstar2_core.config import SandboxConfig
     from rstar2_core.data.synthetic import (
         FAMILY_BY_NAME,
-        _subprocess_execute,
         answer_text,
         broken_code,
+        execute_requests,
         generate_problems,
         reference_code,
         tool_call_text,
@@ -57,7 +58,7 @@ def probe(url: str, n: int, seed: int = 0, restate: bool = False) -> dict:
     problems = generate_problems(seed, n, "eval")
     codes = [(broken_code(reference_code(p), rng), reference_code(p)) for p in problems]
     reqs = [ExecutionRequest(code=c, id=f"{i}:{j}") for i, cs in enumerate(codes) for j, c in enumerate(cs)]
-    results = {r.id: r for r in _subprocess_execute(reqs, timeout_s=10.0)}
+    results = {r.id: r for r in execute_requests(reqs, SandboxConfig(timeout_s=10.0))}  # as the SFT data runs them
     sums = {s: [0.0, 0, 0] for s in SPANS}
     exact = 0
     for i, (p, (bad, good)) in enumerate(zip(problems, codes)):
