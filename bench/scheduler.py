@@ -1,15 +1,27 @@
 """Benchmark: discrete-event simulation of rollout scheduling on 8 engines, static vs KV-cache-aware.
 
-The workload is the paper's regime scaled to a simulation: trajectories with a long-tailed response
-length (lognormal, mean ~`--mean-len` tokens, capped at `--max-len`, the stage's max response
-length), several turns each, a tool wait between turns (lognormal, mean 0.3 s: the paper's mean
-tool latency) and tool-response tokens appended after each call. Tool calls are dispatched
-asynchronously in both modes, so the comparison isolates *where and when trajectories are admitted*:
+The workload is the paper's regime scaled to a simulation: GRPO groups (`--group-size` 32 samples per
+problem: RoC's 2G oversampling), 256 trajectories per engine (the paper: 512 prompts x 32 rollouts on
+64 GPUs), a long-tailed response length (lognormal, mean ~`--mean-len` tokens, capped at `--max-len`,
+the stage's max response length), several turns each, a tool wait between turns (lognormal, mean
+0.3 s: the paper's mean tool latency) and tool-response tokens appended after each call.
 
-- `static`: trajectories are dealt round-robin, N per engine, and all launched at once. Each engine
-  behaves like vLLM: it admits waiting sequences while their current tokens fit its KV cache, and when
-  decoding outgrows the cache it preempts the most recently admitted sequence (recompute mode: its KV
-  is dropped and its whole current length is prefilled again on re-admission: `recomputed_tokens`).
+Lengths within a group are correlated: `--problem-share` of the log-length variance comes from the
+problem (a hard problem makes all its samples long). The default 0.25 is set so that static
+allocation's per-engine token loads spread like those reported on verl (max/min ~1.5 across rollout
+workers: 42.8K vs 28.0K tokens, verl issue #658; "~30%" in the same thread); with 0 the lengths are
+independent and static's chunks are nearly balanced. Every figure is the median over `--seeds`
+workloads (5), because which engine draws the hard groups moves the result by +-0.1x.
+
+Tool calls are dispatched asynchronously in both modes, so the comparison isolates *where and when
+trajectories are admitted*:
+
+- `static`: the problem-major batch is cut into one contiguous chunk per engine
+  (`rstar2_core.rollout.scheduler.static_assignment`, as verl splits its repeated batch across rollout
+  workers) and all of it launched at once. Each engine behaves like vLLM: it admits waiting sequences
+  while their current tokens fit its KV cache, and when decoding outgrows the cache it preempts the
+  most recently admitted sequence (recompute mode: its KV is dropped and its whole current length is
+  prefilled again on re-admission: `recomputed_tokens`).
 - `kv_aware` (ours, `rstar2_core.rollout.scheduler`): one global queue; an engine admits a trajectory
   only while prompt + max response length of everything it holds fits its KV capacity, and the
   moment a trajectory finishes, the next queued one goes to the engine with the most free capacity.
@@ -22,9 +34,12 @@ therefore "seconds of that engine"; the ratio is what carries over. KV capacity 
 to 24 full-length sequences (`--capacity-seqs`).
 
 Run:  python bench/scheduler.py [--quick] [--json] [--cost a_ms,b_ms,c_us,p_ms] [--per-engine N]
+      [--problem-share S] [--seeds N]
 `--json` prints one JSON object as the last line: `static_makespan_s`, `kv_aware_makespan_s`,
-`ratio` (= static / kv_aware), `recomputed_tokens` (kv_aware; 0 by construction and counted),
-`static_recomputed_tokens`, the calibration and the workload.
+`ratio` (= static / kv_aware; medians over the workloads, with `ratio_min`/`ratio_max`),
+`recomputed_tokens` (kv_aware, summed over all workloads; 0 by construction and counted),
+`static_recomputed_tokens`, `static_engine_tokens_max_over_min`, per-workload `runs`, the calibration
+and the workload.
 """
 
 from __future__ import annotations
@@ -35,6 +50,7 @@ import heapq
 import json
 import math
 import random
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -42,6 +58,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from rstar2_core.rollout.scheduler import static_assignment
 
 
 @dataclass
@@ -70,13 +88,26 @@ class Traj:
     admitted_seq: int = 0
 
 
-def workload(n: int, mean_len: float, max_len: int, prompt: int, seed: int) -> list[Traj]:
+def workload(n: int, mean_len: float, max_len: int, prompt: int, seed: int, group_size: int = 1,
+             problem_share: float = 0.0) -> list[Traj]:
+    """n trajectories in problem-major order (group_size consecutive ones share a problem).
+
+    Response length is lognormal (sigma 1, mean `mean_len`, capped at `max_len`); `problem_share` of its
+    log-variance comes from the problem (hard problems make every sample of the group long), the rest
+    is per sample. 0 gives independent lengths.
+    """
+    if not 0.0 <= problem_share <= 1.0:
+        raise ValueError(f"problem_share must be in [0, 1], got {problem_share}")
     rng = random.Random(seed)
     sigma = 1.0
     mu = math.log(mean_len) - sigma ** 2 / 2
     out = []
+    z_problem = 0.0
     for i in range(n):
-        total = max(64, min(max_len, int(rng.lognormvariate(mu, sigma))))
+        if i % group_size == 0:
+            z_problem = rng.gauss(0.0, 1.0)
+        z = math.sqrt(problem_share) * z_problem + math.sqrt(1.0 - problem_share) * rng.gauss(0.0, 1.0)
+        total = max(64, min(max_len, int(math.exp(mu + sigma * z))))
         k = max(1, min(10, 1 + int(rng.expovariate(1 / 2.5))))          # assistant turns, 1..10
         tool_tokens = 120
         sampled = max(k, total - (k - 1) * tool_tokens)
@@ -113,8 +144,8 @@ def simulate(trajs: list[Traj], engines: int, capacity: int, max_len: int, cost:
     global_q = list(reversed(trajs))
     reserve = lambda tr: tr.prompt + max_len
     if mode == "static":
-        for i, tr in enumerate(trajs):
-            es[i % engines].queue.append(tr)
+        for tr, k in zip(trajs, static_assignment(len(trajs), engines)):
+            es[k].queue.append(tr)
 
     def start(e: Engine, tr: Traj, recompute: bool) -> None:
         prefill = tr.length if recompute else tr.prompt
@@ -259,12 +290,18 @@ def main() -> None:
     ap.add_argument("--cost", default=None,
                     help="a_ms,b_ms,c_us,p_ms: skip the calibration and use these costs (e.g. from an earlier --json)")
     ap.add_argument("--engines", type=int, default=8)
-    ap.add_argument("--per-engine", type=int, default=64, help="trajectories per engine")
+    ap.add_argument("--per-engine", type=int, default=256, help="trajectories per engine")
     ap.add_argument("--mean-len", type=float, default=5000)
     ap.add_argument("--max-len", type=int, default=12288)
     ap.add_argument("--prompt", type=int, default=300)
+    ap.add_argument("--group-size", type=int, default=32,
+                    help="samples per problem (the paper: 2G = 32 rollouts, 16 kept), consecutive in the batch")
+    ap.add_argument("--problem-share", type=float, default=0.25,
+                    help="share of the log-length variance that comes from the problem (0: independent lengths)")
     ap.add_argument("--capacity-seqs", type=float, default=24, help="KV capacity per engine, in full-length sequences")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="first workload seed")
+    ap.add_argument("--seeds", type=int, default=5,
+                    help="workloads simulated (seeds seed..seed+N-1); figures are medians, the ratio range is printed")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads (1: on a shared, loaded machine 2 OpenMP threads run ~10x slower)")
     args = ap.parse_args()
@@ -272,6 +309,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.quick:
         args.per_engine = min(args.per_engine, 32)
+        args.seeds = min(args.seeds, 2)
     t0 = time.perf_counter()
     if args.cost:
         a, b, c, p = (float(x) for x in args.cost.split(","))
@@ -280,29 +318,54 @@ def main() -> None:
         print("[scheduler bench] calibrating on a real HFEngine ...", flush=True)
         cost, info = calibrate(args.quick)
         print(f"[scheduler bench] calibration {info}", flush=True)
-    trajs = workload(args.engines * args.per_engine, args.mean_len, args.max_len, args.prompt, args.seed)
     capacity = int(args.capacity_seqs * (args.prompt + args.max_len))
-    res = {}
-    for mode in ("static", "kv_aware"):
-        t1 = time.perf_counter()
-        res[mode] = simulate(trajs, args.engines, capacity, args.max_len, cost, mode)
-        print(f"[scheduler bench] {mode:8s}: makespan {res[mode]['makespan_s']:.1f} s, recomputed "
-              f"{res[mode]['recomputed_tokens']} tokens (simulated in {time.perf_counter() - t1:.1f} s)", flush=True)
-    lens = [sum(t.turns) + (len(t.turns) - 1) * t.tool_tokens for t in trajs]
+    runs = []
+    for r in range(args.seeds):
+        trajs = workload(args.engines * args.per_engine, args.mean_len, args.max_len, args.prompt, args.seed + r,
+                         args.group_size, args.problem_share)
+        res = {mode: simulate(trajs, args.engines, capacity, args.max_len, cost, mode)
+               for mode in ("static", "kv_aware")}
+        lens = [sum(t.turns) + (len(t.turns) - 1) * t.tool_tokens for t in trajs]
+        per_engine = [0] * args.engines
+        for n_tok, k in zip(lens, static_assignment(len(trajs), args.engines)):
+            per_engine[k] += n_tok
+        run = {"seed": args.seed + r,
+               "static_makespan_s": round(res["static"]["makespan_s"], 2),
+               "kv_aware_makespan_s": round(res["kv_aware"]["makespan_s"], 2),
+               "ratio": round(res["static"]["makespan_s"] / res["kv_aware"]["makespan_s"], 3),
+               "recomputed_tokens": res["kv_aware"]["recomputed_tokens"],
+               "static_recomputed_tokens": res["static"]["recomputed_tokens"],
+               "static_engine_tokens_max_over_min": round(max(per_engine) / min(per_engine), 3),
+               "response_len_mean": round(sum(lens) / len(lens)), "response_len_max": max(lens),
+               "turns_mean": round(sum(len(t.turns) for t in trajs) / len(trajs), 2)}
+        runs.append(run)
+        print(f"[scheduler bench] workload {r + 1}/{args.seeds} (seed {run['seed']}): static "
+              f"{run['static_makespan_s']:.1f} s ({run['static_recomputed_tokens']} tokens recomputed, engines' "
+              f"token loads max/min {run['static_engine_tokens_max_over_min']}), kv_aware "
+              f"{run['kv_aware_makespan_s']:.1f} s ({run['recomputed_tokens']} recomputed): "
+              f"ratio {run['ratio']}x  [{time.perf_counter() - t0:.0f} s]", flush=True)
+    def med(key: str) -> float:
+        return round(statistics.median(r[key] for r in runs), 3)
+
     out = {
-        "static_makespan_s": round(res["static"]["makespan_s"], 2),
-        "kv_aware_makespan_s": round(res["kv_aware"]["makespan_s"], 2),
-        "ratio": round(res["static"]["makespan_s"] / res["kv_aware"]["makespan_s"], 3),
-        "recomputed_tokens": res["kv_aware"]["recomputed_tokens"],
-        "static_recomputed_tokens": res["static"]["recomputed_tokens"],
-        "engines": args.engines, "trajectories": len(trajs), "kv_capacity_tokens_per_engine": capacity,
-        "response_len_mean": round(sum(lens) / len(lens)), "response_len_max": max(lens),
-        "turns_mean": round(sum(len(t.turns) for t in trajs) / len(trajs), 2),
+        "static_makespan_s": med("static_makespan_s"),
+        "kv_aware_makespan_s": med("kv_aware_makespan_s"),
+        "ratio": med("ratio"),
+        "ratio_min": min(r["ratio"] for r in runs), "ratio_max": max(r["ratio"] for r in runs),
+        "recomputed_tokens": sum(r["recomputed_tokens"] for r in runs),
+        "static_recomputed_tokens": int(med("static_recomputed_tokens")),
+        "static_engine_tokens_max_over_min": med("static_engine_tokens_max_over_min"),
+        "engines": args.engines, "trajectories": args.engines * args.per_engine,
+        "kv_capacity_tokens_per_engine": capacity,
+        "response_len_mean": med("response_len_mean"), "turns_mean": med("turns_mean"),
+        "group_size": args.group_size, "problem_share": args.problem_share, "workloads": args.seeds,
+        "runs": runs,
         **info, "wall_s": round(time.perf_counter() - t0, 1), "date": time.strftime("%Y-%m-%d", time.gmtime()),
     }
-    print(f"[scheduler bench] static {out['static_makespan_s']} s vs kv_aware {out['kv_aware_makespan_s']} s: "
-          f"ratio {out['ratio']}x (target >= 1.3), recomputed tokens static {out['static_recomputed_tokens']}, "
-          f"kv_aware {out['recomputed_tokens']}")
+    print(f"[scheduler bench] median over {args.seeds} workloads: static {out['static_makespan_s']} s vs kv_aware "
+          f"{out['kv_aware_makespan_s']} s: ratio {out['ratio']}x (range {out['ratio_min']}-{out['ratio_max']}; "
+          f"target >= 1.3), recomputed tokens static {out['static_recomputed_tokens']} (median), "
+          f"kv_aware {out['recomputed_tokens']} (all workloads)")
     if args.json:
         print(json.dumps(out))
 

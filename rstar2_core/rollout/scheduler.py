@@ -13,8 +13,9 @@ holds its KV between turns), and its tool calls go to the sandbox as soon as the
 (`agent.run_trajectory`). No engine is ever asked to hold more than its KV cache, so nothing is
 preempted or recomputed.
 
-`static` (the baseline, verl-style): trajectories are dealt round-robin to the engines up front and
-all launched at once; each engine queues (HF) or preempts and recomputes (vLLM) what it cannot hold,
+`static` (the baseline, verl-style): the problem-major batch (a group's samples consecutive) is cut
+into one contiguous chunk per engine up front (`static_assignment`: how verl splits its repeated batch
+across rollout workers, and what sending a prompt with vLLM's `n` does) and all of it launched at once; each engine queues (HF) or preempts and recomputes (vLLM) what it cannot hold,
 and an engine that finished its share idles while others still work through theirs.
 
 Departure from the paper: admission reserves the full max length per trajectory (the paper's rule)
@@ -81,6 +82,21 @@ class _Job:
     tokens: int        # worst-case KV footprint: prompt + max_response_tokens
 
 
+def static_assignment(n_jobs: int, n_engines: int) -> list[int]:
+    """Engine of job i under `static`: contiguous chunks, sizes differing by at most one.
+
+    Jobs are problem-major, so a group's samples land on one engine (or two, at a chunk border), as in
+    verl (prompts repeated n times with `interleave=True`, then one contiguous chunk per rollout worker).
+    """
+    if n_engines < 1:
+        raise ValueError(f"static allocation needs at least one engine, got {n_engines}")
+    base, extra = divmod(n_jobs, n_engines)
+    out: list[int] = []
+    for k in range(n_engines):
+        out.extend([k] * (base + (k < extra)))
+    return out
+
+
 def job_seed(seed: int | None, problem_index: int, sample_index: int) -> int | None:
     """Seed of trajectory j of problem i: the same (seed, i, j) gives the same trajectory on any engine."""
     return None if seed is None else (seed * 1_000_033 + problem_index) * 65_537 + sample_index
@@ -113,7 +129,7 @@ async def rollout_groups(engines: Engine | list[Engine], sandbox: Any, chat: Any
                                                                         limits, job.seed)
 
     if scheduler == "static":
-        await asyncio.gather(*(run(job, engines[k % len(engines)]) for k, job in enumerate(jobs)))
+        await asyncio.gather(*(run(job, engines[k]) for job, k in zip(jobs, static_assignment(len(jobs), len(engines)))))
     else:
         await _kv_aware(jobs, engines, run)
     return out  # type: ignore[return-value]
