@@ -82,6 +82,19 @@ class SyntheticConfig(_Section):
     fail_first_share: float = Field(0.25, ge=0.0, le=1.0)
     """Share of SFT demonstrations whose first tool call fails and is then fixed, so that tool errors
     exist for RoC to act on."""
+    heldout_sft_share: float = Field(0.0, ge=0.0, le=1.0)
+    """Share of SFT demonstrations phrased in a phrasing otherwise held out of SFT (phrasing 3). 0 (the
+    default): SFT never shows it and the eval's held-out phrasing is unseen; a small share makes the SFT
+    policy half-know it, so RL has positives to learn from there."""
+    direct_answer_share: float = Field(0.0, ge=0.0, le=1.0)
+    """Share of SFT demonstrations that give the (gold) answer without calling the tool, as general
+    instruction data does. A model that cannot compute in its head learns from them to guess
+    sometimes, and its guesses are wrong: RL has to learn that calling the tool pays (the paper's
+    point). `fail_first_share` is then a share of the tool demonstrations."""
+    fail_first_same_typo: bool = False
+    """Every failing first call makes the same mistake (`print(` misspelt `pritn(`), a habit the SFT
+    policy keeps at eval temperature; with varied typos (false) it never makes one at T=0.6, so no
+    correct trajectory contains a tool error for RoC to act on."""
     restate: bool = False
     """Open each demonstration's first `<reason>` by restating the problem in its family's canonical
     form with the problem's numbers (e.g. `This asks for 37^412 mod 91.`): the numbers are then copied

@@ -13,7 +13,8 @@ Families (each with 4 phrasings; the code a solver should run is one regular lin
 | sum_multiples  | Sum of integers up to 5000 divisible by 7 or 11?      | `print(sum(i for i in range(...) if ...))` |
 
 Splits (`generate_problems(seed, n, split)`):
-- `sft`: phrasings 0-2 of every family (phrasing 3 is held out from SFT).
+- `sft`: phrasings 0-2 of every family (phrasing 3 is held out from SFT, unless
+  `data.synthetic.heldout_sft_share` lets a small share of SFT problems use it).
 - `rl`: all phrasings.
 - `eval`: all phrasings (so about a quarter of it uses a phrasing the SFT model never saw; RL sees
   it on other numbers), drawn from a reserved slice of the parameter space (a hash of
@@ -190,9 +191,12 @@ def _reserved_for_eval(family: str, params: tuple[int, ...]) -> bool:
     return h[0] % _EVAL_SLICE == 0
 
 
-def generate_problems(seed: int, n: int, split: str) -> list[Problem]:
+def generate_problems(seed: int, n: int, split: str, heldout_share: float = 0.0) -> list[Problem]:
     """`n` distinct problems of `split` (sft, rl, eval), the same for the same (seed, n, split);
-    families round-robin, phrasing and numbers drawn from a per-split RNG."""
+    families round-robin, phrasing and numbers drawn from a per-split RNG. For `sft`, `heldout_share`
+    of the problems use a held-out phrasing (0: none)."""
+    if not 0.0 <= heldout_share <= 1.0:
+        raise ValueError(f"heldout_share={heldout_share} must be in [0, 1]")
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; valid: {list(SPLITS)}")
     if n < 0:
@@ -201,14 +205,23 @@ def generate_problems(seed: int, n: int, split: str) -> list[Problem]:
     n_phr = SFT_PHRASINGS if split == "sft" else None
     out: list[Problem] = []
     seen: set[tuple[str, tuple[int, ...]]] = set()
+    misses = 0
     while len(out) < n:
         fam = FAMILIES[len(out) % len(FAMILIES)]
         params = fam.sample(rng)
         key = (fam.name, params)
         if key in seen or _reserved_for_eval(*key) != (split == "eval"):
+            misses += 1
+            if misses > 200_000:          # the family's parameter space is (nearly) used up
+                raise ValueError(f"cannot draw {n} distinct {split!r} problems: family {fam.name!r} ran out of "
+                                 f"parameter tuples after {len(out)} problems; lower data.synthetic.n_{split}")
             continue
+        misses = 0
         seen.add(key)
-        phrasing = rng.randrange(n_phr or len(fam.phrasings))
+        if n_phr and heldout_share and rng.random() < heldout_share:
+            phrasing = rng.randrange(n_phr, len(fam.phrasings))
+        else:
+            phrasing = rng.randrange(n_phr or len(fam.phrasings))
         out.append(Problem(id=f"syn-{split}-{seed}-{len(out):06d}", problem=fam.phrasings[phrasing].format(*params),
                            answer=str(fam.solve(*params)), family=fam.name, phrasing=phrasing, params=params))
     return out
@@ -224,9 +237,11 @@ _TYPOS = (("print(", "pritn("), ("pow(", "power("), ("sum(", "summ("), ("comb(",
           ("factorial(", "fact("), ("range(", "rnage("), ("str(", "string("))
 
 
-def broken_code(code: str, rng: random.Random) -> str:
+def broken_code(code: str, rng: random.Random, same_typo: bool = False) -> str:
     """A plausible failing variant of `code`: a misspelt name (NameError/ImportError) or a missing
-    closing parenthesis (SyntaxError)."""
+    closing parenthesis (SyntaxError). `same_typo`: always `print(` misspelt `pritn(` (NameError)."""
+    if same_typo:
+        return code.replace("print(", "pritn(", 1)
     typos = [(a, b) for a, b in _TYPOS if a in code]
     if typos and rng.random() < 0.75:
         a, b = rng.choice(typos)
@@ -255,6 +270,7 @@ class Demonstration:
     family: str
     turns: tuple[tuple[str, tuple[str, ...] | None], ...]
     failed_first: bool
+    direct: bool = False      # answered without calling the tool
 
     def turn_lists(self) -> list[tuple[str, list[str] | None]]:
         """`turns` in the list form `ChatFormat.render_trajectory` takes."""
@@ -262,7 +278,7 @@ class Demonstration:
 
     def to_json(self) -> dict:
         return {"id": self.id, "problem": self.problem, "answer": self.answer, "family": self.family,
-                "failed_first": self.failed_first,
+                "failed_first": self.failed_first, "direct": self.direct,
                 "turns": [[t, list(r) if r is not None else None] for t, r in self.turns]}
 
 
@@ -305,33 +321,57 @@ def _subprocess_execute(reqs: Sequence[ExecutionRequest], timeout_s: float) -> l
         return list(pool.map(one, reqs))
 
 
-def _plan(p: Problem, fail_first: bool, rng: random.Random) -> list[str]:
+def _plan(p: Problem, fail_first: bool, rng: random.Random, same_typo: bool = False) -> list[str]:
     code = reference_code(p)
-    return [broken_code(code, rng), code] if fail_first else [code]
+    return [broken_code(code, rng, same_typo), code] if fail_first else [code]
+
+
+DIRECT_REASON = "I can answer this without the tool."
+
+
+def demo_options(syn) -> dict:
+    """The keyword options of `sft_demonstrations` from a `data.synthetic` config section."""
+    return {"restate": syn.restate, "heldout_share": syn.heldout_sft_share,
+            "direct_share": syn.direct_answer_share, "same_typo": syn.fail_first_same_typo}
 
 
 def sft_demonstrations(seed: int, n: int, fail_first_share: float, *,
                        execute: Callable[[Sequence[ExecutionRequest]], list[ExecutionResult]],
                        render: Callable[[ExecutionResult], str],
-                       rejected: dict[str, int] | None = None, restate: bool = False) -> list[Demonstration]:
+                       rejected: dict[str, int] | None = None, restate: bool = False,
+                       heldout_share: float = 0.0, direct_share: float = 0.0,
+                       same_typo: bool = False) -> list[Demonstration]:
     """Up to `n` demonstrations over `generate_problems(seed, n, "sft")`; each tool response is the
     rendered result of actually running the code (`execute`, e.g. a sandbox's batch run; `render`,
     e.g. `chat.render_tool_result`). A demonstration is rejected (counted in `rejected[reason]`) when
     the correct call does not print the gold answer or a deliberately broken call does not fail.
-    `restate` opens the first `<reason>` with the problem in its family's canonical form."""
-    if not 0.0 <= fail_first_share <= 1.0:
-        raise ValueError(f"fail_first_share={fail_first_share} must be in [0, 1]")
+    `restate` opens the first `<reason>` with the problem in its family's canonical form;
+    `heldout_share` of the problems use the phrasing otherwise held out of SFT.
+    `direct_share` of the demonstrations answer the gold answer without calling the tool (as general
+    instruction data does; a model that cannot compute in its head learns to guess from them), and
+    `fail_first_share` is then the share of the *tool* demonstrations that fail first; `same_typo`
+    makes every failing first call the same misspelling (`pritn(`)."""
+    for name, v in (("fail_first_share", fail_first_share), ("direct_share", direct_share)):
+        if not 0.0 <= v <= 1.0:
+            raise ValueError(f"{name}={v} must be in [0, 1]")
     rng = random.Random(f"rstar2-demos:{seed}")
-    problems = generate_problems(seed, n, "sft")
-    n_fail = round(fail_first_share * n)
-    fail_ids = set(rng.sample(range(n), n_fail)) if n else set()
-    plans = [_plan(p, i in fail_ids, rng) for i, p in enumerate(problems)]
+    problems = generate_problems(seed, n, "sft", heldout_share)
+    direct_ids = set(rng.sample(range(n), round(direct_share * n))) if direct_share and n else set()
+    tool_ids = [i for i in range(n) if i not in direct_ids]
+    n_fail = round(fail_first_share * len(tool_ids))
+    fail_ids = set(rng.sample(tool_ids, n_fail)) if tool_ids else set()
+    plans = [[] if i in direct_ids else _plan(p, i in fail_ids, rng, same_typo) for i, p in enumerate(problems)]
     reqs = [ExecutionRequest(code=c, id=f"{p.id}:{j}") for p, codes in zip(problems, plans)
             for j, c in enumerate(codes)]
     results = {r.id: r for r in execute(reqs)}
     counts = rejected if rejected is not None else {}
     out: list[Demonstration] = []
     for i, (p, codes) in enumerate(zip(problems, plans)):
+        if i in direct_ids:
+            out.append(Demonstration(id=p.id, problem=p.problem, answer=p.answer, family=p.family,
+                                     turns=((f"\n{DIRECT_REASON}\n{REASON_CLOSE}\n{answer_text(p.answer)}", None),),
+                                     failed_first=False, direct=True))
+            continue
         res = [results[f"{p.id}:{j}"] for j in range(len(codes))]
         final = res[-1]
         if final.status is not Status.OK or final.stdout.strip() != p.answer:

@@ -44,11 +44,11 @@ def build_tiny_model(shape: TinyModelConfig, tokenizer, seed: int = 0) -> Qwen2F
 def corpus_texts(cfg: Config, n: int = TOKENIZER_CORPUS_DEMOS) -> list[str]:
     """Synthetic SFT demonstrations rendered through ChatFormat as plain text (tokenizer corpus)."""
     from rstar2_core.chat import ChatFormat, render_tool_result
-    from rstar2_core.data.synthetic import execute_requests, sft_demonstrations
+    from rstar2_core.data.synthetic import demo_options, execute_requests, sft_demonstrations
     from rstar2_core.models.tokenizer import bootstrap_tokenizer
 
     syn = cfg.data.synthetic
-    demos = sft_demonstrations(syn.seed, min(n, max(syn.n_sft, 1)), syn.fail_first_share, restate=syn.restate,
+    demos = sft_demonstrations(syn.seed, min(n, max(syn.n_sft, 1)), syn.fail_first_share, **demo_options(syn),
                                execute=lambda reqs: execute_requests(reqs, cfg.sandbox),
                                render=lambda r: render_tool_result(
                                    r, cfg.rollout.tool_response_head_chars, cfg.rollout.tool_response_tail_chars,

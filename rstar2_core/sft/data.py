@@ -74,7 +74,7 @@ def _external_rows(url: str, counts: Counter) -> list[dict]:
 def build_sft_dataset(cfg: Config, out_url: str) -> DatasetRef:
     """Write the SFT conversations JSONL at `out_url` (+ `<out_url>.manifest.json`)."""
     from rstar2_core.chat import render_tool_result
-    from rstar2_core.data.synthetic import execute_requests, sft_demonstrations
+    from rstar2_core.data.synthetic import demo_options, execute_requests, sft_demonstrations
 
     counts: Counter = Counter()
     rows: list[dict] = []
@@ -83,7 +83,7 @@ def build_sft_dataset(cfg: Config, out_url: str) -> DatasetRef:
         rejected: dict[str, int] = {}
         ro = cfg.rollout
         demos = sft_demonstrations(
-            syn.seed, syn.n_sft, syn.fail_first_share, rejected=rejected, restate=syn.restate,
+            syn.seed, syn.n_sft, syn.fail_first_share, rejected=rejected, **demo_options(syn),
             execute=lambda reqs: execute_requests(reqs, cfg.sandbox),
             render=lambda r: render_tool_result(r, ro.tool_response_head_chars, ro.tool_response_tail_chars,
                                                 ro.tool_response_max_chars))
@@ -94,6 +94,7 @@ def build_sft_dataset(cfg: Config, out_url: str) -> DatasetRef:
             rows.append(row)
         counts["synthetic"] = len(demos)
         counts["failed_first"] = sum(d.failed_first for d in demos)
+        counts["direct"] = sum(d.direct for d in demos)
     for url in cfg.data.sft_sources:
         ext = _external_rows(url, counts)
         counts[f"source/{url}"] = len(ext)

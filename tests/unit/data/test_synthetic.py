@@ -58,6 +58,18 @@ def test_eval_split_is_held_out():
         generate_problems(0, 1, "test")
 
 
+def test_heldout_sft_share_lets_a_few_sft_problems_use_the_heldout_phrasing():
+    plain = generate_problems(0, 2000, "sft")
+    mixed = generate_problems(0, 2000, "sft", heldout_share=0.05)
+    share = sum(p.phrasing >= SFT_PHRASINGS for p in mixed) / len(mixed)
+    assert 0.03 < share < 0.07
+    assert plain == generate_problems(0, 2000, "sft", heldout_share=0.0)     # 0 leaves the default stream alone
+    ev = generate_problems(0, 350, "eval")                                    # the eval split is still disjoint
+    assert not {(p.family, p.params) for p in ev} & {(p.family, p.params) for p in mixed}
+    with pytest.raises(ValueError, match="heldout_share"):
+        generate_problems(0, 1, "sft", heldout_share=1.5)
+
+
 def test_broken_code_fails_when_run():
     import random
 
@@ -88,6 +100,27 @@ def test_demonstrations_use_real_tool_output_and_render():
     again = sft_demonstrations(0, 14, 0.5, execute=_execute, render=render_tool_result)
     untimed = lambda ds: re.sub(r"execution time: [0-9.]+ s", "", repr(ds))
     assert untimed(again) == untimed(demos)
+
+
+def test_direct_answer_demonstrations_skip_the_tool_and_fail_first_applies_to_tool_ones():
+    plain = sft_demonstrations(0, 40, 0.5, execute=_execute, render=render_tool_result)
+    demos = sft_demonstrations(0, 40, 0.5, execute=_execute, render=render_tool_result, direct_share=0.25,
+                               same_typo=True)
+    direct = [d for d in demos if d.direct]
+    assert len(demos) == 40 and len(direct) == 10
+    assert sum(d.failed_first for d in demos) == 15 and not any(d.failed_first for d in direct)
+    chat = ChatFormat(bootstrap_tokenizer())
+    for d in direct:
+        assert len(d.turns) == 1 and d.turns[0][1] is None and not parse_tool_calls(d.turns[0][0])
+        assert extract_answer(d.turns[0][0]) == d.answer
+        _, mask = chat.render_trajectory(d.problem, d.turn_lists())
+        assert 0 < sum(mask) < len(mask)
+    for d in demos:                                   # the same misspelling every time, and it fails
+        if d.failed_first:
+            assert "pritn(" in d.turns[0][0] and "NameError" in d.turns[0][1][0]
+    assert not any(d.direct for d in plain) and sum(d.failed_first for d in plain) == 20
+    with pytest.raises(ValueError, match="direct_share"):
+        sft_demonstrations(0, 4, 0.0, execute=_execute, render=render_tool_result, direct_share=2.0)
 
 
 def test_wrong_reference_output_is_rejected_and_counted():
