@@ -15,8 +15,9 @@ preempted or recomputed.
 
 `static` (the baseline, verl-style): the problem-major batch (a group's samples consecutive) is cut
 into one contiguous chunk per engine up front (`static_assignment`: how verl splits its repeated batch
-across rollout workers, and what sending a prompt with vLLM's `n` does) and all of it launched at once; each engine queues (HF) or preempts and recomputes (vLLM) what it cannot hold,
-and an engine that finished its share idles while others still work through theirs.
+across rollout workers, and what sending a prompt with vLLM's `n` does) and all of it launched at
+once; each engine queues (HF) or preempts and recomputes (vLLM) what it cannot hold, and an engine
+that finished its share idles while others still work through theirs.
 
 Departure from the paper: admission reserves the full max length per trajectory (the paper's rule)
 rather than tracking actual KV use; with HF engines capacity is slots x max_seq_len, so this is the
@@ -129,7 +130,8 @@ async def rollout_groups(engines: Engine | list[Engine], sandbox: Any, chat: Any
                                                                         limits, job.seed)
 
     if scheduler == "static":
-        await asyncio.gather(*(run(job, engines[k]) for job, k in zip(jobs, static_assignment(len(jobs), len(engines)))))
+        share = static_assignment(len(jobs), len(engines))
+        await asyncio.gather(*(run(job, engines[k]) for job, k in zip(jobs, share)))
     else:
         await _kv_aware(jobs, engines, run)
     return out  # type: ignore[return-value]
