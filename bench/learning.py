@@ -18,6 +18,8 @@ Keys of the JSON object (the last line with `--json`):
 - `evals.<arm>.pass1_seen_phrasing` / `pass1_unseen_phrasing`: pass@1 on the eval problems phrased as
   in SFT / in the phrasing SFT never shows (RL sees it, on other numbers);
 - `wall_s`: the whole run (SFT included unless `--sft-url` reuses a checkpoint; `sft_reused` says so);
+- `sft_late_loss`: mean SFT loss over its last 5% of steps (None when SFT was reused); above
+  `SFT_CROSSED_LOSS` (0.1) SFT did not cross the copying phase change and a warning says so;
 - `targets`: rl_pass1 >= sft_pass1 + 0.15; roc ratio < grpo ratio with rl_pass1 >= grpo_pass1 - 0.02;
   wall_s < 900.
 
@@ -42,6 +44,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+
+SFT_CROSSED_LOSS = 0.1
+"""Mean SFT loss over the last 5% of steps above which SFT did not cross the copying phase change (the
+runs that crossed end at 0.02-0.08, those that did not at 0.2-0.3)."""
 
 
 class RecordingSampler:
@@ -171,6 +178,7 @@ def main(argv=None) -> int:
         print(f"[{time.time() - t_start:7.1f} s] {msg}", file=sys.stderr, flush=True)
 
     benches = None
+    sft_late_loss: float | None = None        # SFT run here (not --toy / --sft-url): mean loss of its last 5% of steps
     if args.toy:
         from rstar2_core.config import BenchmarkConfig
         from rstar2_core.rl.toy import build_toy_policy, write_toy_problems
@@ -187,9 +195,16 @@ def main(argv=None) -> int:
         log(f"base model {base}")
         sft_data = build_sft_dataset(cfg, storage.join(root, "sft-data"))
         log(f"SFT data: {sft_data.n_rows} conversations")
-        sft_url = run_sft(cfg, base_model_url=base, sft_data_url=sft_data.url, out_url=storage.join(root, "sft")
-                          ).checkpoint_url
-        log(f"SFT done {sft_url}")
+        sft_losses: list[float] = []
+        sft_url = run_sft(cfg, base_model_url=base, sft_data_url=sft_data.url, out_url=storage.join(root, "sft"),
+                          log_metrics=lambda m, step: sft_losses.append(float(m["sft/loss"]))).checkpoint_url
+        tail = sft_losses[-max(1, len(sft_losses) // 20):]
+        sft_late_loss = round(sum(tail) / len(tail), 4) if tail else None
+        log(f"SFT done {sft_url}; mean loss over the last 5% of steps {sft_late_loss}")
+        if sft_late_loss is not None and sft_late_loss > SFT_CROSSED_LOSS:
+            log(f"WARNING: SFT did not cross the copying phase change (late loss {sft_late_loss:.3f} > "
+                f"{SFT_CROSSED_LOSS}): the SFT policy cannot copy the problem's numbers, so the RL figures of "
+                "this run say little (docs/models-and-sft.md, 'Measured')")
     if args.toy:
         rl_data_url = toy_rl_url
     else:
@@ -223,6 +238,7 @@ def main(argv=None) -> int:
         "roc_train_pos_tool_error_ratio": late_mean(streams["roc"], "rollout/pos_tool_error_ratio"),
         "grpo_train_pos_tool_error_ratio": late_mean(streams["grpo"], "rollout/pos_tool_error_ratio"),
         "wall_s": round(wall, 1), "sft_reused": bool(args.sft_url), "quick": args.quick,
+        "sft_late_loss": sft_late_loss,
         "task": "toy" if args.toy else "synthetic",
         "rl_steps": cfg.rl.stages[0].steps, "eval_problems": evals["sft"]["n_problems"], "eval_k": evals["sft"]["k"],
         "overrides": overrides, "plot": str(png), "evals": evals,

@@ -107,6 +107,9 @@ def test_kv_aware_respects_capacity_keeps_engines_and_orders_results(chat, token
     asyncio.run(rollout_groups(static, ScriptedSandbox(), chat, problems, n=4, limits=limits, seed=11,
                                scheduler="static"))
     assert static[0].peak == static[1].peak == 10              # everything launched at once, 10 per engine
+    seen = [{i for i in range(5) for ids in e.served if f"What is {i} + {i}?" in tokenizer.decode(list(ids))}
+            for e in static]
+    assert seen == [{0, 1, 2}, {2, 3, 4}]                      # contiguous chunks: a group stays together
 
 
 def test_bad_scheduler_settings_name_the_fix(chat, tokenizer):
