@@ -37,16 +37,13 @@ def probe(url: str, n: int, seed: int = 0, restate: bool = False) -> dict:
     import torch
 
     from rstar2_core.chat import ChatFormat, render_tool_result
-    from rstar2_core.chat.tokens import REASON_CLOSE
     from rstar2_core.config import SandboxConfig
     from rstar2_core.data.synthetic import (
-        FAMILY_BY_NAME,
-        answer_text,
         broken_code,
+        demonstration_turns,
         execute_requests,
         generate_problems,
         reference_code,
-        tool_call_text,
     )
     from rstar2_core.models.io import load_model_and_tokenizer
     from rstar2_core.sandbox.types import ExecutionRequest
@@ -61,13 +58,10 @@ def probe(url: str, n: int, seed: int = 0, restate: bool = False) -> dict:
     results = {r.id: r for r in execute_requests(reqs, SandboxConfig(timeout_s=10.0))}  # as the SFT data runs them
     sums = {s: [0.0, 0, 0] for s in SPANS}
     exact = 0
-    for i, (p, (bad, good)) in enumerate(zip(problems, codes)):
-        err, out = results[f"{i}:0"], results[f"{i}:1"]
-        opening = f"\nThis asks for {FAMILY_BY_NAME[p.family].canonical.format(*p.params)}." if restate else ""
-        turns = [(f"{opening}\nLet me compute it with Python.\n{REASON_CLOSE}\n{tool_call_text(bad)}", [render_tool_result(err)]),
-                 (f"<reason>\nThe code raised an error; fix it.\n{REASON_CLOSE}\n{tool_call_text(good)}",
-                  [render_tool_result(out)]),
-                 (f"<reason>\nThe output is {p.answer}.\n{REASON_CLOSE}\n{answer_text(p.answer)}", None)]
+    for i, (p, cs) in enumerate(zip(problems, codes)):
+        turns = [(t, list(r) if r is not None else None)   # exactly what the SFT data would hold
+                 for t, r in demonstration_turns(p, cs, [results[f"{i}:0"], results[f"{i}:1"]], render_tool_result,
+                                                 restate)]
         ids, mask = chat.render_trajectory(p.problem, turns)
         with torch.no_grad():
             logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), -1)

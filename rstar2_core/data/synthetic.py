@@ -335,6 +335,24 @@ def demo_options(syn) -> dict:
             "direct_share": syn.direct_answer_share, "same_typo": syn.fail_first_same_typo}
 
 
+def demonstration_turns(p: Problem, codes: Sequence[str], results: Sequence[ExecutionResult],
+                        render: Callable[[ExecutionResult], str], restate: bool = False
+                        ) -> tuple[tuple[str, tuple[str, ...] | None], ...]:
+    """The turns of a tool demonstration of `p`: one call per code (a failing first one read and fixed
+    when there are two), each followed by its rendered result, then the answer. `results[i]` is what
+    running `codes[i]` gave. `bench/copy_probe.py` renders its probes through this too."""
+    opening = f"\nThis asks for {FAMILY_BY_NAME[p.family].canonical.format(*p.params)}." if restate else ""
+    turns: list[tuple[str, tuple[str, ...] | None]] = [
+        (f"{opening}\nLet me compute it with Python.\n{REASON_CLOSE}\n{tool_call_text(codes[0])}",
+         (render(results[0]),))]
+    if len(codes) == 2:
+        err = (results[0].stderr.strip().splitlines() or ["error"])[-1].split(":")[0]
+        turns.append((f"<reason>\nThe code raised {err}; fix it.\n{REASON_CLOSE}\n{tool_call_text(codes[1])}",
+                      (render(results[1]),)))
+    turns.append((f"<reason>\nThe output is {p.answer}.\n{REASON_CLOSE}\n{answer_text(p.answer)}", None))
+    return tuple(turns)
+
+
 def sft_demonstrations(seed: int, n: int, fail_first_share: float, *,
                        execute: Callable[[Sequence[ExecutionRequest]], list[ExecutionResult]],
                        render: Callable[[ExecutionResult], str],
@@ -380,19 +398,7 @@ def sft_demonstrations(seed: int, n: int, fail_first_share: float, *,
         if len(res) == 2 and not res[0].status.is_failure:
             counts["broken_call_did_not_fail"] = counts.get("broken_call_did_not_fail", 0) + 1
             continue
-        turns: list[tuple[str, tuple[str, ...] | None]] = []
-        opening = (f"\nThis asks for {FAMILY_BY_NAME[p.family].canonical.format(*p.params)}."
-                   if restate else "")
-        if len(res) == 2:
-            err = (res[0].stderr.strip().splitlines() or ["error"])[-1].split(":")[0]
-            turns.append((f"{opening}\nLet me compute it with Python.\n{REASON_CLOSE}\n{tool_call_text(codes[0])}",
-                          (render(res[0]),)))
-            turns.append((f"<reason>\nThe code raised {err}; fix it.\n{REASON_CLOSE}\n{tool_call_text(codes[1])}",
-                          (render(final),)))
-        else:
-            turns.append((f"{opening}\nLet me compute it with Python.\n{REASON_CLOSE}\n{tool_call_text(codes[0])}",
-                          (render(final),)))
-        turns.append((f"<reason>\nThe output is {p.answer}.\n{REASON_CLOSE}\n{answer_text(p.answer)}", None))
+        turns = demonstration_turns(p, codes, res, render, restate)
         out.append(Demonstration(id=p.id, problem=p.problem, answer=p.answer, family=p.family,
-                                 turns=tuple(turns), failed_first=len(res) == 2))
+                                 turns=turns, failed_first=len(res) == 2))
     return out
