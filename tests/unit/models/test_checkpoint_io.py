@@ -73,3 +73,38 @@ def test_interrupted_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
 def test_extra_names_must_be_plain(tmp_path):
     with pytest.raises(ValueError, match="plain file name"):
         save_checkpoint(_tiny_model(), None, (tmp_path / "c").as_uri(), extra={"../x": b""})
+
+
+def test_concurrent_loads_of_one_checkpoint_all_get_real_weights(tmp_path):
+    """transformers' loader is not thread-safe: 8 threads loading one tied-embedding checkpoint at once
+    left lm_head on the meta device ("Cannot copy out of meta tensor") in every thread without
+    `FROM_PRETRAINED_LOCK` (seen in CI: an evaluation beside the hard-subset sampling, both Prefect threads)."""
+    import threading
+
+    from rstar2_core.models.tokenizer import bootstrap_tokenizer
+
+    tok = bootstrap_tokenizer()
+    torch.manual_seed(0)
+    m = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                     num_key_value_heads=4, intermediate_size=176, max_position_embeddings=256,
+                                     tie_word_embeddings=True))
+    url = (tmp_path / "ck").as_uri()
+    save_checkpoint(m, tok, url)
+    loaded, errors = [], []
+
+    def load():
+        try:
+            loaded.append(load_model_and_tokenizer(url)[0])
+        except Exception as e:      # noqa: BLE001 - collected and asserted below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=load) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:2]
+    assert len(loaded) == 8
+    for mm in loaded:
+        assert not any(p.is_meta for p in mm.parameters())
+        assert torch.equal(mm.lm_head.weight, m.model.embed_tokens.weight)
