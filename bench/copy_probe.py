@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 SPANS = ("problem_to_code", "code_to_code", "output_to_answer")
 
 
-def probe(url: str, n: int, seed: int = 0, restate: bool = False) -> dict:
+def probe(url: str, n: int, seed: int = 0, restate: bool = False, signposted: bool = False) -> dict:
     import torch
 
     from rstar2_core.chat import ChatFormat, render_tool_result
@@ -61,7 +61,7 @@ def probe(url: str, n: int, seed: int = 0, restate: bool = False) -> dict:
     for i, (p, cs) in enumerate(zip(problems, codes)):
         turns = [(t, list(r) if r is not None else None)   # exactly what the SFT data would hold
                  for t, r in demonstration_turns(p, cs, [results[f"{i}:0"], results[f"{i}:1"]], render_tool_result,
-                                                 restate)]
+                                                 restate, signposted)]
         ids, mask = chat.render_trajectory(p.problem, turns)
         with torch.no_grad():
             logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), -1)
@@ -94,13 +94,16 @@ def main(argv=None) -> int:
     ap.add_argument("--restate", action="store_true",
                     help="render the first <reason> as data.synthetic.restate demonstrations do (its digits "
                          "count in problem_to_code)")
+    ap.add_argument("--signposted", action="store_true",
+                    help="open the failing first call with its own reason line, as data.synthetic.fail_first_signposted "
+                         "demonstrations do")
     args = ap.parse_args(argv)
     import torch
 
     torch.set_num_threads(1)
     res = {}
     for url in args.checkpoints:
-        res[url] = r = probe(url, args.n, restate=args.restate)
+        res[url] = r = probe(url, args.n, restate=args.restate, signposted=args.signposted)
         print(f"{url}: " + " | ".join(f"{s} NLL {r[s]['nll']:.2f} acc {r[s]['acc']:.2f}" for s in SPANS)
               + f" | first call all digits right {r['calls_exact']:.2f}", flush=True)
     if args.json:

@@ -87,17 +87,27 @@ class SyntheticConfig(_Section):
     default): SFT never shows it and the eval's held-out phrasing is unseen; a small share makes the SFT
     policy half-know it, so RL has positives to learn from there. Measured on tiny at 0.03: the
     held-out phrasing stayed at 0.00 (docs/rl.md, "Tried on 2026-11-30")."""
-    direct_answer_share: float = Field(0.0, ge=0.0, le=1.0)
-    """Share of SFT demonstrations that give the (gold) answer without calling the tool, as general
-    instruction data does. A model that cannot compute in its head learns from them to guess
-    sometimes, and its guesses are wrong: RL has to learn that calling the tool pays (the paper's
-    point). `fail_first_share` is then a share of the tool demonstrations. Measured on tiny at 0.3 and
-    0.4: SFT never crossed the copying phase change (docs/rl.md)."""
+    direct_answer_share: float = Field(0.0, ge=0.0, lt=1.0)
+    """Share of the SFT set made of demonstrations that answer without calling the tool, as general
+    instruction data does; they come on top of the `n_sft` tool demonstrations (which stay the same),
+    on problems of their own. The SFT policy then sometimes takes the direct route, where it cannot
+    compute the answer: RL has to learn that calling the tool pays (the paper's point). Their boxed
+    answers are excluded from the loss unless `direct_answer_scored`."""
+    direct_answer_scored: bool = False
+    """Train on the direct demonstrations' boxed answers too (a from-scratch model then learns to guess
+    digits it cannot compute). Measured on tiny, scored, with the direct share taken out of `n_sft`
+    (0.3, 0.4): SFT never crossed the copying phase change (docs/rl.md)."""
     fail_first_same_typo: bool = False
     """Every failing first call makes the same mistake (`print(` misspelt `pritn(`), a habit the SFT
     policy keeps at eval temperature; with varied typos (false) it never makes one at T=0.6, so no
     correct trajectory contains a tool error for RoC to act on. Measured on tiny: SFT did not cross the
     copying phase change in 3 of 3 runs with it (docs/rl.md)."""
+    fail_first_signposted: bool = False
+    """The failing first calls open with their own reason line ("Let me try it quickly in Python.")
+    instead of the one every other call has: the habit is then one early choice that the SFT policy
+    keeps at eval temperature (in about the share's proportion, sharpened by the temperature), instead
+    of seven rare typos it never makes at T=0.6, so correct trajectories with a tool error exist for RoC
+    to act on."""
     restate: bool = False
     """Open each demonstration's first `<reason>` by restating the problem in its family's canonical
     form with the problem's numbers (e.g. `This asks for 37^412 mod 91.`): the numbers are then copied

@@ -24,10 +24,15 @@ Splits (`generate_problems(seed, n, split)`):
 non-reasoning demonstrations: a one-line `<reason>`, one tool call with the reference code, the real
 tool response (the code is executed), and `<answer>` with `\\boxed{}`. A share `fail_first_share`
 first makes a failing call (a misspelt name -> NameError/AttributeError, or a missing parenthesis ->
-SyntaxError), reads the error and fixes it, so that tool errors exist for GRPO-RoC to act on.
+SyntaxError), reads the error and fixes it, so that tool errors exist for GRPO-RoC to act on; with
+`signposted` those open with their own reason line (`HASTY_REASON`), so the habit is one early choice
+that survives sampling at a low temperature. `direct_share` adds demonstrations that answer without
+the tool (`DIRECT_REASON`; their boxed answer is excluded from the SFT loss): the SFT policy then
+takes that route on some problems, where it cannot compute the answer, and RL has to learn that the
+tool pays.
 
 Departs from the paper: the paper's SFT data is 222K general function-calling/instruction/chat
-samples; this task is a stand-in small enough for a ~3M-parameter model to learn on 2 CPU cores.
+samples; this task is a stand-in small enough for a ~0.2M-parameter model to learn on 2 CPU cores.
 
     from rstar2_core.data.synthetic import generate_problems
     generate_problems(seed=0, n=5, split="eval")
@@ -271,6 +276,7 @@ class Demonstration:
     turns: tuple[tuple[str, tuple[str, ...] | None], ...]
     failed_first: bool
     direct: bool = False      # answered without calling the tool
+    mask_answer: bool = False  # the boxed answer is excluded from the SFT loss
 
     def turn_lists(self) -> list[tuple[str, list[str] | None]]:
         """`turns` in the list form `ChatFormat.render_trajectory` takes."""
@@ -278,7 +284,7 @@ class Demonstration:
 
     def to_json(self) -> dict:
         return {"id": self.id, "problem": self.problem, "answer": self.answer, "family": self.family,
-                "failed_first": self.failed_first, "direct": self.direct,
+                "failed_first": self.failed_first, "direct": self.direct, "mask_answer": self.mask_answer,
                 "turns": [[t, list(r) if r is not None else None] for t, r in self.turns]}
 
 
@@ -327,24 +333,28 @@ def _plan(p: Problem, fail_first: bool, rng: random.Random, same_typo: bool = Fa
 
 
 DIRECT_REASON = "I can answer this without the tool."
+CALL_REASON = "Let me compute it with Python."
+HASTY_REASON = "Let me try it quickly in Python."   # opens a failing first call when signposted
 
 
 def demo_options(syn) -> dict:
     """The keyword options of `sft_demonstrations` from a `data.synthetic` config section."""
     return {"restate": syn.restate, "heldout_share": syn.heldout_sft_share,
-            "direct_share": syn.direct_answer_share, "same_typo": syn.fail_first_same_typo}
+            "direct_share": syn.direct_answer_share, "same_typo": syn.fail_first_same_typo,
+            "direct_scored": syn.direct_answer_scored, "signposted": syn.fail_first_signposted}
 
 
 def demonstration_turns(p: Problem, codes: Sequence[str], results: Sequence[ExecutionResult],
-                        render: Callable[[ExecutionResult], str], restate: bool = False
-                        ) -> tuple[tuple[str, tuple[str, ...] | None], ...]:
+                        render: Callable[[ExecutionResult], str], restate: bool = False,
+                        signposted: bool = False) -> tuple[tuple[str, tuple[str, ...] | None], ...]:
     """The turns of a tool demonstration of `p`: one call per code (a failing first one read and fixed
     when there are two), each followed by its rendered result, then the answer. `results[i]` is what
-    running `codes[i]` gave. `bench/copy_probe.py` renders its probes through this too."""
+    running `codes[i]` gave; `signposted`: a failing first call opens with `HASTY_REASON` instead of
+    `CALL_REASON`. `bench/copy_probe.py` renders its probes through this too."""
     opening = f"\nThis asks for {FAMILY_BY_NAME[p.family].canonical.format(*p.params)}." if restate else ""
+    first = HASTY_REASON if signposted and len(codes) == 2 else CALL_REASON
     turns: list[tuple[str, tuple[str, ...] | None]] = [
-        (f"{opening}\nLet me compute it with Python.\n{REASON_CLOSE}\n{tool_call_text(codes[0])}",
-         (render(results[0]),))]
+        (f"{opening}\n{first}\n{REASON_CLOSE}\n{tool_call_text(codes[0])}", (render(results[0]),))]
     if len(codes) == 2:
         err = (results[0].stderr.strip().splitlines() or ["error"])[-1].split(":")[0]
         turns.append((f"<reason>\nThe code raised {err}; fix it.\n{REASON_CLOSE}\n{tool_call_text(codes[1])}",
@@ -358,38 +368,38 @@ def sft_demonstrations(seed: int, n: int, fail_first_share: float, *,
                        render: Callable[[ExecutionResult], str],
                        rejected: dict[str, int] | None = None, restate: bool = False,
                        heldout_share: float = 0.0, direct_share: float = 0.0,
-                       same_typo: bool = False) -> list[Demonstration]:
+                       same_typo: bool = False, direct_scored: bool = False,
+                       signposted: bool = False) -> list[Demonstration]:
     """Up to `n` demonstrations over `generate_problems(seed, n, "sft")`; each tool response is the
     rendered result of actually running the code (`execute`, e.g. a sandbox's batch run; `render`,
     e.g. `chat.render_tool_result`). A demonstration is rejected (counted in `rejected[reason]`) when
     the correct call does not print the gold answer or a deliberately broken call does not fail.
     `restate` opens the first `<reason>` with the problem in its family's canonical form;
     `heldout_share` of the problems use the phrasing otherwise held out of SFT.
-    `direct_share` of the demonstrations answer the gold answer without calling the tool (as general
-    instruction data does; a model that cannot compute in its head learns to guess from them), and
-    `fail_first_share` is then the share of the *tool* demonstrations that fail first; `same_typo`
-    makes every failing first call the same misspelling (`pritn(`)."""
-    for name, v in (("fail_first_share", fail_first_share), ("direct_share", direct_share)):
-        if not 0.0 <= v <= 1.0:
-            raise ValueError(f"{name}={v} must be in [0, 1]")
+    `fail_first_share` of them first make a failing call and fix it; `same_typo` makes every failing
+    first call the same misspelling (`pritn(`); `signposted` opens those with `HASTY_REASON`.
+
+    `direct_share`: *besides* the `n` tool demonstrations, direct ones that answer without calling the
+    tool (as general instruction data does) make up this share of the result: round(n * s / (1 - s))
+    of them, on problems of their own stream (the tool demonstrations are the same whatever the share),
+    placed after the tool ones. Their boxed answer is marked `mask_answer` (excluded from the SFT loss,
+    `sft.packing.encode_conversations`) unless `direct_scored`: the model learns the route and the
+    format, not to guess numbers it cannot compute."""
+    if not 0.0 <= fail_first_share <= 1.0:
+        raise ValueError(f"fail_first_share={fail_first_share} must be in [0, 1]")
+    if not 0.0 <= direct_share < 1.0:
+        raise ValueError(f"direct_share={direct_share} must be in [0, 1)")
     rng = random.Random(f"rstar2-demos:{seed}")
     problems = generate_problems(seed, n, "sft", heldout_share)
-    direct_ids = set(rng.sample(range(n), round(direct_share * n))) if direct_share and n else set()
-    tool_ids = [i for i in range(n) if i not in direct_ids]
-    n_fail = round(fail_first_share * len(tool_ids))
-    fail_ids = set(rng.sample(tool_ids, n_fail)) if tool_ids else set()
-    plans = [[] if i in direct_ids else _plan(p, i in fail_ids, rng, same_typo) for i, p in enumerate(problems)]
+    n_fail = round(fail_first_share * n)
+    fail_ids = set(rng.sample(range(n), n_fail)) if n else set()
+    plans = [_plan(p, i in fail_ids, rng, same_typo) for i, p in enumerate(problems)]
     reqs = [ExecutionRequest(code=c, id=f"{p.id}:{j}") for p, codes in zip(problems, plans)
             for j, c in enumerate(codes)]
     results = {r.id: r for r in execute(reqs)}
     counts = rejected if rejected is not None else {}
     out: list[Demonstration] = []
-    for i, (p, codes) in enumerate(zip(problems, plans)):
-        if i in direct_ids:
-            out.append(Demonstration(id=p.id, problem=p.problem, answer=p.answer, family=p.family,
-                                     turns=((f"\n{DIRECT_REASON}\n{REASON_CLOSE}\n{answer_text(p.answer)}", None),),
-                                     failed_first=False, direct=True))
-            continue
+    for p, codes in zip(problems, plans):
         res = [results[f"{p.id}:{j}"] for j in range(len(codes))]
         final = res[-1]
         if final.status is not Status.OK or final.stdout.strip() != p.answer:
@@ -398,7 +408,12 @@ def sft_demonstrations(seed: int, n: int, fail_first_share: float, *,
         if len(res) == 2 and not res[0].status.is_failure:
             counts["broken_call_did_not_fail"] = counts.get("broken_call_did_not_fail", 0) + 1
             continue
-        turns = demonstration_turns(p, codes, res, render, restate)
+        turns = demonstration_turns(p, codes, res, render, restate, signposted)
         out.append(Demonstration(id=p.id, problem=p.problem, answer=p.answer, family=p.family,
                                  turns=turns, failed_first=len(res) == 2))
+    n_direct = round(n * direct_share / (1.0 - direct_share)) if direct_share else 0
+    for p in generate_problems(seed + 7919, n_direct, "sft", heldout_share):   # a stream of their own
+        out.append(Demonstration(id=f"{p.id}-direct", problem=p.problem, answer=p.answer, family=p.family,
+                                 turns=((f"\n{DIRECT_REASON}\n{REASON_CLOSE}\n{answer_text(p.answer)}", None),),
+                                 failed_first=False, direct=True, mask_answer=not direct_scored))
     return out

@@ -50,15 +50,41 @@ class PackedRow:
 
 
 def encode_conversations(rows: Sequence[dict], chat, max_seq_len: int) -> tuple[list[Doc], int]:
-    """[(ids, loss_mask)] for rows in render_trajectory form; also the count of rows over max_seq_len."""
+    """[(ids, loss_mask)] for rows in render_trajectory form; also the count of rows over max_seq_len.
+    A row with `mask_answer` (and its `answer`) gets loss_mask 0 on the tokens of its last boxed answer."""
     docs, too_long = [], 0
     for r in rows:
-        ids, mask = chat.render_trajectory(r["problem"], [(t, res) for t, res in r["turns"]])
+        turns = [(t, res) for t, res in r["turns"]]
+        ids, mask = chat.render_trajectory(r["problem"], turns)
+        if r.get("mask_answer"):
+            mask = _mask_boxed_answer(chat, r, turns, ids, mask)
         if len(ids) > max_seq_len:
             too_long += 1
             continue
         docs.append((ids, mask))
     return docs, too_long
+
+
+def _mask_boxed_answer(chat, row: dict, turns: list, ids: list[int], mask: list[int]) -> list[int]:
+    """`mask` with 0 on the tokens that spell the answer inside the last turn's last `\\boxed{answer}`
+    (the last turn's text is the ids just before the closing `<|im_end|>`)."""
+    answer = str(row.get("answer") or "")
+    box = "\\boxed{" + answer + "}"
+    text = turns[-1][0]
+    at = text.rfind(box)
+    if not answer or at < 0:
+        raise ValueError(f"SFT row {row.get('id')!r}: mask_answer is set but its last turn has no "
+                         f"{box!r}; drop mask_answer or fix the row")
+    enc = chat.tokenizer(text, add_special_tokens=False, split_special_tokens=True, return_offsets_mapping=True)
+    if list(enc["input_ids"]) != ids[len(ids) - 1 - len(enc["input_ids"]):-1]:
+        raise ValueError(f"SFT row {row.get('id')!r}: cannot locate the last turn's tokens to mask its answer")
+    lo, hi = at + len("\\boxed{"), at + len("\\boxed{") + len(answer)
+    start = len(ids) - 1 - len(enc["input_ids"])
+    out = list(mask)
+    for k, (s, e) in enumerate(enc["offset_mapping"]):
+        if s < hi and e > lo:
+            out[start + k] = 0
+    return out
 
 
 def common_prefix(docs: Sequence[Doc]) -> list[int]:

@@ -102,25 +102,46 @@ def test_demonstrations_use_real_tool_output_and_render():
     assert untimed(again) == untimed(demos)
 
 
-def test_direct_answer_demonstrations_skip_the_tool_and_fail_first_applies_to_tool_ones():
+def test_direct_answer_demonstrations_come_on_top_of_the_same_tool_demonstrations():
     plain = sft_demonstrations(0, 40, 0.5, execute=_execute, render=render_tool_result)
-    demos = sft_demonstrations(0, 40, 0.5, execute=_execute, render=render_tool_result, direct_share=0.25,
+    demos = sft_demonstrations(0, 40, 0.5, execute=_execute, render=render_tool_result, direct_share=0.2,
                                same_typo=True)
     direct = [d for d in demos if d.direct]
-    assert len(demos) == 40 and len(direct) == 10
-    assert sum(d.failed_first for d in demos) == 15 and not any(d.failed_first for d in direct)
+    assert len(demos) == 50 and len(direct) == 10 and all(d.direct for d in demos[40:])
+    assert sum(d.failed_first for d in demos) == 20 and not any(d.failed_first for d in direct)
+    plain_typo = sft_demonstrations(0, 40, 0.5, execute=_execute, render=render_tool_result, same_typo=True)
+    untimed = lambda ds: re.sub(r"execution time: [0-9.]+ s", "", repr(ds))
+    assert untimed(demos[:40]) == untimed(plain_typo)          # the share does not change the tool demonstrations
+    assert not {d.id for d in direct} & {d.id for d in demos[:40]}
     chat = ChatFormat(bootstrap_tokenizer())
     for d in direct:
         assert len(d.turns) == 1 and d.turns[0][1] is None and not parse_tool_calls(d.turns[0][0])
-        assert extract_answer(d.turns[0][0]) == d.answer
+        assert extract_answer(d.turns[0][0]) == d.answer and d.mask_answer and d.to_json()["mask_answer"]
         _, mask = chat.render_trajectory(d.problem, d.turn_lists())
         assert 0 < sum(mask) < len(mask)
     for d in demos:                                   # the same misspelling every time, and it fails
         if d.failed_first:
             assert "pritn(" in d.turns[0][0] and "NameError" in d.turns[0][1][0]
     assert not any(d.direct for d in plain) and sum(d.failed_first for d in plain) == 20
-    with pytest.raises(ValueError, match="direct_share"):
-        sft_demonstrations(0, 4, 0.0, execute=_execute, render=render_tool_result, direct_share=2.0)
+    scored = sft_demonstrations(0, 8, 0.0, execute=_execute, render=render_tool_result, direct_share=0.5,
+                                direct_scored=True)
+    assert sum(d.direct for d in scored) == 8 and not any(d.mask_answer for d in scored)
+    for bad in (2.0, 1.0, -0.1):
+        with pytest.raises(ValueError, match="direct_share"):
+            sft_demonstrations(0, 4, 0.0, execute=_execute, render=render_tool_result, direct_share=bad)
+
+
+def test_signposted_failing_calls_open_with_their_own_reason():
+    from rstar2_core.data.synthetic import CALL_REASON, HASTY_REASON
+
+    demos = sft_demonstrations(0, 28, 0.5, execute=_execute, render=render_tool_result, signposted=True)
+    plain = sft_demonstrations(0, 28, 0.5, execute=_execute, render=render_tool_result)
+    assert sum(d.failed_first for d in demos) == 14
+    for d, q in zip(demos, plain):
+        first = d.turns[0][0]
+        assert (HASTY_REASON in first) == d.failed_first and (CALL_REASON in first) != d.failed_first
+        assert first.replace(HASTY_REASON, CALL_REASON) == q.turns[0][0]      # nothing else changes
+        assert all(HASTY_REASON not in t for t, _ in d.turns[1:])
 
 
 def test_wrong_reference_output_is_rejected_and_counted():

@@ -128,6 +128,22 @@ def test_labels_are_assistant_tokens_only(sft_assets):
     assert [t for t in packed.labels if t != IGNORE] == [t for t, m in zip(ids, mask) if m]
 
 
+def test_mask_answer_hides_only_the_boxed_digits(sft_assets):
+    base, _, _ = sft_assets
+    _, tok = load_model_and_tokenizer(base)
+    chat = ChatFormat(tok)
+    text = "\nI can answer this without the tool.\n</reason>\n<answer>\nThe answer is \\boxed{9158190}.\n</answer>"
+    row = {"id": "d", "problem": "What is 3^41 mod 7?", "answer": "9158190", "turns": [[text, None]]}
+    (ids, full), = encode_conversations([row], chat, 4096)[0]
+    (ids2, masked), = encode_conversations([dict(row, mask_answer=True)], chat, 4096)[0]
+    assert ids2 == ids
+    hidden = [t for t, a, b in zip(ids, full, masked) if a and not b]
+    assert tok.decode(hidden) == "9158190"                      # exactly the digits, nothing around them
+    assert "\\boxed{" in tok.decode([t for t, m in zip(ids, masked) if m])
+    with pytest.raises(ValueError, match="mask_answer"):
+        encode_conversations([dict(row, mask_answer=True, answer="12")], chat, 4096)
+
+
 def test_masked_loss_ignores_prompt_and_tool_positions():
     logits = torch.randn(1, 6, 10, requires_grad=True)
     labels = torch.tensor([[IGNORE, IGNORE, 3, IGNORE, 4, 5]])

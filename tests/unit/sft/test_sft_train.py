@@ -73,7 +73,9 @@ def test_resume_after_fault_gives_identical_weights_and_metrics(sft_assets, tmp_
 
 def test_external_sft_rows_validated_and_counted(tmp_path, sft_assets):
     _, _, ref = sft_assets
-    assert ref.n_rows == 16 and ref.counts["failed_first"] == 4 and len(ref.digest) == 64
+    # the tiny profile's direct demonstrations (direct_answer_share 0.5) come on top of the 16 tool ones
+    assert ref.n_rows == 32 and ref.counts["direct"] == 16 and ref.counts["failed_first"] == 4
+    assert len(ref.digest) == 64
     good = {"problem": "What is 1+1?", "turns": [["\nAdd.\n</reason>\n<answer>\\boxed{2}</answer>", None]]}
     bad = [
         "{not json",
