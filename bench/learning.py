@@ -24,8 +24,9 @@ Keys of the JSON object (the last line with `--json`):
   wall_s < 900.
 
 A plot (training pass rate and failed-call ratio per step for both arms, among the sampled positives
-and among the positives each arm trains on, and the eval pass@1 bars) is saved under `.rstar2/bench/` and its path printed. `--quick` runs 2 RL steps and 20 eval
-problems: a smoke run of the whole path, not a measurement.
+and among the positives each arm trains on, and the eval pass@1 bars) is saved under `.rstar2/bench/`
+and its path printed. `--quick` runs 2 RL steps and 20 eval problems: a smoke run of the whole path,
+not a measurement.
 
 `--toy` swaps the task for `rstar2_core.rl.toy` (a 0.1M-parameter policy SFT-ed in-process to call the
 tool with print(1)/print(2), 30% after a failing misspelt call; gold answer 1; held-out eval set of

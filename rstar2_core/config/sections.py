@@ -99,9 +99,9 @@ class SyntheticConfig(_Section):
     (0.3, 0.4): SFT never crossed the copying phase change (docs/rl.md)."""
     fail_first_same_typo: bool = False
     """Every failing first call makes the same mistake (`print(` misspelt `pritn(`), a habit the SFT
-    policy keeps at eval temperature; with varied typos (false) it never makes one at T=0.6, so no
-    correct trajectory contains a tool error for RoC to act on. Measured on tiny: SFT did not cross the
-    copying phase change in 3 of 3 runs with it (docs/rl.md)."""
+    policy keeps at eval temperature; with varied typos (false) and no `fail_first_signposted` it never
+    makes one at T=0.6, so no correct trajectory contains a tool error for RoC to act on. Measured on
+    tiny: SFT did not cross the copying phase change in 3 of 3 runs with it (docs/rl.md)."""
     fail_first_signposted: bool = False
     """The failing first calls open with their own reason line ("Let me try it quickly in Python.")
     instead of the one every other call has: the habit is then one early choice that the SFT policy

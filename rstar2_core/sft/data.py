@@ -4,7 +4,9 @@ Rows are in the `ChatFormat.render_trajectory` form, so the trainer tokenizes th
 tokenizer the base model has:
 
     {"id": ..., "problem": ..., "turns": [[assistant_text, [tool_response_text, ...] | null], ...],
-     "source": "synthetic" | <url>, "answer": ..., "failed_first": bool}      (+ "direct": bool on synthetic rows)
+     "source": "synthetic" | <url>, "answer": ..., "failed_first": bool}
+    (+ "direct", "mask_answer": bool on synthetic rows; `mask_answer` keeps the boxed answer's tokens out
+    of the loss, see `sft.packing.encode_conversations`)
 
 Sources: `cfg.data.synthetic` demonstrations (code actually executed in the sandbox, results rendered
 with `chat.render_tool_result` under the rollout's truncation settings) plus the JSONL files listed in
