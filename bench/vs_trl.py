@@ -13,9 +13,9 @@ digit of the problem's gold answer. A random-init model gets it about half the t
 have non-degenerate groups and really run their update (a 0/1 correctness reward would be all zeros
 for this model, and our loop would then skip the update while TRL's would not).
 
-Ours per step = rollout on `HFEngine` (continuous batching, KV cache) + reward + `build_step_batch`
-(plain GRPO: `resample = "none"`) + `rl_update` (recomputed old log-probs, micro-batches) + weight push
-to the engine. TRL per step = its `training_step` (generation with `model.generate`, reward, loss,
+Ours per step = `rl.step.rl_step` on the local runtime, the function the RL stage runs: rollout on
+`HFEngine` (continuous batching, KV cache) + reward + `build_step_batch` (plain GRPO: `resample =
+"none"`) + `rl_update` (recomputed old log-probs, micro-batches) + weight sync to the engine. TRL per step = its `training_step` (generation with `model.generate`, reward, loss,
 optimizer), timed by a callback. Figures are medians over steps after the first (warm-up), on CPU.
 Key `ratio` = ours / TRL (target <= 0.7). Prints one JSON object as the last line with `--json`.
 """
@@ -52,42 +52,51 @@ def get_model(cfg, url: str | None):
     return model, tok, url
 
 
-def run_ours(cfg, model, tok, problems, args) -> list[float]:
-    from rstar2_core.chat import ChatFormat
-    from rstar2_core.config import GRPOConfig
-    from rstar2_core.models import make_backend
-    from rstar2_core.rl.groups import build_step_batch
-    from rstar2_core.rl.trainer import rl_update
-    from rstar2_core.rollout import HFEngine, rollout_groups
-    from rstar2_core.rollout.types import RolloutLimits
-    from rstar2_core.sandbox import make_sandbox
+class TimingGrader:
+    """`grade_many` with the timing-only reward above (the runtime's grader slot)."""
 
+    def grade_many(self, items):
+        from rstar2_core.reward.grade import GradeResult
+
+        return [GradeResult(timing_reward(text, gold), None, "correct" if timing_reward(text, gold) else "wrong")
+                for text, gold in items]
+
+
+def ours_config(args):
+    """The tiny profile set to this comparison's work: plain GRPO, G, P, micro-batch, one engine batch."""
+    from rstar2_core.config import load_config
+
+    return load_config("tiny", [f"rl.grpo.group_size={args.group}", "rl.grpo.oversample=1", 'rl.grpo.resample="none"',
+                                f"rl.prompts_per_step={args.prompts}", f"rl.micro_batch_size={args.micro_batch}",
+                                "rl.warmup_steps=0", f"rollout.max_batch_size={args.prompts * args.group}"])
+
+
+def run_ours(cfg, url, tok, problems, args) -> list[float]:
+    """Our RL steps: `rl.step.rl_step` on the local runtime (the code the RL stage runs)."""
+    from rstar2_core.chat import ChatFormat
+    from rstar2_core.rl.step import rl_step
+    from rstar2_core.rollout.types import RolloutLimits
+    from rstar2_core.runtime import TrainerSpec, open_runtime
+
+    cfg = ours_config(args)
     chat = ChatFormat(tok, with_tools=True)
-    grpo = GRPOConfig(resample="none", oversample=1, group_size=args.group)
-    backend = make_backend(model, cfg.rl, total_steps=args.steps, warmup_steps=0, schedule="constant")
     seq = max(len(chat.prompt_ids(p.problem)) for p in problems) + args.tokens + 1
-    engine_model = copy.deepcopy(model).eval()
-    engine = HFEngine(engine_model, tok, max_batch_size=args.prompts * args.group, max_seq_len=seq)
     limits = RolloutLimits(max_turns=1, max_response_tokens=args.tokens, temperature=1.0)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     times: list[float] = []
 
     async def loop():
-        async with make_sandbox(cfg.sandbox) as sandbox:
+        async with open_runtime(cfg, policy_url=url, max_model_len=seq, grader=False,
+                                trainer=TrainerSpec("rl", args.steps, 0, "constant")) as rt:
+            rt.grader = TimingGrader()
             for step in range(args.steps):
                 batch = problems[step * args.prompts:(step + 1) * args.prompts]
                 t0 = time.perf_counter()
-                groups = await rollout_groups(engine, sandbox, chat, [p.problem for p in batch], args.group, limits,
-                                              seed=1000 + step)
-                rewards = [[timing_reward(t.response_text, p.answer) for t in g] for g, p in zip(groups, batch)]
-                sb = build_step_batch(groups, rewards, grpo, seed=step)
-                if sb.trajectories:
-                    rl_update(backend, sb.trajectories, sb.advantages, pad_id=pad, micro_batch_size=args.micro_batch)
-                    engine.update_weights({k: v.detach() for k, v in model.state_dict().items()})
+                out = await rl_step(rt, chat, batch, cfg=cfg, limits=limits, seed=1000 + step, pad_id=pad)
                 times.append(time.perf_counter() - t0)
-                print(f"  ours step {step + 1}/{args.steps}: {times[-1]:.2f} s, kept {len(sb.trajectories)} "
-                      f"of {sum(map(len, groups))}", file=sys.stderr, flush=True)
-        await engine.close()
+                print(f"  ours step {step + 1}/{args.steps}: {times[-1]:.2f} s, kept "
+                      f"{out.metrics['rollout/trajectories_kept']:.0f} of {out.metrics['rollout/trajectories']:.0f}",
+                      file=sys.stderr, flush=True)
 
     asyncio.run(loop())
     return times
@@ -157,7 +166,7 @@ def main(argv=None) -> int:
     model, tok, url = get_model(cfg, args.model)
     problems = generate_problems(0, args.steps * args.prompts, "rl")
     t0 = time.time()
-    ours = run_ours(cfg, copy.deepcopy(model), tok, problems, args)
+    ours = run_ours(cfg, url, tok, problems, args)
     trl_times = run_trl(cfg, copy.deepcopy(model), tok, problems, args)
     med = lambda xs: statistics.median(xs[1:] if len(xs) > 1 else xs)
     r = {"ours_s_per_step": round(med(ours), 3), "trl_s_per_step": round(med(trl_times), 3),

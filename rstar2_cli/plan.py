@@ -1,9 +1,10 @@
 """`rstar2 plan --profile qwen3-14b-mi300x`: the production dry run, without GPUs or a cluster.
 
-Validates the profile (the config tree, the RL actor layout, the RL driver's reservation, and, when
-`cluster.image` is set, that infra/ describes the same cluster: node count, GPUs and CPUs per node,
-image names, service URLs, work pool), then prints the recipe DAG with each task's Ray resources
-(`cluster.resources[<kind>]`) and the RL stages' actor layout (rstar2_core/cluster/layout.py).
+Validates the profile (the config tree with the runtime rules, the RL actor layout, the RL driver's
+reservation, and, when `cluster.image` is set, that infra/ describes the same cluster: node count, GPUs
+and CPUs per node, image names, service URLs, work pool, the head's `rstar2_runtime` slot), then prints
+the recipe DAG with each task's Ray resources (`cluster.resources[<kind>]`), the runtime and the RL
+stages' actor layout (rstar2_core/cluster/layout.py).
 
     rstar2 plan --profile qwen3-14b-mi300x            # human-readable; exit 0 when no problem
     rstar2 plan --profile tiny --json                 # one JSON object
@@ -37,6 +38,7 @@ class PlanTask:
     deps: tuple[str, ...]
     num_cpus: float
     num_gpus: float
+    runtime_slot: bool = False   # asks for the cluster's one `rstar2_runtime` unit (cluster.runtime = "ray")
 
 
 def _stage_label(cfg: Any, i: int) -> str:
@@ -50,10 +52,12 @@ def recipe_dag(cfg: Any) -> list[PlanTask]:
     """The full recipe's tasks in submission order, with dependencies and Ray resources."""
     out: list[PlanTask] = []
 
+    from rstar2_core.config.runtime_rules import STAGE_TASKS
+
     def add(name: str, kind: str, label: str, *deps: str) -> str:
         r = cfg.cluster.resources.get(kind)
         out.append(PlanTask(name, kind, label, tuple(deps), float(r.num_cpus) if r else 1.0,
-                            float(r.num_gpus) if r else 0.0))
+                            float(r.num_gpus) if r else 0.0, cfg.cluster.runtime == "ray" and kind in STAGE_TASKS))
         return name
 
     eval_stages = getattr(getattr(cfg, "pipeline", None), "eval_stages", "all")
@@ -167,8 +171,35 @@ def infra_problems(cfg: Any, infra: Path = INFRA) -> list[str]:
         expect(f"infra/k8s/{fname} Service host", f"{s['metadata']['name']}.{s['metadata']['namespace']}.svc", host)
         expect(f"infra/k8s/{fname} Service port", s["spec"]["ports"][0]["port"], port)
 
+    if cl.runtime == "ray":
+        p += _runtime_slot_problems(cfg, rc, up)
     tag = re.search(r"-t\s+(\S+)", (infra / "docker" / "Dockerfile.rocm").read_text())
     expect("infra/docker/Dockerfile.rocm build tag", tag.group(1) if tag else None, image)
+    return p
+
+
+def _runtime_slot_problems(cfg: Any, rc: dict, up: dict) -> list[str]:
+    """With cluster.runtime = "ray", the head must offer the one `rstar2_runtime` unit the stage tasks ask
+    for (cluster/ray_init.py) and CPUs for the largest of them (they run there)."""
+    from rstar2_core.cluster.ray_init import RUNTIME_RESOURCE
+    from rstar2_core.config.runtime_rules import STAGE_TASKS
+
+    p = []
+    head = rc["spec"]["headGroupSpec"]["rayStartParams"]
+    raw = str(head.get("resources", "")).strip().strip('"').replace('\\"', '"')
+    try:
+        res = json.loads(raw) if raw else {}
+    except json.JSONDecodeError:
+        res = {}
+    if res.get(RUNTIME_RESOURCE) != 1:
+        p.append(f"infra/k8s/raycluster.yaml head rayStartParams.resources lacks {{\"{RUNTIME_RESOURCE}\": 1}}: "
+                 "stage tasks of the Ray runtime would never be scheduled")
+    need = max((cfg.cluster.resources[k].num_cpus for k in STAGE_TASKS if k in cfg.cluster.resources), default=1.0)
+    if float(head.get("num-cpus", 0)) < need:
+        p.append(f"infra/k8s/raycluster.yaml head num-cpus = {head.get('num-cpus')} is below the {need:g} CPUs a "
+                 "stage task asks for (cluster.resources.*.num_cpus); they run on the head")
+    if f'"{RUNTIME_RESOURCE}": 1' not in " ".join(up["head_start_ray_commands"]):
+        p.append(f"infra/ray/cluster.yaml head_start_ray_commands lack --resources='{{\"{RUNTIME_RESOURCE}\": 1}}'")
     return p
 
 
@@ -182,7 +213,7 @@ def build_plan(cfg: Any) -> dict:
         layout = compute_layout(cfg)
     except LayoutError as e:
         raise ConfigError(f"actor layout of profile {cfg.profile}: {e}") from None
-    problems = driver_conflicts(layout, cfg.cluster.resources.get("rl"))
+    problems = driver_conflicts(layout, cfg.cluster.resources.get("rl")) if cfg.cluster.runtime == "ray" else []
     if cfg.cluster.image:
         problems += infra_problems(cfg)
     return {"profile": cfg.profile, "image": cfg.cluster.image, "ray_address": cfg.cluster.ray_address,
@@ -192,7 +223,8 @@ def build_plan(cfg: Any) -> dict:
 
 
 def _fmt_res(t: dict) -> str:
-    return f"{t['num_cpus']:g} CPU" + (f", {t['num_gpus']:g} GPU" if t["num_gpus"] else "")
+    return (f"{t['num_cpus']:g} CPU" + (f", {t['num_gpus']:g} GPU" if t["num_gpus"] else "")
+            + (", runtime slot" if t.get("runtime_slot") else ""))
 
 
 def render(plan: dict, cfg: Any) -> str:
@@ -203,10 +235,16 @@ def render(plan: dict, cfg: Any) -> str:
         deps = f"  <- {', '.join(t['deps'])}" if t["deps"] else ""
         lines.append(f"  {t['label']:<34} [{_fmt_res(t)}]{deps}")
     lines += ["", "RL stage actor layout:"] + [f"  {s}" for s in plan["layout_summary"]]
+    from rstar2_core.config.runtime_rules import resolved_weight_sync
+
     ro = cfg.rollout
-    lines.append(f"  engines: {ro.engine}, weight sync {ro.weight_sync}; trainer: {cfg.rl.backend}"
+    lines.append(f"  runtime {cfg.cluster.runtime}: {ro.num_engines} {ro.engine} engine(s), weight sync "
+                 f"{resolved_weight_sync(cfg)}; trainer: {cfg.rl.backend}"
                  + (f" ZeRO-{cfg.rl.zero_stage}" if cfg.rl.backend == "deepspeed" else "")
                  + f"; sandbox: {cfg.sandbox.backend}")
+    if cfg.cluster.runtime == "local":
+        lines.append("  (runtime local: every stage runs in its task's process; the layout above is what "
+                     "cluster.runtime = \"ray\" would place)")
     lines.append("")
     if plan["problems"]:
         lines.append(f"problems ({len(plan['problems'])}):")

@@ -1,42 +1,65 @@
-"""Fault injection for tests and demos: `RSTAR2_FAULT_INJECT=<stage>:step=<n>` makes `<stage>` raise
-`InjectedFault` when its step n (1-based) begins, once: a marker under $RSTAR2_HOME/faults records
-that it fired, so a retried run goes through. Several faults: separate with commas."""
+"""Fault injection, to rehearse failures and the UI's Retry: `RSTAR2_FAULT_INJECT=<stage>:step=<n>[:<kind>]`.
+
+When step n (1-based) of `<stage>` begins, the fault of `kind` happens once per run: a marker file in
+the stage's own output folder (`<out_url>/faults/`) records that it fired, so a retry of the same run
+goes through, and a fresh run (a new output folder) fails again. Several faults: separate with commas.
+
+Kinds (`FAULT_KINDS`):
+- `raise` (default): the stage raises `InjectedFault` (retryable, like any infrastructure error);
+- `kill-engine`: engine 0 is killed (Ray runtime: its actor process gets SIGKILL; the local runtime's
+  in-process engine is closed), so the step's next call to it fails as a dead actor would;
+- `kill-trainer`: trainer rank 1 is killed (Ray runtime only; rank 0 on a single-rank runtime);
+- `engine-errors`: engine 0 fails every request from that step on (the engine stays up; the step's
+  infrastructure-failure share then decides whether the stage stops).
+
+`maybe_inject_fault` returns the kind that fired (None otherwise) and raises for `raise`; the caller
+(the stage loop) carries out the other kinds through its runtime (`StageRuntime.inject_fault`).
+"""
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
+
+from rstar2_core import storage
+from rstar2_core.errors import InfraError
+
+FAULT_KINDS = ("raise", "kill-engine", "kill-trainer", "engine-errors")
+ENV = "RSTAR2_FAULT_INJECT"
 
 
-class InjectedFault(RuntimeError):
-    """Raised by `maybe_inject_fault`; the pipeline treats it as a retryable infrastructure error."""
+class InjectedFault(InfraError):
+    """Raised by `maybe_inject_fault` for kind `raise`; retried like any infrastructure error."""
 
 
-def _marker_dir() -> Path:
-    return Path(os.environ.get("RSTAR2_HOME", Path(__file__).resolve().parents[1] / ".rstar2")) / "faults"
-
-
-def parse_fault_spec(spec: str) -> list[tuple[str, int]]:
+def parse_fault_spec(spec: str) -> list[tuple[str, int, str]]:
+    """[(stage, step, kind)] of a `RSTAR2_FAULT_INJECT` value."""
     out = []
     for part in filter(None, (p.strip() for p in spec.split(","))):
         stage, sep, rest = part.partition(":")
-        if not sep or not rest.startswith("step=") or not rest[5:].isdigit() or not stage:
-            raise ValueError(f"RSTAR2_FAULT_INJECT entry {part!r} must look like <stage>:step=<n>, "
-                             "e.g. rl-stage-1:step=3")
-        out.append((stage, int(rest[5:])))
+        step, _, kind = rest.partition(":")
+        kind = kind or "raise"
+        if not sep or not step.startswith("step=") or not step[5:].isdigit() or not stage or kind not in FAULT_KINDS:
+            raise ValueError(f"{ENV} entry {part!r} must look like <stage>:step=<n>[:<kind>] with kind one of "
+                             f"{list(FAULT_KINDS)}, e.g. rl-stage-1:step=3 or rl-stage-1:step=2:kill-engine")
+        out.append((stage, int(step[5:]), kind))
     return out
 
 
-def maybe_inject_fault(stage: str, step: int) -> None:
-    """Call at the start of each step (1-based) of `stage`."""
-    spec = os.environ.get("RSTAR2_FAULT_INJECT", "")
+def maybe_inject_fault(stage: str, step: int, run_dir: str) -> str | None:
+    """Call when step `step` (1-based) of `stage` begins; `run_dir` is the stage's output folder URL,
+    where the once-per-run marker lives. Raises `InjectedFault` for kind `raise`; returns the kind of
+    any other fault that fired now (the caller carries it out), else None."""
+    spec = os.environ.get(ENV, "")
     if not spec:
-        return
-    for name, at in parse_fault_spec(spec):
-        if name == stage and at == step:
-            marker = _marker_dir() / f"{stage}-step{step}.fired"
-            if marker.exists():
-                return
-            marker.parent.mkdir(parents=True, exist_ok=True)
-            marker.write_text("fired\n")
-            raise InjectedFault(f"injected fault in {stage} at step {step} (RSTAR2_FAULT_INJECT={spec})")
+        return None
+    for name, at, kind in parse_fault_spec(spec):
+        if name != stage or at != step:
+            continue
+        marker = storage.join(run_dir, "faults", f"{stage}-step{step}-{kind}.fired")
+        if storage.exists(marker):
+            continue
+        storage.write_text_atomic(marker, f"{kind}\n")
+        if kind == "raise":
+            raise InjectedFault(f"injected fault in {stage} at step {step} ({ENV}={spec})")
+        return kind
+    return None

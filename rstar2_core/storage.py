@@ -166,6 +166,46 @@ def write_dir_atomic(local_dir: Path, url: str, meta: dict | None = None) -> Non
     write_text_atomic(join(url, COMPLETE_MARKER), marker)
 
 
+def begin_dir(url: str) -> str:
+    """Start publishing a folder that several writers (processes, nodes) fill: returns the URL they write
+    into. Local targets get a hidden sibling, renamed into place by `commit_dir`; remote ones are written
+    in place (their `_COMPLETE` marker, removed here if present, is what makes them complete)."""
+    local = to_local_path(url)
+    if local is not None:
+        local.parent.mkdir(parents=True, exist_ok=True)
+        tmp = local.parent / f".{local.name}.{uuid.uuid4().hex[:8]}.tmp"
+        tmp.mkdir()
+        return tmp.as_uri()
+    if exists(join(url, COMPLETE_MARKER)):
+        fs, path = fs_for(url)
+        fs.rm(join(path, COMPLETE_MARKER))
+    return url
+
+
+def commit_dir(staging_url: str, url: str, meta: dict | None = None) -> None:
+    """Finish what `begin_dir(url)` started: write the `_COMPLETE` marker (with `meta`) last and, for a
+    local target, rename the staging folder into place (replacing an older complete one)."""
+    marker = json.dumps(meta or {}, sort_keys=True, default=str)
+    local, tmp = to_local_path(url), to_local_path(staging_url)
+    if local is not None and tmp is not None and tmp != local:
+        (tmp / COMPLETE_MARKER).write_text(marker)
+        if local.exists():
+            old = local.parent / f".{local.name}.{uuid.uuid4().hex[:8]}.old"
+            os.replace(local, old)
+            os.replace(tmp, local)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, local)
+        return
+    write_text_atomic(join(url, COMPLETE_MARKER), marker)
+
+
+def abort_dir(staging_url: str, url: str) -> None:
+    """Drop a staging folder of `begin_dir` after a failure (a remote target stays incomplete)."""
+    if staging_url != url:
+        remove(staging_url)
+
+
 def download_dir(url: str, local_dir: Path) -> Path:
     """Copy a complete remote folder to `local_dir` (a local URL is returned as its own path)."""
     local = to_local_path(url)

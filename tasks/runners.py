@@ -5,37 +5,22 @@ process.
 `ray://head:10001`), unset starts a local Ray for the flow run (no dashboard, temp folder under
 /tmp so that Ray's socket paths stay short). Per-task resources come from `cfg.cluster.resources[<kind>]`
 (kinds: curate, sft_data, base_model, sft, rl, hard_subset, eval) and reach Ray through prefect-ray's
-`remote_options` context; a kind without an entry gets Ray's default (1 CPU).
+`remote_options` context; a kind without an entry gets Ray's default (1 CPU). With
+`cluster.runtime = "ray"` the stage tasks (sft, rl, hard_subset, eval) also ask for the cluster's one
+`rstar2_runtime` unit, so they drive their runtimes one at a time (rstar2_core/cluster/ray_init.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
 from collections.abc import Iterator
 
+from rstar2_core.cluster.ray_init import RUNTIME_RESOURCE, ray_init_kwargs
 from rstar2_core.config import Config
+from rstar2_core.config.runtime_rules import STAGE_TASKS
 
 TASK_KINDS = ("curate", "sft_data", "base_model", "sft", "rl", "hard_subset", "eval", "register")
-
-
-def ray_init_kwargs(cfg: Config) -> dict:
-    tmp = os.environ.get("RSTAR2_RAY_TMP") or os.path.join(tempfile.gettempdir(), f"rstar2-ray-{os.getuid()}")
-    kwargs: dict = {"include_dashboard": False, "log_to_driver": True, "configure_logging": False}
-    if not cfg.cluster.ray_address:
-        kwargs["_temp_dir"] = tmp
-        kwargs["num_cpus"] = cfg.cluster.cpus_per_node
-        if cfg.cluster.gpus_per_node:
-            kwargs["num_gpus"] = cfg.cluster.gpus_per_node
-    # Ray workers inherit the state/caches/fault settings of the flow process.
-    keep = ("RSTAR2_HOME", "RSTAR2_CONFIG_DIR", "RSTAR2_FAULT_INJECT", "HF_HOME", "HF_HUB_OFFLINE",
-            "XDG_CACHE_HOME", "MPLCONFIGDIR", "TOKENIZERS_PARALLELISM", "AWS_ACCESS_KEY_ID",
-            "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "RAY_AUTH_MODE")
-    env = {k: os.environ[k] for k in keep if k in os.environ}
-    if cfg.cluster.ray_address:  # a remote cluster does not inherit this process's environment
-        kwargs["runtime_env"] = {"env_vars": env}
-    return kwargs
 
 
 def task_runner(cfg: Config):
@@ -55,11 +40,11 @@ def resources(cfg: Config, kind: str) -> dict:
     if kind not in TASK_KINDS:
         raise ValueError(f"unknown task kind {kind!r}; cluster.resources keys are {list(TASK_KINDS)}")
     r = cfg.cluster.resources.get(kind)
-    if r is None:
-        return {}
-    out = {"num_cpus": r.num_cpus}
-    if r.num_gpus:
+    out: dict = {} if r is None else {"num_cpus": r.num_cpus}
+    if r is not None and r.num_gpus:
         out["num_gpus"] = r.num_gpus
+    if cfg.cluster.runtime == "ray" and kind in STAGE_TASKS:
+        out["resources"] = {RUNTIME_RESOURCE: 1}   # one runtime-driving task at a time (cluster/ray_init.py)
     return out
 
 

@@ -1,17 +1,19 @@
 """Typed errors of the cluster layer (no ray import, so callers can catch them without Ray).
 
 `ActorFailure` is what any call into a cluster actor raises when the actor died, was killed, or its
-node went away. It subclasses `ConnectionError` on purpose: the pipeline's retry rule
-(tasks/retry.py: OSError/ConnectionError/Ray deaths are infrastructure errors, retried; bad config or
-data is not) recognises it without importing this module, and a retried stage resumes from its last
-checkpoint. `PlacementTimeout` (a `TimeoutError`, also retried) means the cluster did not have the
+node went away. It is an `rstar2_core.errors.InfraError` (a `ConnectionError`): the pipeline's retry
+rule (tasks/retry.py) retries it without importing this module, the agent loop lets it through instead
+of marking one trajectory as infra-failed (a dead actor ends the step), and a retried stage resumes
+from its last checkpoint. `PlacementTimeout` (a `TimeoutError`, also retried) means the cluster did not have the
 resources of a placement group in time, e.g. while an autoscaler adds nodes.
 """
 
 from __future__ import annotations
 
+from rstar2_core.errors import InfraError
 
-class ActorFailure(ConnectionError):
+
+class ActorFailure(InfraError):
     """A Ray actor of the stage (engine, trainer shard, sandbox) died or became unreachable."""
 
     def __init__(self, actor: str, cause: BaseException | str):

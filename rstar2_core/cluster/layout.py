@@ -20,9 +20,11 @@ nodes: TP all-reduces every layer and needs the intra-node fabric). With tp > 1 
 takes no GPU: vLLM's Ray executor starts one worker per TP rank on the listed bundles
 (`VLLM_RAY_BUNDLE_INDICES`, `VLLM_RAY_PER_WORKER_GPUS`), see cluster/engines.py.
 
-CPU-only clusters (`cluster.gpus_per_node = 0`, the tiny profile): engines and trainer run in the RL
-driver process; the placement groups hold only sandbox bundles. On every node the RL driver task's
-CPUs (`cluster.resources.rl.num_cpus`) stay free.
+CPU-only clusters (`cluster.gpus_per_node = 0`, the tiny profile with `cluster.runtime = "ray"`):
+`rollout.num_engines` engine actors and `cluster.trainer_ranks` (default 1) gloo trainer shards take
+no bundle (num_cpus 0: they share the node's cores with the sandbox, each with
+`cluster.actor_torch_threads` threads); the placement groups hold only the sandbox bundles. On every
+node the RL driver task's CPUs (`cluster.resources.rl.num_cpus`) stay free.
 
 Departure from the paper: the paper does not describe its placement. This follows verl/OpenRLHF.
 
@@ -230,8 +232,8 @@ def _cpu_layout(cfg: Config, sb_cpus: int, n_sb: int) -> ClusterLayout:
                 for n in range(cl.nodes))
     engines = tuple(EngineSlot(i, 0, (), 1, 0.0) for i in range(cfg.rollout.num_engines))
     sandbox = tuple(SandboxSlot(n, j, sb_cpus) for n in range(cl.nodes) for j in range(n_sb))
-    return ClusterLayout(cl.layout, cl.nodes, 0, cl.cpus_per_node, pgs, engines, (TrainerShard(0, 0, -1, 0.0),),
-                         sandbox)
+    shards = tuple(TrainerShard(r, 0, -1, 0.0) for r in range(max(1, cl.trainer_ranks)))
+    return ClusterLayout(cl.layout, cl.nodes, 0, cl.cpus_per_node, pgs, engines, shards, sandbox)
 
 
 def driver_conflicts(layout: ClusterLayout, driver: Any | None) -> list[str]:

@@ -63,6 +63,22 @@ def remove_placement_groups(pgs: Iterable[PlacementGroup]) -> None:
             pass
 
 
+def kill_and_wait(handle: Any, timeout_s: float = 30.0) -> None:
+    """SIGKILL an actor (no restart) and return once its death is visible to callers: `ray.kill` is
+    asynchronous, and a call submitted right after it could still be answered by the live process."""
+    ray.kill(handle, no_restart=True)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(handle.__ray_ready__.remote(), timeout=5)
+        except _ACTOR_DEATHS:
+            return
+        except ray.exceptions.GetTimeoutError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"actor still answering {timeout_s:.0f} s after ray.kill")
+
+
 def bundle_strategy(pg: PlacementGroup | None, bundle_index: int) -> dict[str, Any]:
     """Ray options that pin an actor to one bundle (children such as vLLM's TP workers stay in the group)."""
     if pg is None or bundle_index < 0:

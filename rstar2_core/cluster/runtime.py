@@ -1,103 +1,186 @@
-"""`StageRuntime`: every Ray actor an RL stage needs, placed per the layout, started in a safe order and
-stopped together. The glue between `rl.stage` and this package.
+"""`RayRuntime`: the `StageRuntime` (rstar2_core/runtime/protocol.py) on a Ray cluster.
 
-Start order: placement groups (one per node, layout.py) -> trainer shards (they briefly hold the full
-model on their GPU before ZeRO partitions it, so they go before the engines reserve KV-cache memory) ->
-inference engines -> the sandbox pool on the layout's sandbox bundles (`cluster/sandbox_pool.py`).
-If any start fails, whatever started is stopped before the error propagates. An actor death later
-raises `ActorFailure` (retryable) from the call that noticed it, after the whole group was shut down;
-`close()` then only closes the sandbox pool. Use it as a context manager.
+Start order: Ray (connected, or started locally from `cluster.*`) -> one placement group per node
+(layout.py) -> trainer shards (they briefly hold the model on their device before ZeRO partitions it,
+so they go before the engines reserve KV-cache memory; under ZeRO-3 the model is built partitioned)
+-> inference engines (`runtime.engines.build_engine` inside each actor) -> the sandbox pool on the
+layout's sandbox bundles (cluster/sandbox_pool.py) -> the grader pool in this driver process. If any
+start fails, whatever started is stopped before the error propagates. An actor death later raises
+`ActorFailure` (retryable) from the call that noticed it, after the whole group was shut down; leaving
+the `async with` block stops every actor and removes the placement groups in any case.
 
-    with StageRuntime(cfg, policy_url=sft_url, max_model_len=prompt_len + stage.max_response_tokens,
-                      total_steps=sum(s.steps for s in cfg.rl.stages)) as rt:
-        groups = run_rollout_groups(rt.engines, rt.sandbox, chat, problems, n=32, limits=limits)
-        metrics = rt.trainers.rl_update(kept, advantages, pad_id=pad_id)
-        report = rt.sync_weights()                       # cfg.rollout.weight_sync
+One runtime per process at a time (`_OPEN`), and one runtime-driving pipeline task per cluster at a
+time (the `rstar2_runtime` resource, cluster/ray_init.py): a runtime's layout takes the cluster.
+
+Weight sync (`rollout.weight_sync`, cluster/weight_sync.py): `object_store` (rank 0's state dict, one
+`ray.put`, every engine loads the same object), `checkpoint` (engines reload the published step),
+`nccl` / `ipc` (vLLM's weight transfer, GPU only). Faults (`inject_fault`): `kill-engine` SIGKILLs
+engine actor 0, `kill-trainer` trainer rank 1 (rank 0 with one rank), `engine-errors` makes engine
+actor 0 fail every request.
+
+    async with RayRuntime(cfg, policy_url=url, max_model_len=n, trainer=TrainerSpec("rl", 510, 20, "constant")) as rt:
+        ...
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+import uuid
 from functools import partial
-from typing import Any
+from typing import Any, Self
 
-from rstar2_core.cluster.engines import EngineSpec, WeightSyncReport, start_engines, sync_weights
+from rstar2_core.cluster.engines import RemoteEngine, start_engines
 from rstar2_core.cluster.layout import ClusterLayout, compute_layout
-from rstar2_core.cluster.placement import ActorGroup
+from rstar2_core.cluster.placement import ActorGroup, kill_and_wait
+from rstar2_core.cluster.ray_init import ensure_ray
 from rstar2_core.cluster.trainer import TrainerGroup
+from rstar2_core.cluster.weight_sync import make_weight_sync
+from rstar2_core.runtime.engines import EngineSpec
+from rstar2_core.runtime.protocol import RuntimeUsage, TrainerSpec, WeightSyncReport
+
+_OPEN = threading.Lock()
 
 
 def load_policy(checkpoint_url: str, dtype: str):
-    """The policy model of a checkpoint on the CPU (the trainer shard moves it to its GPU)."""
-    import torch
-
+    """The policy model of a checkpoint on the CPU (the trainer shard moves it to its device)."""
     from rstar2_core.models.io import load_model_and_tokenizer
 
-    return load_model_and_tokenizer(checkpoint_url, dtype=getattr(torch, dtype), device="cpu")[0]
+    return load_model_and_tokenizer(checkpoint_url, dtype=dtype, device="cpu")[0]
 
 
-def backend_kwargs(cfg: Any, total_steps: int) -> dict:
-    """`DeepSpeedBackend` arguments of the RL actor from `cfg.rl` / `cfg.model` (constant lr after warm-up)."""
-    rl = cfg.rl
-    return {"zero_stage": rl.zero_stage, "lr": rl.lr, "total_steps": max(1, total_steps),
-            "warmup_steps": rl.warmup_steps, "schedule": "constant", "weight_decay": rl.weight_decay,
-            "betas": tuple(rl.betas), "grad_clip": rl.grad_clip, "micro_batch_size": rl.micro_batch_size,
-            "gradient_checkpointing": cfg.model.gradient_checkpointing}
+def actor_threads(cfg: Any) -> int:
+    """torch threads per engine/trainer actor (`cluster.actor_torch_threads`; 0 = 1 on CPU-only clusters)."""
+    if cfg.cluster.actor_torch_threads:
+        return cfg.cluster.actor_torch_threads
+    return 0 if cfg.cluster.gpus_per_node else 1
+
+
+class RayRuntime:
+    """Trainer shards, engines, sandbox pool and grader of one stage on Ray (see the module docstring).
+
+    `layout`, `model_factory`, `engine_factory` (index -> zero-argument engine builder),
+    `sandbox_factory` ((sandbox config, [(placement group, bundle, CPUs)]) -> pool) and `tokenizer`
+    replace the production builders (tests pass fakes)."""
+
+    kind = "ray"
+
+    def __init__(self, cfg: Any, *, policy_url: str, max_model_len: int | None = None,
+                 trainer: TrainerSpec | None = None, engines: bool = True, sandbox: bool = True, grader: bool = True,
+                 layout: ClusterLayout | None = None, model_factory: Any = None, engine_factory: Any = None,
+                 sandbox_factory: Any = None, tokenizer: Any = None):
+        from rstar2_core.config.runtime_rules import resolved_weight_sync
+        from rstar2_core.models.backend import backend_options
+        from rstar2_core.models.io import load_tokenizer
+
+        self._holds_lock = _OPEN.acquire(blocking=False)
+        if not self._holds_lock:
+            raise RuntimeError("another RayRuntime is open in this process; a runtime's layout takes the cluster, "
+                               "so stages drive runtimes one at a time (close the other first)")
+        self.cfg, self.policy_url = cfg, policy_url
+        self.weight_sync_mode = resolved_weight_sync(cfg)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(policy_url)
+        self.engines: list[RemoteEngine] = []
+        self.trainer: TrainerGroup | None = None
+        self.sandbox = None
+        self.grader = None
+        self.group: ActorGroup | None = None
+        self._want_grader = grader
+        try:
+            ensure_ray(cfg)
+            self.layout = layout or compute_layout(cfg)
+            self.group = ActorGroup(self.layout, timeout_s=cfg.cluster.placement_timeout_s,
+                                    prefix=f"rt-{uuid.uuid4().hex[:6]}-")
+            threads = actor_threads(cfg)
+            if trainer is not None:
+                section = getattr(cfg, trainer.section)
+                opts = backend_options(section, cfg.model, total_steps=trainer.total_steps,
+                                       warmup_steps=trainer.warmup_steps, schedule=trainer.schedule)
+                pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None \
+                    else self.tokenizer.eos_token_id
+                self.trainer = TrainerGroup(self.group, self.layout,
+                                            model_factory or partial(load_policy, policy_url, cfg.model.dtype),
+                                            opts, pad_id=pad, threads=threads)
+            if engines:
+                spec = None if engine_factory else EngineSpec.from_config(cfg, policy_url, max_model_len, "cpu")
+                self.engines = start_engines(self.group, self.layout, spec, threads=threads, factory=engine_factory)
+            if sandbox:
+                placements = [(self.group.pg(s.node), s.bundle_index, s.cpus) for s in self.layout.sandbox_actors]
+                self.sandbox = (sandbox_factory or _ray_sandbox)(cfg.sandbox, placements)
+            self.weight_sync = make_weight_sync(self.weight_sync_mode, self) if (trainer and engines) else None
+        except BaseException:
+            self._shutdown()
+            raise
+
+    async def __aenter__(self) -> Self:
+        try:
+            if self.sandbox is not None and hasattr(self.sandbox, "health"):
+                await self.sandbox.health()
+            if self._want_grader:
+                from rstar2_core.reward import GraderPool
+
+                self.grader = GraderPool(timeout_s=self.cfg.eval.grader_timeout_s).__enter__()
+        except BaseException:
+            await self.aclose()
+            raise
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    # --------------------------------------------------------------------------------------- steps
+    def sync_weights(self, checkpoint_url: str | None = None) -> WeightSyncReport:
+        if self.weight_sync is None:
+            raise ValueError("sync_weights needs a runtime with both a trainer and engines")
+        return self.weight_sync.push(checkpoint_url)
+
+    async def inject_fault(self, kind: str) -> None:
+        import ray
+
+        if kind == "kill-engine":
+            kill_and_wait(self.group.actors["engine-0"])
+        elif kind == "kill-trainer":
+            if self.trainer is None:
+                raise ValueError("kill-trainer: this runtime has no trainer")
+            kill_and_wait(self.trainer.actor(min(1, self.trainer.world - 1)))
+        elif kind == "engine-errors":
+            ray.get(self.group.actors["engine-0"].fail_requests.remote(True))
+        else:
+            raise ValueError(f"fault kind {kind!r} is not carried out by a runtime")
+
+    def usage(self) -> RuntimeUsage:
+        busy: tuple[float, ...] = ()
+        if self.engines:
+            busy = tuple(self.engines[0].get([e.handle.busy_seconds.remote() for e in self.engines]))
+        return RuntimeUsage(busy, max(1, self.cfg.rollout.tensor_parallel_size) if self.layout.gpus_per_node else 1,
+                            tuple(self.trainer.busy) if self.trainer is not None else ())
+
+    # ------------------------------------------------------------------------------------ closing
+    async def aclose(self) -> None:
+        engines, self.engines = self.engines, []
+        for e in engines:
+            try:
+                await e.close()
+            except Exception:   # noqa: BLE001, S110 - the actors are killed next in any case
+                pass
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        try:
+            if self.sandbox is not None:
+                sb, self.sandbox = self.sandbox, None
+                sb.close()
+            if self.grader is not None:
+                g, self.grader = self.grader, None
+                g.__exit__(None, None, None)
+            if self.group is not None:
+                self.group.shutdown()
+        finally:
+            if self._holds_lock:
+                self._holds_lock = False
+                _OPEN.release()
 
 
 def _ray_sandbox(sandbox_cfg: Any, placements: list[tuple]):
     from rstar2_core.cluster.sandbox_pool import RaySandboxPool
 
     return RaySandboxPool(sandbox_cfg, placements=placements)
-
-
-class StageRuntime:
-    """Trainer shards, engines and sandbox of one RL stage (see the module docstring).
-
-    `model_factory`, `engine_factory` (index -> zero-argument engine builder) and `sandbox_factory`
-    (sandbox config, [(placement group, bundle index, CPUs)]) -> pool) replace the production builders
-    (tests pass fakes); `layout` replaces `compute_layout(cfg)`."""
-
-    def __init__(self, cfg: Any, *, policy_url: str, max_model_len: int, total_steps: int,
-                 layout: ClusterLayout | None = None, model_factory: Callable[[], Any] | None = None,
-                 engine_factory: Callable[[int], Callable[[], Any]] | None = None,
-                 sandbox_factory: Callable[[Any, list[tuple]], Any] | None = None, timeout_s: float = 600.0):
-        self.cfg = cfg
-        self.layout = layout or compute_layout(cfg)
-        self.sandbox = None
-        self.group = ActorGroup(self.layout, timeout_s=timeout_s)
-        try:
-            self.trainers = TrainerGroup(self.group, self.layout,
-                                         model_factory or partial(load_policy, policy_url, cfg.model.dtype),
-                                         backend_kwargs(cfg, total_steps))
-            spec = None if engine_factory else EngineSpec.from_config(cfg, policy_url, max_model_len)
-            self.engines = start_engines(self.group, self.layout, spec, factory=engine_factory)
-            placements = [(self.group.pg(s.node), s.bundle_index, s.cpus) for s in self.layout.sandbox_actors]
-            self.sandbox = (sandbox_factory or _ray_sandbox)(cfg.sandbox, placements)
-        except BaseException:
-            self.close()
-            raise
-
-    def sync_weights(self, checkpoint_url: str | None = None) -> WeightSyncReport:
-        """Push the trainers' current weights to every engine (`cfg.rollout.weight_sync`); mode
-        `checkpoint` needs the URL of the checkpoint the stage just published."""
-        mode = self.cfg.rollout.weight_sync
-        if mode == "checkpoint":
-            if not checkpoint_url:
-                raise ValueError("rollout.weight_sync = \"checkpoint\" needs checkpoint_url= (the complete "
-                                 "checkpoint just written); or use weight_sync = \"state_dict\"")
-            return sync_weights(self.engines, checkpoint_url, mode="checkpoint")
-        return sync_weights(self.engines, self.trainers.weights_ref(), mode="state_dict")
-
-    def close(self) -> None:
-        """Stop the sandbox pool, every actor and the placement groups. Idempotent."""
-        if self.sandbox is not None:
-            self.sandbox.close()
-            self.sandbox = None
-        self.group.shutdown()
-
-    def __enter__(self) -> StageRuntime:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

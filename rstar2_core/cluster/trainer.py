@@ -1,31 +1,33 @@
-"""Trainer shards as Ray actors: data-parallel DeepSpeed ranks of the actor model, one per trainer slot
-of the layout, driven by one `rl_update` call per RL step.
+"""Trainer shards as Ray actors: the data-parallel DeepSpeed ranks of the policy, one per trainer slot
+of the layout, behind the `PolicyTrainer` protocol (rstar2_core/runtime/protocol.py).
 
-- `TrainerShardActor(rank, world, model_factory, backend_kwargs)`: a Ray actor; `init(master_addr,
-  port)` joins the process group (`DeepSpeedBackend`, gloo on CPU / nccl or rccl on GPUs; Ray has set
-  the visible device, so LOCAL_RANK is 0 inside the actor) and builds the engine.
+- `TrainerShardActor(rank, world, model_factory, backend_options, pad_id, threads)`: a Ray actor;
+  `init(master_addr, port)` joins the process group (gloo on CPU, nccl/rccl on GPUs; Ray has set the
+  visible device, so LOCAL_RANK is 0 inside the actor), loads the policy onto the shard's device and
+  builds the `DeepSpeedBackend`. Under ZeRO-3 the model is built inside `deepspeed.zero.Init` (through
+  transformers' `HfDeepSpeedConfig`), so no GPU ever holds the whole model.
 - `TrainerGroup`: spawns the shards in an `ActorGroup` (placement from the layout), initialises them
-  together (the rendezvous blocks until every rank has joined), and `rl_update(trajectories, advantages)`
-  splits the step's trajectories over the ranks by token count and runs `rl.trainer.rl_update` on each.
+  together (the rendezvous blocks until every rank has joined), and runs each optimizer step on all
+  ranks: the step's trajectories (RL) or packed rows (SFT) are split by token count
+  (runtime/sharding.py), every rank runs the same number of micro-batches (zero-weight padding passes
+  where it has fewer), each rank's loss is the global token mean's share times the world size (DeepSpeed
+  averages gradients over ranks), so the step's gradient is exactly that of the whole batch's token mean.
 
-Loss scaling across ranks: `rl_update` normalises each rank's loss by that rank's token count, and
-DeepSpeed averages gradients over the ranks. Each rank's loss is therefore multiplied by
-`world x local_tokens / global_tokens`, which makes the averaged gradient exactly the gradient of the
-token-level mean over the whole step (the paper's objective), however unevenly tokens fall on ranks.
+Checkpoints: `save(staging_url)` has every rank take part (ZeRO-3 gathers the 16-bit weights to rank
+0, which writes the HF folder) and each rank write its own optimizer partition
+(`trainer/rank-NNNNN.pt`, runtime/trainer_state.py) straight to storage; `load_state(url)` reads them
+back and refuses another world size. Weight sync: `weights_ref()` (object store) and the vLLM
+transfer calls in cluster/weight_sync.py.
 
-Weight sync: `TrainerGroup.weights_ref()` has every rank take part in the gather (ZeRO-3 needs all) and
-rank 0 put the full 16-bit state dict in the Ray object store; the returned reference goes straight to
-`engines.sync_weights` (no copy through the driver).
-
-    trainers = TrainerGroup(group, layout, model_factory, dict(zero_stage=3, lr=1e-6, total_steps=510))
-    metrics = trainers.rl_update(trajectories, advantages, pad_id=tok.pad_token_id)
-    sync_weights(engines, trainers.weights_ref(), mode="state_dict")
+    trainers = TrainerGroup(group, layout, model_factory, backend_options(cfg.rl, cfg.model, ...), pad_id=0)
+    metrics = trainers.rl_update(trajectories, advantages, pad_id=pad_id, micro_batch_size=8, ...)
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,29 +35,22 @@ import ray
 
 from rstar2_core.cluster.layout import ClusterLayout
 from rstar2_core.cluster.placement import ActorGroup, bundle_strategy
+from rstar2_core.runtime.protocol import merge_sft_metrics
+from rstar2_core.runtime.sharding import micro_batches_per_rank, split_by_weight
 
-
-class _ScaledBackend:
-    """A TrainBackend view that multiplies every loss by `scale` before backward."""
-
-    def __init__(self, backend: Any, scale: float):
-        self._b, self.scale = backend, scale
-        self.model = backend.model
-
-    def backward(self, loss):
-        self._b.backward(loss * self.scale)
-
-    def __getattr__(self, name: str):
-        return getattr(self._b, name)
+_RL_MEANS = ("actor/pg_loss", "actor/pg_clipfrac", "actor/ratio_mean", "actor/ppo_kl", "actor/engine_logprob_gap")
 
 
 class TrainerShardActor:
     """One data-parallel rank (see the module docstring)."""
 
-    def __init__(self, rank: int, world: int, model_factory: Callable[[], Any], backend_kwargs: dict):
+    def __init__(self, rank: int, world: int, model_factory: Callable[[], Any], backend_options: dict,
+                 pad_id: int = 0, threads: int = 0):
         self.rank, self.world = rank, world
-        self.model_factory, self.backend_kwargs = model_factory, dict(backend_kwargs)
+        self.model_factory, self.backend_options = model_factory, dict(backend_options)
+        self.pad_id, self.threads = pad_id, threads
         self.backend = None
+        self.busy_s = 0.0
 
     def address(self) -> tuple[str, int]:
         """(this node's IP, a free port) for the rendezvous; asked of rank 0."""
@@ -69,18 +64,38 @@ class TrainerShardActor:
                           WORLD_SIZE=str(self.world), LOCAL_RANK="0")
         import torch
 
-        from rstar2_core.models.deepspeed_backend import DeepSpeedBackend
+        from rstar2_core.cluster.engines import set_torch_threads
+        from rstar2_core.models.deepspeed_backend import DeepSpeedBackend, deepspeed_config
 
+        set_torch_threads(self.threads)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.backend_options.get("zero_stage") == 3:
+            from transformers.integrations import HfDeepSpeedConfig
+
+            ds = deepspeed_config(zero_stage=3, grad_clip=self.backend_options["grad_clip"], bf16=device == "cuda",
+                                  micro_batch_size=self.backend_options.get("micro_batch_size", 1),
+                                  world_size=self.world)
+            self._hf_ds = HfDeepSpeedConfig(ds)   # kept alive: from_pretrained then builds under zero.Init
         model = self.model_factory()
-        if torch.cuda.is_available():
-            model = model.to("cuda")
-        self.backend = DeepSpeedBackend(model, **self.backend_kwargs)
+        model = model.to(device)
+        self.backend = DeepSpeedBackend(model, **self.backend_options)
         return os.getpid()
 
-    def rl_update(self, trajectories: list, advantages: list[float], scale: float, kwargs: dict) -> dict:
+    def rl_update(self, trajectories: list, advantages: list[float], kwargs: dict) -> dict:
         from rstar2_core.rl.trainer import rl_update
 
-        return rl_update(_ScaledBackend(self.backend, scale), trajectories, advantages, **kwargs)
+        t0 = time.perf_counter()
+        m = rl_update(self.backend, trajectories, advantages, **kwargs)
+        dt = time.perf_counter() - t0
+        self.busy_s += dt
+        return {**m, "actor/busy_s": dt}
+
+    def sft_update(self, rows: list, kwargs: dict) -> dict:
+        from rstar2_core.sft.step import sft_update
+
+        m = sft_update(self.backend, rows, pad_id=self.pad_id, **kwargs)
+        self.busy_s += m["sft/busy_s"]
+        return m
 
     def weights_ref(self) -> list:
         """[ObjectRef of the full state dict (CPU), bytes] on rank 0, [] elsewhere; collective under ZeRO-3."""
@@ -98,79 +113,124 @@ class TrainerShardActor:
     def reset_optimizer(self) -> None:
         self.backend.reset_optimizer()
 
-    def save_hf(self, local_dir: str) -> None:
-        self.backend.save_hf(local_dir)
+    def save(self, staging_url: str, optimizer: bool = True) -> None:
+        from rstar2_core import storage
+        from rstar2_core.runtime.trainer_state import write_rank_state
+
+        with storage.staging_dir() as d:
+            self.backend.save_hf(d)                  # collective under ZeRO-3; rank 0 writes
+            if self.rank == 0:
+                storage.upload_dir(d, staging_url)
+        if optimizer:
+            write_rank_state(staging_url, self.rank, self.world, self.backend.state_dict())
+
+    def load_state(self, checkpoint_url: str) -> bool:
+        from rstar2_core.runtime.trainer_state import read_rank_state
+
+        state = read_rank_state(checkpoint_url, self.rank, self.world)
+        if state is None:
+            return False
+        self.backend.load_state_dict(state)
+        return True
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run `fn(self, *args)` on this rank (the weight-transfer steps of cluster/weight_sync.py, which
+        keep their per-rank state in `self.extras`)."""
+        if not hasattr(self, "extras"):
+            self.extras: dict[str, Any] = {}
+        return fn(self, *args)
+
+    def busy_seconds(self) -> float:
+        return self.busy_s
 
     def pid(self) -> int:
         return os.getpid()
 
 
-def split_by_tokens(trajectories: Sequence[Any], world: int) -> list[list[int]]:
-    """Indices of `trajectories` per rank, longest first onto the least-loaded rank (greedy balancing by
-    sampled tokens). Trajectories without a sampled token carry no gradient and are left out; every rank
-    gets at least one that has tokens (each rank must take part in the collective step)."""
-    useful = [i for i, t in enumerate(trajectories) if sum(t.loss_mask) > 0]
-    if len(useful) < world:
-        raise ValueError(f"{len(useful)} trajectories with sampled tokens cannot feed {world} trainer ranks; "
-                         "lower the trainer count (cluster.trainer_gpus / layout) or raise rl.prompts_per_step")
-    order = sorted(useful, key=lambda i: -sum(trajectories[i].loss_mask))
-    parts: list[list[int]] = [[] for _ in range(world)]
-    load = [0] * world
-    for i in order:
-        r = min(range(world), key=lambda k: (len(parts[k]) > 0, load[k]))
-        parts[r].append(i)
-        load[r] += sum(trajectories[i].loss_mask)
-    return [sorted(p) for p in parts]
+def rl_weight(t: Any) -> float:
+    return float(sum(t.loss_mask))
+
+
+def sft_weight(row: Any) -> float:
+    from rstar2_core.sft.step import label_tokens
+
+    return float(label_tokens(row))
 
 
 class TrainerGroup:
-    """The trainer shards of a layout, in an `ActorGroup` (see the module docstring)."""
+    """The trainer shards of a layout, in an `ActorGroup`; a `PolicyTrainer` (see the module docstring)."""
 
     def __init__(self, group: ActorGroup, layout: ClusterLayout, model_factory: Callable[[], Any],
-                 backend_kwargs: dict):
+                 backend_options: dict, pad_id: int = 0, threads: int = 0):
         self.group, self.world = group, len(layout.trainer_shards)
         self.names = []
         for s in layout.trainer_shards:
             name = f"trainer-{s.rank}"
             opts = {"num_cpus": 1 if s.bundle_index >= 0 else 0, "num_gpus": s.gpu_fraction,
                     **bundle_strategy(group.pg(s.node), s.bundle_index)}
-            group.spawn(name, TrainerShardActor, s.rank, self.world, model_factory, backend_kwargs, **opts)
+            group.spawn(name, TrainerShardActor, s.rank, self.world, model_factory, backend_options, pad_id,
+                        threads, **opts)
             self.names.append(name)
-        addr, port = group.get(self._actor(0).address.remote(), self.names[0])
-        self.pids = group.get([self._actor(r).init.remote(addr, port) for r in range(self.world)], self.names)
+        addr, port = group.get(self.actor(0).address.remote(), self.names[0])
+        self.pids = group.get([self.actor(r).init.remote(addr, port) for r in range(self.world)], self.names)
+        self.busy = [0.0] * self.world
 
-    def _actor(self, rank: int):
+    world_size = property(lambda self: self.world)
+
+    def actor(self, rank: int):
         return self.group.actors[self.names[rank]]
 
-    def _all(self, method: str, *args: Any) -> list:
-        return self.group.get([getattr(self._actor(r), method).remote(*args) for r in range(self.world)], self.names)
+    def all(self, method: str, *args: Any) -> list:
+        return self.group.get([getattr(self.actor(r), method).remote(*args) for r in range(self.world)], self.names)
 
-    def rl_update(self, trajectories: Sequence[Any], advantages: Sequence[float], **kwargs: Any) -> dict[str, float]:
-        """One optimizer step over all ranks; `actor/...` metrics (token-weighted over ranks; grad norm global)."""
-        parts = split_by_tokens(trajectories, self.world)
-        tokens = [sum(sum(trajectories[i].loss_mask) for i in p) for p in parts]
+    def rl_update(self, trajectories: Sequence[Any], advantages: Sequence[float], *, split: list[list[int]] | None = None,
+                  **kwargs: Any) -> dict[str, float]:
+        """One optimizer step over all ranks; `actor/...` metrics (token-weighted over ranks; grad norm and
+        lr are global). `split` forces which trajectory indices go to which rank (tests)."""
+        parts = split if split is not None else split_by_weight(trajectories, self.world, rl_weight)
+        tokens = [sum(rl_weight(trajectories[i]) for i in p) for p in parts]
         total = sum(tokens)
         if total == 0:
             return {"actor/skipped": 1.0, "actor/tokens": 0.0}
-        refs = [self._actor(r).rl_update.remote([trajectories[i] for i in p], [float(advantages[i]) for i in p],
-                                                self.world * tokens[r] / total, kwargs)
+        n_mb = micro_batches_per_rank(parts, kwargs.get("micro_batch_size", 8))
+        kw = {**kwargs, "total_tokens": total, "num_micro_batches": n_mb, "loss_scale": float(self.world)}
+        refs = [self.actor(r).rl_update.remote([trajectories[i] for i in p], [float(advantages[i]) for i in p], kw)
                 for r, p in enumerate(parts)]
         results = self.group.get(refs, self.names)
-        out = {k: sum(m[k] * t for m, t in zip(results, tokens)) / total
-               for k in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ratio_mean", "actor/ppo_kl",
-                         "actor/engine_logprob_gap") if k in results[0]}
+        for r, m in enumerate(results):
+            self.busy[r] += m["actor/busy_s"]
+        out = {k: sum(m[k] * t for m, t in zip(results, tokens)) / total for k in _RL_MEANS if k in results[0]}
         out.update({"actor/grad_norm": results[0]["actor/grad_norm"], "actor/lr": results[0]["actor/lr"],
-                    "actor/tokens": float(total), "actor/skipped": 0.0})
+                    "actor/tokens": float(total), "actor/skipped": 0.0, "actor/micro_batches": float(n_mb)})
         return out
+
+    def sft_update(self, rows: Sequence[Any], *, micro_batch_size: int) -> dict[str, float]:
+        parts = split_by_weight(rows, self.world, sft_weight)
+        total = int(sum(sft_weight(r) for r in rows))
+        kw = {"micro_batch_size": micro_batch_size, "total_label_tokens": total,
+              "num_micro_batches": micro_batches_per_rank(parts, micro_batch_size), "loss_scale": float(self.world)}
+        results = self.group.get([self.actor(r).sft_update.remote([rows[i] for i in p], kw)
+                                  for r, p in enumerate(parts)], self.names)
+        for r, m in enumerate(results):
+            self.busy[r] += m["sft/busy_s"]
+        return merge_sft_metrics(results)
 
     def weights_ref(self) -> tuple[Any, int]:
         """(ObjectRef of the full state dict, bytes), produced by rank 0 after a collective gather."""
-        ref, size = self._all("weights_ref")[0]
+        ref, size = self.all("weights_ref")[0]
         return ref, size
 
     def reset_optimizer(self) -> None:
-        self._all("reset_optimizer")
+        self.all("reset_optimizer")
 
-    def save_hf(self, local_dir: str) -> None:
-        """Every rank takes part (ZeRO-3 gather); rank 0 writes `local_dir` on its node."""
-        self._all("save_hf", local_dir)
+    def save(self, staging_url: str, optimizer: bool = True) -> None:
+        self.all("save", staging_url, optimizer)
+
+    def load_state(self, checkpoint_url: str) -> bool:
+        found = self.all("load_state", checkpoint_url)
+        if any(found) and not all(found):
+            raise ValueError(f"{checkpoint_url}: trainer state found for some ranks only ({found})")
+        return all(found)
+
+    def close(self) -> None:
+        """The shards stop with their ActorGroup (RayRuntime.aclose)."""

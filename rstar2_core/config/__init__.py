@@ -20,6 +20,7 @@ from pydantic import Field, model_validator
 
 from rstar2_core.config.base import REPO_ROOT, ConfigError, _Section
 from rstar2_core.config.rl import GRPOConfig, RLConfig, RLStageConfig
+from rstar2_core.config.runtime_rules import runtime_problems
 from rstar2_core.config.sections import (
     BenchmarkConfig,
     ClusterConfig,
@@ -73,6 +74,9 @@ class Config(_Section):
             if not 0 < self.cluster.trainer_gpus < total:
                 raise ValueError(f"cluster.layout = \"separate\" needs 0 < cluster.trainer_gpus < {total} "
                                  "(the rest go to engines)")
+        problems = runtime_problems(self)
+        if problems:
+            raise ValueError("; ".join(problems))
         return self
 
     # resolved locations -------------------------------------------------------------------------

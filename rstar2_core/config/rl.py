@@ -82,6 +82,17 @@ class RLConfig(_Section):
     """DeepSpeed ZeRO stage for the actor (3 for 14B)."""
     seed: int = 0
     """Seed of prompt sampling, rollout sampling and resampling."""
+    max_infra_failure_share: float = Field(0.1, ge=0.0, le=1.0)
+    """A step in which more than this share of trajectories failed for infrastructure reasons (an engine
+    request failed, the sandbox answered `internal` or failed, the grader timed out) raises
+    InfraFailureShareExceeded (retryable: the stage resumes from its last checkpoint) instead of
+    training on the remainder. 0.1: a healthy cluster sees ~0, while a dead engine or a saturated
+    sandbox pool shows up as a large share at once; 1.0 only stops a step where every trajectory failed."""
+    max_engine_logprob_gap: float = Field(0.1, gt=0.0)
+    """With old_logprobs = "recompute": the step fails (StaleEngineWeights, retryable) when the mean
+    |engine - trainer| log-prob over sampled tokens exceeds this, i.e. the engines sample from other
+    weights than the trainer holds. Same precision on both sides gives ~1e-6; bf16 vLLM vs a bf16 trainer
+    ~0.015; stale weights after a failed sync ~0.2 (TRL issue #5312)."""
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     """GRPO-RoC settings."""
     stages: list[RLStageConfig] = Field(min_length=1)

@@ -218,9 +218,24 @@ class RolloutConfig(_Section):
     """vLLM tensor parallelism per engine. 14B on MI300X: 2."""
     gpu_memory_utilization: float = Field(0.85, gt=0.0, le=1.0)
     """Share of GPU memory vLLM may take (weights + KV cache)."""
-    weight_sync: Literal["state_dict", "checkpoint"] = "state_dict"
-    """How new policy weights reach the engines after each RL step: in-memory tensors (Ray object
-    store/NCCL) or a checkpoint URI the engines reload."""
+    weight_sync: Literal["auto", "state_dict", "object_store", "checkpoint", "nccl", "ipc"] = "auto"
+    """How new policy weights reach the engines after each optimizer step
+    (rstar2_core/runtime/weight_sync.py). `state_dict`: in-process copy of the trainer's tensors (local
+    runtime). `object_store`: trainer rank 0 puts one full state dict in Ray's object store, every engine
+    actor loads the same object (Ray runtime; one host copy per node: fine on CPU and for small models,
+    ~29.5 GB per node per step for 14B). `checkpoint`: engines reload the checkpoint the step just
+    published (needs rl.checkpoint_every = 1; every engine reads the whole checkpoint). `nccl`: vLLM's
+    NCCL weight transfer, trainer rank 0 broadcasts parameter by parameter to every engine worker (Ray
+    runtime, vLLM, `separate` layout: NCCL cannot put two ranks on one GPU). `ipc`: vLLM's CUDA-IPC
+    weight transfer, each trainer rank hands its colocated engine worker handles to the gathered
+    tensors, no copy over the network (Ray runtime, vLLM, `colocated` layout). `auto`: state_dict on
+    the local runtime; on Ray object_store for hf engines, ipc (colocated) or nccl (separate) for vLLM."""
+    release_memory_during_training: bool = False
+    """vLLM sleep mode in the colocated layout: engines `sleep(level=1)` (KV cache dropped, weights
+    offloaded to host memory) while the trainer steps and `wake_up()` before the weight sync, so the
+    trainer gets the whole GPU for activations. Costs a host round trip of the weights per step, and
+    vLLM's sleep mode is unreliable on ROCm (PEERS.md); off = engines keep
+    rollout.gpu_memory_utilization of the GPU throughout and the trainer lives in the rest."""
 
 
 # ----------------------------------------------------------------------------------------------- SFT
@@ -362,7 +377,25 @@ class ClusterConfig(_Section):
     image: str | None = None
     """Container image the Ray nodes and the Prefect worker run (infra/); None = local processes."""
     resources: dict[str, TaskResources] = Field(default_factory=dict)
-    """Per-task Ray resources by task name (curate, sft, rl, hard_subset, eval)."""
+    """Per-task Ray resources by task name (curate, sft, rl, hard_subset, eval). With runtime = "ray"
+    the tasks that drive a stage (sft, rl, hard_subset, eval) only coordinate: their actors get GPUs from
+    the layout's placement groups, so these tasks must not reserve GPUs themselves."""
+    runtime: Literal["local", "ray"] = "local"
+    """Where a stage's engines, trainer and sandbox run (rstar2_core/runtime/). `local`: in the stage's
+    own process (engines as threads, one trainer, the sandbox forked from it): the embedded default, no
+    cluster needed. `ray`: engine actors, DeepSpeed trainer-shard actors and the sandbox actor pool on
+    the layout's placement groups (rstar2_core/cluster/): what a multi-GPU cluster needs; costs actor
+    start-up (seconds) and a weight sync through Ray or NCCL every step."""
+    trainer_ranks: int = Field(0, ge=0)
+    """Data-parallel trainer ranks (DeepSpeed ZeRO shards) of the Ray runtime. 0 = from the layout: one
+    per GPU (colocated), cluster.trainer_gpus (separate), 1 on a CPU-only cluster. On a CPU-only cluster
+    (gpus_per_node = 0) any N >= 1 runs N gloo processes; on GPU clusters it must match the layout."""
+    placement_timeout_s: float = Field(600.0, gt=0)
+    """Seconds a runtime waits for its placement groups before raising PlacementTimeout (retryable: an
+    autoscaler may still be adding nodes, or another stage still holds the GPUs)."""
+    actor_torch_threads: int = Field(0, ge=0)
+    """torch intra-op threads of each engine and trainer actor; 0 = 1 on CPU-only clusters (several
+    actors share the cores: more threads each only add contention) and torch's default on GPU nodes."""
 
 
 # ------------------------------------------------------------------------------------------ pipeline

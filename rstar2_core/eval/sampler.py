@@ -1,15 +1,17 @@
-"""Sample trajectories from a checkpoint with the real agent loop (engine + sandbox + chat format).
+"""Sample trajectories from a checkpoint with the real agent loop (engines + sandbox + chat format).
 
-Shared by evaluation and the curation label check. `PolicySampler.open(cfg, checkpoint_url)` loads the
-model once (`rstar2_core.models.load_model_and_tokenizer`) and wraps it in an `HFEngine`;
-`PolicySampler(engine, chat, sandbox_cfg)` takes any `Engine` (tests use scripted ones).
+Shared by evaluation, the curation label check and the learning benchmark.
+`PolicySampler.open(cfg, checkpoint_url)` opens the configured runtime for the checkpoint without a
+trainer (`cluster.runtime`: in-process engines, or engine actors and the sandbox pool on Ray) and
+samples on all of its engines; `PolicySampler(engine_or_engines, chat, sandbox_cfg)` takes any
+`Engine` (tests use scripted ones) and opens a local sandbox of `sandbox_cfg` on first use.
 
     with PolicySampler.open(cfg, url) as s:
         groups = s.sample(["What is 2+3?"], n=4, limits=RolloutLimits(4, 384, 0.6), seed=0)
 
 `groups[i]` holds the n trajectories of problem i (the rollout contract's order). The sampler owns
-one event loop for its whole life, so the engine's batching tasks and the sandbox (opened on the
-first `sample` call, closed by `close()`) live on the same loop across calls.
+one event loop for its whole life, so the engines' batching tasks, the runtime and the sandbox live on
+the same loop across calls.
 """
 
 from __future__ import annotations
@@ -22,27 +24,35 @@ from rstar2_core.config import Config, SandboxConfig
 
 
 class PolicySampler:
-    def __init__(self, engine: Any, chat: Any, sandbox_cfg: SandboxConfig, scheduler: str = "kv_aware"):
-        self.engine = engine
+    def __init__(self, engines: Any, chat: Any, sandbox_cfg: SandboxConfig | None, scheduler: str = "kv_aware",
+                 *, runtime: Any = None, loop: asyncio.AbstractEventLoop | None = None):
+        self.engines = list(engines) if isinstance(engines, (list, tuple)) else [engines]
         self.chat = chat
         self.sandbox_cfg = sandbox_cfg
         self.scheduler = scheduler
-        self._loop = asyncio.new_event_loop()
-        self._sandbox: Any = None
+        self._runtime = runtime
+        self._loop = loop or asyncio.new_event_loop()
+        self._sandbox: Any = runtime.sandbox if runtime is not None else None
+
+    @property
+    def engine(self) -> Any:
+        return self.engines[0]
 
     @classmethod
-    def open(cls, cfg: Config, checkpoint_url: str) -> PolicySampler:
-        import torch
-
+    def open(cls, cfg: Config, checkpoint_url: str, max_model_len: int | None = None) -> PolicySampler:
+        """A sampler on the runtime of `cfg.cluster.runtime` for `checkpoint_url` (engines + sandbox)."""
         from rstar2_core.chat import ChatFormat
-        from rstar2_core.models import load_model_and_tokenizer
-        from rstar2_core.rollout import HFEngine
+        from rstar2_core.runtime import open_runtime
 
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        model, tok = load_model_and_tokenizer(checkpoint_url, device=device)
-        model.eval()
-        engine = HFEngine(model, tok, max_batch_size=cfg.rollout.max_batch_size, device=device)
-        return cls(engine, ChatFormat(tok, with_tools=True), cfg.sandbox, cfg.rollout.scheduler)
+        loop = asyncio.new_event_loop()
+        try:
+            rt = open_runtime(cfg, policy_url=checkpoint_url, max_model_len=max_model_len, grader=False)
+            loop.run_until_complete(rt.__aenter__())
+        except BaseException:
+            loop.close()
+            raise
+        return cls(rt.engines, ChatFormat(rt.tokenizer, with_tools=True), cfg.sandbox, cfg.rollout.scheduler,
+                   runtime=rt, loop=loop)
 
     def sample(self, problems: Sequence[str], n: int, limits: Any, seed: int) -> list[list[Any]]:
         """n trajectories per problem, in problem order (list[list[Trajectory]])."""
@@ -50,27 +60,32 @@ class PolicySampler:
 
     async def _sample(self, problems: list[str], n: int, limits: Any, seed: int) -> list[list[Any]]:
         from rstar2_core.rollout import rollout_groups
-        from rstar2_core.sandbox import make_sandbox
+        from rstar2_core.sandbox import LocalSandbox
 
         if self._sandbox is None:
-            sandbox = make_sandbox(self.sandbox_cfg)
+            sandbox = LocalSandbox(self.sandbox_cfg)
             await sandbox.__aenter__()
             self._sandbox = sandbox
-        return await rollout_groups(self.engine, self._sandbox, self.chat, problems, n, limits, seed=seed,
+        return await rollout_groups(self.engines, self._sandbox, self.chat, problems, n, limits, seed=seed,
                                     scheduler=self.scheduler)
 
     def close(self) -> None:
         if self._loop.is_closed():
             return
         try:
+            if self._runtime is not None:
+                rt, self._runtime, self._sandbox = self._runtime, None, None
+                self._loop.run_until_complete(rt.aclose())
+                return
             if self._sandbox is not None:
                 self._loop.run_until_complete(self._sandbox.__aexit__(None, None, None))
                 self._sandbox = None
-            close = getattr(self.engine, "close", None)
-            if close is not None:
-                res = close()
-                if asyncio.iscoroutine(res):
-                    self._loop.run_until_complete(res)
+            for engine in self.engines:
+                close = getattr(engine, "close", None)
+                if close is not None:
+                    res = close()
+                    if asyncio.iscoroutine(res):
+                        self._loop.run_until_complete(res)
         finally:
             self._loop.close()
 

@@ -77,11 +77,14 @@ class TorchBackend:
 
     def __init__(self, model: nn.Module, *, lr: float, total_steps: int, warmup_steps: int = 0,
                  schedule: str = "cosine", weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
-                 grad_clip: float = 1.0, min_lr_ratio: float = 0.0, use_autocast: bool | None = None):
+                 grad_clip: float = 1.0, min_lr_ratio: float = 0.0, use_autocast: bool | None = None,
+                 gradient_checkpointing: bool = False):
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown lr schedule {schedule!r}; valid: {list(SCHEDULES)}")
         if total_steps < 1:
             raise ValueError(f"total_steps={total_steps} must be >= 1")
+        if gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model = model
         self.lr, self.total_steps, self.warmup_steps = lr, total_steps, warmup_steps
         self.schedule, self.weight_decay, self.betas = schedule, weight_decay, tuple(betas)
@@ -147,25 +150,42 @@ class TorchBackend:
         self.model.save_pretrained(str(local_dir), safe_serialization=True)
 
 
-def make_backend(model: nn.Module, train_cfg: Any, total_steps: int, warmup_steps: int,
-                 schedule: str) -> TrainBackend:
-    """Backend for `train_cfg` (`SFTConfig` or `RLConfig`: fields lr, weight_decay, grad_clip, backend,
-    zero_stage, optional betas/min_lr_ratio). `deepspeed` imports `models/deepspeed_backend.py` lazily."""
-    kind = getattr(train_cfg, "backend", "torch")
-    kwargs = {"lr": train_cfg.lr, "total_steps": total_steps, "warmup_steps": warmup_steps, "schedule": schedule,
-              "weight_decay": getattr(train_cfg, "weight_decay", 0.0),
-              "betas": tuple(getattr(train_cfg, "betas", (0.9, 0.999))),
-              "grad_clip": getattr(train_cfg, "grad_clip", 1.0),
-              "min_lr_ratio": getattr(train_cfg, "min_lr_ratio", 0.0)}
-    if kind == "torch":
-        return TorchBackend(model, **kwargs)
+def backend_options(train_cfg: Any, model_cfg: Any, *, total_steps: int, warmup_steps: int,
+                    schedule: str) -> dict[str, Any]:
+    """The one config -> backend mapping: keyword arguments of `TorchBackend` / `DeepSpeedBackend` for
+    `train_cfg` (`cfg.sft` or `cfg.rl`) and `model_cfg` (`cfg.model`). The local runtime, the Ray
+    runtime's trainer shards and `make_backend` all build their backend from it."""
+    kind = train_cfg.backend
+    out: dict[str, Any] = {"lr": train_cfg.lr, "total_steps": max(1, int(total_steps)),
+                           "warmup_steps": int(warmup_steps), "schedule": schedule,
+                           "weight_decay": train_cfg.weight_decay,
+                           "betas": tuple(getattr(train_cfg, "betas", (0.9, 0.999))),
+                           "grad_clip": train_cfg.grad_clip,
+                           "min_lr_ratio": getattr(train_cfg, "min_lr_ratio", 0.0),
+                           "gradient_checkpointing": bool(model_cfg.gradient_checkpointing)}
     if kind == "deepspeed":
-        try:
-            from rstar2_core.models.deepspeed_backend import DeepSpeedBackend
-        except ImportError as e:
-            raise ImportError(f"backend = \"deepspeed\" needs the deepspeed extra and "
-                              f"rstar2_core/models/deepspeed_backend.py ({e}); install with "
-                              "`pip install -e .[deepspeed]` or set backend = \"torch\"") from e
-        return DeepSpeedBackend(model, zero_stage=getattr(train_cfg, "zero_stage", 2),
-                                micro_batch_size=getattr(train_cfg, "micro_batch_size", 1), **kwargs)
-    raise ValueError(f"unknown training backend {kind!r}; valid: ['torch', 'deepspeed']")
+        out.update(zero_stage=train_cfg.zero_stage, micro_batch_size=train_cfg.micro_batch_size)
+    elif kind != "torch":
+        raise ValueError(f"unknown training backend {kind!r}; valid: ['torch', 'deepspeed']")
+    return out
+
+
+def make_backend(model: nn.Module, train_cfg: Any, total_steps: int, warmup_steps: int,
+                 schedule: str, model_cfg: Any | None = None) -> TrainBackend:
+    """Backend for `train_cfg` (`SFTConfig` or `RLConfig`) through `backend_options`; `model_cfg`
+    (`cfg.model`, for gradient checkpointing) defaults to off. `deepspeed` is imported lazily."""
+    opts = backend_options(train_cfg, model_cfg if model_cfg is not None else _NoModelCfg,
+                           total_steps=total_steps, warmup_steps=warmup_steps, schedule=schedule)
+    if train_cfg.backend == "torch":
+        return TorchBackend(model, **opts)
+    try:
+        from rstar2_core.models.deepspeed_backend import DeepSpeedBackend
+    except ImportError as e:
+        raise ImportError(f"backend = \"deepspeed\" needs the deepspeed extra and "
+                          f"rstar2_core/models/deepspeed_backend.py ({e}); install with "
+                          "`pip install -e .[deepspeed]` or set backend = \"torch\"") from e
+    return DeepSpeedBackend(model, **opts)
+
+
+class _NoModelCfg:
+    gradient_checkpointing = False

@@ -80,6 +80,15 @@ def load_model_and_tokenizer(checkpoint_url: str, dtype=None, device: str = "cpu
     return model, tok
 
 
+def load_tokenizer(checkpoint_url: str):
+    """The tokenizer saved in a complete checkpoint (no model weights are read)."""
+    from transformers import AutoTokenizer
+
+    path = local_checkpoint_dir(checkpoint_url)
+    with FROM_PRETRAINED_LOCK:
+        return AutoTokenizer.from_pretrained(str(path))
+
+
 def read_extra(checkpoint_url: str, name: str) -> bytes:
     """One extra file saved with `save_checkpoint(extra={name: ...})`."""
     return storage.read_bytes(storage.join(checkpoint_url, name))

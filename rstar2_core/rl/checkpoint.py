@@ -1,5 +1,7 @@
-"""RL checkpoints: an HF model folder plus `rl_state.pt` (optimizer, LR scheduler, step, data cursor, RNG
-states, tracking run id, the last step's metrics), published atomically through `models.io`.
+"""RL checkpoints: an HF model folder, every trainer rank's optimizer/scheduler state
+(`trainer/rank-NNNNN.pt`, runtime/trainer_state.py) and the driver's `rl_state.pt` (step, data cursor,
+RNG states, tracking run id, the last step's metrics, usage totals, world size), published atomically
+through `runtime.checkpoint.publish_policy_checkpoint`.
 
 Layout under a stage's `out_url`:
 
@@ -19,7 +21,7 @@ import numpy as np
 import torch
 
 from rstar2_core import storage
-from rstar2_core.models.io import latest_complete, read_extra, save_checkpoint
+from rstar2_core.models.io import latest_complete, read_extra
 
 STATE_FILE = "rl_state.pt"
 
@@ -40,13 +42,6 @@ def step_url(out_url: str, step: int) -> str:
 
 def final_url(out_url: str) -> str:
     return storage.join(out_url, "final")
-
-
-def save_rl_checkpoint(url: str, backend, tokenizer, state: dict, meta: dict) -> str:
-    """Publish model + tokenizer + `rl_state.pt` (`state` plus the backend's state and RNG) at `url`."""
-    buf = io.BytesIO()
-    torch.save({**state, "backend": backend.state_dict(), "rng": rng_state()}, buf)
-    return save_checkpoint(backend, tokenizer, url, extra={STATE_FILE: buf.getvalue()}, meta=meta)
 
 
 def read_rl_state(checkpoint_url: str) -> dict | None:

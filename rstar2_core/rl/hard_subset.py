@@ -6,7 +6,8 @@
 
 Paper: with the end-of-stage-2 policy, 8 rollouts per problem, drop problems solved 8/8 (42K -> 17.3K).
 Here `k = cfg.rl.stages[stage_index].hard_subset_k` and the rollouts use that stage's turn and length
-limits and the RL temperature (the stage that will train on the subset). A problem with an
+limits and the RL temperature (the stage that will train on the subset), on the engines of the
+configured runtime (`cluster.runtime`: in process, or engine actors on the cluster). A problem with an
 infra-failed rollout is kept (we cannot say it was solved k/k). Truncated rollouts count as wrong.
 
 Idempotent: when `<out_url>/manifest.json` exists for the same checkpoint, data and k, its DatasetRef is
@@ -24,12 +25,14 @@ from tqdm import tqdm
 
 from rstar2_core import storage
 from rstar2_core.config import Config
-from rstar2_core.models.io import load_model_and_tokenizer
+from rstar2_core.models.io import load_tokenizer
 from rstar2_core.results import DatasetRef
 from rstar2_core.rl.data import load_problems, read_rows
 from rstar2_core.rl.groups import is_infra_failed
-from rstar2_core.rl.stage import _build_engine, _engine_seq_len, grade_rewards, step_seed
+from rstar2_core.rl.stage import engine_seq_len, step_seed
+from rstar2_core.rl.step import grade_groups
 from rstar2_core.rollout.types import RolloutLimits
+from rstar2_core.runtime import open_runtime
 
 
 def _parquet_bytes(rows: list[dict]) -> bytes:
@@ -72,32 +75,24 @@ def select_hard_subset(cfg: Config, stage_index: int, *, checkpoint_url: str, da
 
 
 async def _count_solved(cfg: Config, stage_index: int, checkpoint_url: str, problems, k: int) -> list[int]:
-    """Per problem: rollouts out of k that are correct and not infra-failed."""
+    """Per problem: rollouts out of k that are correct and not infra-failed, sampled on the runtime's engines."""
     from rstar2_core.chat import ChatFormat
-    from rstar2_core.reward import GraderPool
     from rstar2_core.rollout import rollout_groups
-    from rstar2_core.sandbox import make_sandbox
 
     stage = cfg.rl.stages[stage_index]
-    model, tok = load_model_and_tokenizer(checkpoint_url, dtype=cfg.model.dtype)
-    chat = ChatFormat(tok, with_tools=True)
+    chat = ChatFormat(load_tokenizer(checkpoint_url), with_tools=True)
     limits = RolloutLimits.from_config(cfg.rollout, stage.max_turns, stage.max_response_tokens, cfg.rl.temperature)
-    engine = _build_engine(model, tok, cfg, _engine_seq_len(model, chat, problems, stage.max_response_tokens))
     chunk = max(1, cfg.rl.prompts_per_step)
     out: list[int] = []
-    try:
-        async with make_sandbox(cfg.sandbox) as sandbox:
-            with GraderPool(timeout_s=cfg.eval.grader_timeout_s) as grader:
-                for start in tqdm(range(0, len(problems), chunk), desc=f"hard subset (k={k})", unit="batch",
-                                  file=sys.stderr, disable=None):
-                    part = problems[start:start + chunk]
-                    groups = await rollout_groups(engine, sandbox, chat, [p.problem for p in part], k, limits,
-                                                  seed=step_seed(cfg.rl.seed, -1 - start),
-                                                  scheduler=cfg.rollout.scheduler)
-                    rewards = grade_rewards(grader, groups, [p.answer for p in part])
-                    for group, rs in zip(groups, rewards):
-                        # an infra-failed rollout is not a success: the problem cannot reach k/k
-                        out.append(sum(1 for t, r in zip(group, rs) if r > 0 and not is_infra_failed(t)))
-    finally:
-        await engine.close()
+    async with open_runtime(cfg, policy_url=checkpoint_url,
+                            max_model_len=engine_seq_len(chat, problems, stage.max_response_tokens)) as rt:
+        for start in tqdm(range(0, len(problems), chunk), desc=f"hard subset (k={k})", unit="batch",
+                          file=sys.stderr, disable=None):
+            part = problems[start:start + chunk]
+            groups = await rollout_groups(rt.engines, rt.sandbox, chat, [p.problem for p in part], k, limits,
+                                          seed=step_seed(cfg.rl.seed, -1 - start), scheduler=cfg.rollout.scheduler)
+            grades = grade_groups(rt.grader, groups, [p.answer for p in part])
+            for group, rs in zip(groups, grades.rewards):
+                # an infra-failed rollout is not a success: the problem cannot reach k/k
+                out.append(sum(1 for t, r in zip(group, rs) if r > 0 and not is_infra_failed(t)))
     return out

@@ -119,14 +119,30 @@ def sequence_logprobs(model: torch.nn.Module, trajectories: Sequence[Trajectory]
     return out
 
 
+def padding_trajectory(pad_id: int) -> Trajectory:
+    """A two-token sequence with no sampled token: the input of a zero-weight micro-batch. Its forward and
+    backward touch every parameter (zero gradients), so a rank with fewer real micro-batches still issues
+    the collectives (ZeRO-2 reduce per backward, ZeRO-3 gather per forward) its peers issue."""
+    return Trajectory((pad_id,), (pad_id,), (0,), (0.0,), "", (), 0, 0, "eos", False)
+
+
+def micro_batch_count(n_trajectories: int, micro_batch_size: int) -> int:
+    """Forward/backward passes `rl_update` needs for `n_trajectories` (at least one)."""
+    return max(1, -(-n_trajectories // max(1, micro_batch_size)))
+
+
 def rl_update(backend, trajectories: Sequence[Trajectory], advantages: Sequence[float], *, pad_id: int,
               temperature: float = 1.0, micro_batch_size: int = 8, clip_low: float = 0.2,
-              clip_high: float = 0.28, loss_key: str = "ppo_clip", old_logprobs: str = "recompute"
-              ) -> dict[str, float]:
+              clip_high: float = 0.28, loss_key: str = "ppo_clip", old_logprobs: str = "recompute",
+              total_tokens: float | None = None, num_micro_batches: int | None = None,
+              loss_scale: float = 1.0) -> dict[str, float]:
     """One optimizer step on `trajectories` with per-trajectory `advantages` `(B,)`; returns `actor/...` metrics.
 
-    `backend`: a `TrainBackend` (`model`, `backward`, `step`). Trajectories with no sampled token
-    contribute nothing; with none at all in the batch, no step is taken (`actor/skipped` = 1)."""
+    `backend`: a `TrainBackend` (`model`, `backward`, `step`). On a data-parallel rank, pass the step's
+    `total_tokens` over all ranks (the loss is then the global token mean), `num_micro_batches` = the
+    most any rank needs (this rank pads with zero-weight passes up to it: every rank must issue the same
+    collectives) and `loss_scale` = the world size (DeepSpeed averages gradients over ranks). A step with
+    no sampled token anywhere takes no optimizer step (`actor/skipped` = 1) on any rank."""
     if old_logprobs not in OLD_LOGPROB_SOURCES:
         raise ValueError(f"rl_update: old_logprobs={old_logprobs!r}; valid: {list(OLD_LOGPROB_SOURCES)}")
     if len(trajectories) != len(advantages):
@@ -134,40 +150,47 @@ def rl_update(backend, trajectories: Sequence[Trajectory], advantages: Sequence[
     loss_fn = get_policy_loss(loss_key)
     model = backend.model
     device = _model_device(model)
-    total_tokens = float(sum(sum(t.loss_mask) for t in trajectories))
-    if total_tokens == 0:
+    local_tokens = float(sum(sum(t.loss_mask) for t in trajectories))
+    total = local_tokens if total_tokens is None else float(total_tokens)
+    if total == 0:
         return {"actor/skipped": 1.0, "actor/tokens": 0.0}
+    chunks: list[list[Trajectory]] = [list(trajectories[sl]) for sl in _chunks(len(trajectories), micro_batch_size)]
+    need = num_micro_batches if num_micro_batches is not None else max(1, len(chunks))
+    if need < len(chunks):
+        raise ValueError(f"rl_update: num_micro_batches={need} but {len(trajectories)} trajectories at "
+                         f"micro_batch_size={micro_batch_size} need {len(chunks)}")
+    pad = padding_trajectory(pad_id)
+    chunks += [[pad]] * (need - len(chunks))
+    advs = [list(advantages[sl]) for sl in _chunks(len(trajectories), micro_batch_size)]
+    advs += [[0.0]] * (need - len(advs))
     model.train()
     recompute = old_logprobs == "recompute"
-    recomputed = sequence_logprobs(model, trajectories, pad_id, temperature, micro_batch_size) if recompute else []
+    recomputed = [sequence_logprobs(model, c, pad_id, temperature, len(c)) for c in chunks] if recompute else []
     gap_sum = 0.0
     sums = {"actor/pg_clipfrac": 0.0, "actor/ratio_mean": 0.0, "actor/ppo_kl": 0.0, "actor/pg_loss": 0.0}
-    adv_all = torch.tensor(list(advantages), dtype=torch.float32)
-    for sl in _chunks(len(trajectories), micro_batch_size):
-        chunk = trajectories[sl]
+    for i, chunk in enumerate(chunks):
         batch = collate(chunk, pad_id, device)
-        if float(batch.loss_mask.sum()) == 0:
-            continue
         if recompute:
             old = torch.zeros_like(batch.engine_logprobs)
             for b, t in enumerate(chunk):
-                old[b, :len(t.response_ids)] = recomputed[sl.start + b].to(device)
+                old[b, :len(t.response_ids)] = recomputed[i][b].to(device)
             gap_sum += float(((old - batch.engine_logprobs).abs() * batch.loss_mask).sum())
         else:
             old = batch.engine_logprobs
         with backend.autocast() if hasattr(backend, "autocast") else contextlib.nullcontext():
             lp = batch_logprobs(model, batch, temperature)
-        loss, m = loss_fn(lp, old, adv_all[sl].to(device), batch.loss_mask, clip_low=clip_low,
-                          clip_high=clip_high, total_tokens=total_tokens)
-        backend.backward(loss)
+        loss, m = loss_fn(lp, old, torch.tensor(advs[i], dtype=torch.float32, device=device), batch.loss_mask,
+                          clip_low=clip_low, clip_high=clip_high, total_tokens=total)
+        backend.backward(loss * loss_scale if loss_scale != 1.0 else loss)
         for k in sums:
             sums[k] += m[k] * m["actor/tokens"]
     lr = float(getattr(backend, "current_lr", float("nan")))  # the lr this step uses
     grad_norm = backend.step()
     model.eval()
-    metrics = {k: v / total_tokens for k, v in sums.items()}
-    metrics.update({"actor/grad_norm": float(grad_norm), "actor/tokens": total_tokens,
-                    "actor/skipped": 0.0, "actor/lr": lr})
+    per = max(local_tokens, 1.0)
+    metrics = {k: v / per for k, v in sums.items()}
+    metrics.update({"actor/grad_norm": float(grad_norm), "actor/tokens": local_tokens,
+                    "actor/skipped": 0.0, "actor/lr": lr, "actor/micro_batches": float(need)})
     if recompute:
-        metrics["actor/engine_logprob_gap"] = gap_sum / total_tokens
+        metrics["actor/engine_logprob_gap"] = gap_sum / per
     return metrics

@@ -14,8 +14,10 @@ engine produced, concatenated with the tool-response ids (no re-tokenization of 
 Finish reasons (`Trajectory.finish`): `answer` (stopped at `</answer>`), `eos`, `max_turns` (the
 last allowed turn ended with a tool call), `max_tokens` (the budget ran out, while generating or
 while appending a tool response, which is then cut at the budget), `infra_error` (sandbox status
-`internal`, a sandbox exception, or an engine failure: the trainer drops such trajectories from
-group statistics instead of scoring them 0). `truncated` is True for max_turns and max_tokens.
+`internal`, a sandbox exception, or a failed engine request: the trainer drops such trajectories from
+group statistics instead of scoring them 0). `truncated` is True for max_turns and max_tokens. An
+`InfraError` from the engine (its actor died: `cluster.errors.ActorFailure`) is not one trajectory's
+failure but the step's, and propagates.
 
 Departures from the reference code: a turn that hits the turn limit with a tool call is not
 executed (the reference runs it and discards the output); the answer-block count only looks at
@@ -36,6 +38,7 @@ from rstar2_core.chat import (
     render_tool_result,
 )
 from rstar2_core.chat.tokens import ANSWER_CLOSE, TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from rstar2_core.errors import InfraError
 from rstar2_core.rollout.types import (
     Engine,
     GenerationOutput,
@@ -113,9 +116,9 @@ async def run_trajectory(engine: Engine, sandbox: Any, chat: Any, problem: str, 
         t0 = time.perf_counter()
         try:
             out = await engine.generate(prompt + b.ids, params)
-        except (ValueError, TypeError):
-            raise
-        except Exception as e:   # noqa: BLE001 - an engine crash is marked, the trainer excludes it
+        except (ValueError, TypeError, InfraError):
+            raise   # a config error, or a dead engine actor: the step cannot go on
+        except Exception as e:   # noqa: BLE001 - a failed request is marked, the trainer excludes it
             finish, infra = "infra_error", f"engine: {type(e).__name__}: {e}"
             break
         finally:

@@ -27,6 +27,15 @@ Weight updates (after each RL step), both through a worker extension (`WeightSyn
 Both end with `reset_prefix_cache()`, since cached KV was computed with the old weights. Call it between
 RL steps, with no request in flight (requests then in flight would mix old and new weights).
 
+vLLM's own weight-transfer API (`weight_transfer="nccl" | "ipc"`, built with
+`WeightTransferConfig(backend=...)`; cluster/weight_sync.py drives it): `init_weight_transfer` joins
+the trainer's NCCL group once, `receive_weights(update_info)` loads one update (NCCL broadcast from
+trainer rank 0, or CUDA-IPC handles of a colocated trainer rank) with generation paused
+(`pause_generation(mode="keep")` / `resume_generation`) and the prefix cache reset. `sleep(level)` /
+`wake_up(tags)` are vLLM's sleep mode for colocated engines (the engine is built with
+`enable_sleep_mode=True`). Written against vLLM's `examples/rl/` (rlhf_nccl.py, rlhf_ipc.py,
+rlhf_async_new_apis.py); not run against a real vLLM here.
+
     engine = VLLMEngine("/ckpt/sft", max_model_len=12288, tensor_parallel_size=2)
     out = await engine.generate(prompt_ids, SamplingParams(max_new_tokens=8192, seed=3))
 """
@@ -36,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
+import time
 from typing import Any
 
 from rstar2_core.rollout.types import GenerationOutput, SamplingParams
@@ -73,18 +83,26 @@ class VLLMEngine:
     protocol can block on it.
     """
 
-    def __init__(self, model: str, *, max_model_len: int, tensor_parallel_size: int = 1,
+    def __init__(self, model: str, *, max_model_len: int | None = None, tensor_parallel_size: int = 1,
                  gpu_memory_utilization: float = 0.85, dtype: str = "bfloat16", seed: int = 0,
-                 kv_capacity_tokens: int | None = None, **engine_kwargs: Any):
+                 kv_capacity_tokens: int | None = None, weight_transfer: str | None = None, **engine_kwargs: Any):
         vllm = _vllm()
+        if weight_transfer is not None:
+            from vllm.config import WeightTransferConfig
+
+            engine_kwargs["weight_transfer_config"] = WeightTransferConfig(backend=weight_transfer)
+        if max_model_len is not None:
+            engine_kwargs["max_model_len"] = max_model_len
         args = vllm.AsyncEngineArgs(
-            model=model, max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
+            model=model, tensor_parallel_size=tensor_parallel_size,
             gpu_memory_utilization=gpu_memory_utilization, dtype=dtype, seed=seed, enable_prefix_caching=True,
             logprobs_mode="processed_logprobs",
             worker_extension_cls=f"{WeightSyncExtension.__module__}.{WeightSyncExtension.__qualname__}",
-            **engine_kwargs)
+            enable_sleep_mode=True, **engine_kwargs)
         self._vllm = vllm
+        self._weight_transfer = weight_transfer
         self._capacity_override = kv_capacity_tokens
+        self._inflight, self._busy_since, self._busy_s = 0, 0.0, 0.0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-engine-loop", daemon=True)
         self._thread.start()
@@ -93,13 +111,6 @@ class VLLMEngine:
     def _call(self, coro):
         """Run a coroutine on the engine's loop and wait for it (from a thread without that loop)."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
-
-    @classmethod
-    def from_config(cls, rollout_cfg: Any, model: str, max_model_len: int, dtype: str = "bfloat16",
-                    seed: int = 0) -> VLLMEngine:
-        return cls(model, max_model_len=max_model_len, tensor_parallel_size=rollout_cfg.tensor_parallel_size,
-                   gpu_memory_utilization=rollout_cfg.gpu_memory_utilization, dtype=dtype, seed=seed,
-                   kv_capacity_tokens=rollout_cfg.kv_capacity_tokens or None)
 
     def kv_capacity_tokens(self) -> int:
         """GPU KV blocks x block size, as vLLM sized them after profiling memory."""
@@ -137,11 +148,66 @@ class VLLMEngine:
             raise ValueError(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
         fut = asyncio.run_coroutine_threadsafe(self._generate(list(prompt_ids), params, f"rstar2-{next(_IDS)}"),
                                                self._loop)
+        self._track(+1)
         try:
             return await asyncio.wrap_future(fut)
         except asyncio.CancelledError:
             fut.cancel()         # cancels _generate on the engine loop, which aborts the request
             raise
+        finally:
+            self._track(-1)
+
+    def _track(self, delta: int) -> None:
+        now = time.perf_counter()
+        if self._inflight == 0 and delta > 0:
+            self._busy_since = now
+        self._inflight += delta
+        if self._inflight == 0:
+            self._busy_s += now - self._busy_since
+
+    def busy_seconds(self) -> float:
+        """Wall seconds with at least one request running (vLLM batches them: the engine's busy time)."""
+        extra = time.perf_counter() - self._busy_since if self._inflight else 0.0
+        return self._busy_s + extra
+
+    # ------------------------------------------------------- vLLM weight transfer (cluster/weight_sync.py)
+    def init_weight_transfer(self, master_address: str, master_port: int, rank_offset: int, world_size: int) -> None:
+        """Join the NCCL weight-transfer group of the trainer's rank 0 (`rollout.weight_sync = "nccl"`)."""
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        info = {"master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+                "world_size": world_size}
+        self._call(self._engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info)))
+
+    def receive_weights(self, update_info: dict) -> None:
+        """Load new weights through vLLM's weight transfer (nccl: names/dtypes/shapes of what rank 0
+        broadcasts; ipc: plus the CUDA-IPC handles), with generation paused and the prefix cache reset."""
+        if self._weight_transfer is None:
+            raise ValueError("this VLLMEngine was built without a weight-transfer backend; build it with "
+                             "weight_transfer=\"nccl\" or \"ipc\" (rollout.weight_sync)")
+        self._call(self._receive(update_info))
+
+    async def _receive(self, update_info: dict) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        pause = getattr(self._engine, "pause_generation", None)
+        if pause is not None:
+            await pause(mode="keep")
+        try:
+            await self._engine.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+            await self._engine.reset_prefix_cache()
+        finally:
+            resume = getattr(self._engine, "resume_generation", None)
+            if resume is not None:
+                await resume()
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM sleep mode: drop the KV cache (and at level 1 offload the weights to host memory)."""
+        self._call(self._engine.sleep(level))
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Undo `sleep`: `tags=["weights"]` first (before a weight transfer), then `["kv_cache"]`."""
+        self._call(self._engine.wake_up(tags))
 
     def update_weights(self, weights: dict[str, Any] | str) -> None:
         self._call(self._update_weights(weights))

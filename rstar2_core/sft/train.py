@@ -1,17 +1,19 @@
 """Non-reasoning SFT: `run_sft(cfg, *, base_model_url, sft_data_url, out_url, log_metrics=None, resume=True)`.
 
-What it does: loads the base checkpoint, renders the SFT conversations through `ChatFormat`, packs
-them (`sft/packing.py`), and trains with the configured backend (`TorchBackend`, or DeepSpeed ZeRO
-when `cfg.sft.backend == "deepspeed"`): AdamW, linear warm-up over `warmup_ratio` of the steps then
-cosine (or constant), global grad-norm clip, bf16 autocast on GPUs. Loss: token-level cross-entropy
-on assistant tokens only (prompt and tool responses masked), averaged over all label tokens of the
-optimizer batch (micro-batches accumulate sums, divided by the batch's token count).
+What it does: renders the SFT conversations through `ChatFormat`, packs them (`sft/packing.py`), and
+trains on the trainer of the configured runtime (`cluster.runtime`: one `TorchBackend` / single-process
+DeepSpeed in this process, or the Ray runtime's DeepSpeed ZeRO shards, each step's rows split over
+the ranks by label tokens with equal micro-batch counts): AdamW, linear warm-up over `warmup_ratio` of
+the steps then cosine (or constant), global grad-norm clip, bf16 autocast on GPUs. Loss: token-level
+cross-entropy on assistant tokens only (prompt and tool responses masked), averaged over all label
+tokens of the optimizer batch (`sft/step.py`).
 
 Checkpoints: `<out_url>/steps/step-NNNNNN` every `cfg.sft.checkpoint_every` steps (model, tokenizer,
-backend state, RNG; the last two are kept), `<out_url>/final` at the end. With `resume=True` a run
+each rank's optimizer state, RNG; the last two are kept), `<out_url>/final` at the end (weights and
+tokenizer only: RL starts its own optimizer). With `resume=True` a run
 continues from the newest complete step checkpoint (the batch order is a pure function of seed and
 step, so a resumed run produces the same weights as an uninterrupted one) and returns at once if
-`final` is complete. `maybe_inject_fault("sft", step)` runs at the start of each step (1-based).
+`final` is complete. `maybe_inject_fault("sft", step, out_url)` runs at the start of each step (1-based).
 Metrics through `log_metrics(dict, step)`: `sft/loss`, `sft/lr`, `sft/grad_norm`, `sft/tokens_per_s`,
 `sft/epoch`. A tqdm bar shows progress and ETA.
 
@@ -23,6 +25,7 @@ warm-up, cosine, batch 128, on 222K samples; the tiny profile trains a from-scra
 
 from __future__ import annotations
 
+import asyncio
 import io
 import math
 import time
@@ -35,17 +38,12 @@ from tqdm import tqdm
 from rstar2_core import storage
 from rstar2_core.config import Config
 from rstar2_core.faults import maybe_inject_fault
-from rstar2_core.models.backend import make_backend
-from rstar2_core.models.io import (
-    latest_complete,
-    load_model_and_tokenizer,
-    read_extra,
-    read_meta,
-    save_checkpoint,
-)
+from rstar2_core.models.io import latest_complete, load_tokenizer, read_extra, read_meta
 from rstar2_core.results import StageResult
+from rstar2_core.runtime import TrainerSpec, open_runtime
+from rstar2_core.runtime.checkpoint import publish_policy_checkpoint
 from rstar2_core.sft.data import read_sft_rows
-from rstar2_core.sft.packing import IGNORE, PackedRow, collate, encode_conversations, epoch_rows
+from rstar2_core.sft.packing import IGNORE, PackedRow, encode_conversations, epoch_rows
 
 STAGE = "sft"
 STATE_FILE = "trainer_state.pt"
@@ -64,15 +62,11 @@ def masked_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch
     return loss, n
 
 
-def _device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _save_step(backend, tokenizer, steps_url: str, step: int, loss: float) -> None:
+def _save_step(trainer, tokenizer, steps_url: str, step: int, loss: float) -> None:
     buf = io.BytesIO()
-    torch.save({"backend": backend.state_dict(), "torch_rng": torch.get_rng_state(), "step": step}, buf)
-    save_checkpoint(backend, tokenizer, storage.join(steps_url, f"step-{step:06d}"),
-                    extra={STATE_FILE: buf.getvalue()}, meta={"step": step, "sft/loss": loss})
+    torch.save({"torch_rng": torch.get_rng_state(), "step": step}, buf)
+    publish_policy_checkpoint(storage.join(steps_url, f"step-{step:06d}"), trainer, tokenizer,
+                              extra={STATE_FILE: buf.getvalue()}, meta={"step": step, "sft/loss": loss})
     done = [u for u in storage.list_dirs(steps_url) if storage.is_complete(u)]
     for old in sorted(done, key=lambda u: read_meta(u).get("step", -1))[:-KEEP_STEP_CHECKPOINTS]:
         storage.remove(old)
@@ -86,24 +80,22 @@ def run_sft(cfg: Config, *, base_model_url: str, sft_data_url: str, out_url: str
             log_metrics: MetricsFn | None = None, resume: bool = True) -> StageResult:
     """Train `base_model_url` on the conversations at `sft_data_url`; the final checkpoint is
     `<out_url>/final`. Resumes from `<out_url>/steps` when `resume`."""
-    from rstar2_core.chat import ChatFormat
-
-    sc = cfg.sft
     final_url = storage.join(out_url, "final")
-    steps_url = storage.join(out_url, "steps")
     if resume and storage.is_complete(final_url):
         meta = read_meta(final_url)
         return StageResult(name=STAGE, checkpoint_url=final_url, metrics=meta.get("metrics", {}),
                            steps=int(meta.get("step", 0)), extra={"resumed_final": True})
+    return asyncio.run(_run_sft(cfg, base_model_url, sft_data_url, out_url, log_metrics, resume))
 
+
+async def _run_sft(cfg: Config, base_model_url: str, sft_data_url: str, out_url: str,
+                   log_metrics: MetricsFn | None, resume: bool) -> StageResult:
+    from rstar2_core.chat import ChatFormat
+
+    sc = cfg.sft
+    final_url, steps_url = storage.join(out_url, "final"), storage.join(out_url, "steps")
     last = latest_complete(steps_url) if resume else None
-    device = _device()
-    model, tokenizer = load_model_and_tokenizer(last or base_model_url, dtype=cfg.model.dtype, device=device)
-    model.train()
-    model.config.use_cache = False
-    if cfg.model.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-
+    tokenizer = load_tokenizer(last or base_model_url)
     chat = ChatFormat(tokenizer)
     docs, too_long = encode_conversations(read_sft_rows(sft_data_url), chat, sc.max_seq_len)
     if not docs:
@@ -113,51 +105,41 @@ def run_sft(cfg: Config, *, base_model_url: str, sft_data_url: str, out_url: str
     rows = epoch_rows(docs, sc.epochs, sc.seed, sc.max_seq_len, pad_id, sc.pack)
     total_steps = _batches(rows, sc.batch_size)
     warmup = round(sc.warmup_ratio * total_steps)
-    backend = make_backend(model, sc, total_steps=total_steps, warmup_steps=warmup, schedule=sc.schedule)
-
-    start = 0
-    if last is not None:
-        state = torch.load(io.BytesIO(read_extra(last, STATE_FILE)), weights_only=False)
-        backend.load_state_dict(state["backend"])
-        torch.set_rng_state(state["torch_rng"])
-        start = int(state["step"])
-
+    spec = TrainerSpec("sft", total_steps, warmup, sc.schedule)
     n_label = sum(sum(m) for _, m in docs)
-    mask_dtype = torch.bfloat16 if getattr(backend, "use_autocast", False) else next(model.parameters()).dtype
-    bar = tqdm(total=total_steps, initial=start, desc="sft", unit="step", dynamic_ncols=True)
     metrics: dict[str, float] = {}
-    for step in range(start, total_steps):
-        maybe_inject_fault(STAGE, step + 1)
-        t0 = time.perf_counter()
-        batch_rows = rows[step * sc.batch_size:(step + 1) * sc.batch_size]
-        n_tok = sum(sum(1 for x in r.labels[1:] if x != IGNORE) for r in batch_rows)
-        lr = float(getattr(backend, "current_lr", sc.lr))
-        loss_sum = 0.0
-        for i in range(0, len(batch_rows), sc.micro_batch_size):
-            mb = collate(batch_rows[i:i + sc.micro_batch_size], device, mask_dtype)
-            with backend.autocast():
-                logits = backend.model(input_ids=mb["input_ids"], position_ids=mb["position_ids"],
-                                       attention_mask=mb.get("attention_mask"), use_cache=False).logits
-            loss, _ = masked_token_loss(logits, mb["labels"])
-            backend.backward(loss / max(1, n_tok))
-            loss_sum += float(loss.detach())
-        grad_norm = backend.step()
-        dt = time.perf_counter() - t0
-        real = sum(r.n_real for r in batch_rows)
-        metrics = {"sft/loss": loss_sum / max(1, n_tok), "sft/lr": lr, "sft/grad_norm": grad_norm,
-                   "sft/tokens_per_s": real / dt, "sft/epoch": (step + 1) / total_steps * sc.epochs}
-        if log_metrics is not None:
-            log_metrics(metrics, step + 1)
-        bar.set_postfix(loss=f"{metrics['sft/loss']:.3f}", lr=f"{lr:.2e}", tok_s=f"{real / dt:.0f}")
-        bar.update(1)
-        done = step + 1
-        if sc.checkpoint_every and done % sc.checkpoint_every == 0 and done < total_steps:
-            _save_step(backend, tokenizer, steps_url, done, metrics["sft/loss"])
-    bar.close()
-
-    model.config.use_cache = True
-    summary = {**metrics, "sft/n_conversations": len(docs), "sft/n_rows": len(rows),
-               "sft/skipped_too_long": too_long, "sft/label_tokens_per_epoch": n_label}
-    save_checkpoint(backend, tokenizer, final_url, meta={"step": total_steps, "metrics": summary})
+    async with open_runtime(cfg, policy_url=last or base_model_url, trainer=spec, engines=False, sandbox=False,
+                            grader=False) as rt:
+        start = 0
+        if last is not None:
+            state = torch.load(io.BytesIO(read_extra(last, STATE_FILE)), weights_only=False)
+            if not rt.trainer.load_state(last):
+                raise FileNotFoundError(f"{last} has no trainer state (trainer/); delete it to restart SFT")
+            torch.set_rng_state(state["torch_rng"])
+            start = int(state["step"])
+        bar = tqdm(total=total_steps, initial=start, desc="sft", unit="step", dynamic_ncols=True)
+        for step in range(start, total_steps):
+            kind = maybe_inject_fault(STAGE, step + 1, out_url)
+            if kind is not None:
+                await rt.inject_fault(kind)
+            t0 = time.perf_counter()
+            batch_rows = rows[step * sc.batch_size:(step + 1) * sc.batch_size]
+            m = rt.trainer.sft_update(batch_rows, micro_batch_size=sc.micro_batch_size)
+            dt = time.perf_counter() - t0
+            metrics = {"sft/loss": m["sft/loss"], "sft/lr": m["sft/lr"], "sft/grad_norm": m["sft/grad_norm"],
+                       "sft/tokens_per_s": m["sft/real_tokens"] / dt, "sft/epoch": (step + 1) / total_steps * sc.epochs}
+            if log_metrics is not None:
+                log_metrics(metrics, step + 1)
+            bar.set_postfix(loss=f"{metrics['sft/loss']:.3f}", lr=f"{metrics['sft/lr']:.2e}",
+                            tok_s=f"{metrics['sft/tokens_per_s']:.0f}")
+            bar.update(1)
+            done = step + 1
+            if sc.checkpoint_every and done % sc.checkpoint_every == 0 and done < total_steps:
+                _save_step(rt.trainer, tokenizer, steps_url, done, metrics["sft/loss"])
+        bar.close()
+        summary = {**metrics, "sft/n_conversations": len(docs), "sft/n_rows": len(rows),
+                   "sft/skipped_too_long": too_long, "sft/label_tokens_per_epoch": n_label}
+        publish_policy_checkpoint(final_url, rt.trainer, tokenizer, optimizer=False,
+                                  meta={"step": total_steps, "metrics": summary})
     return StageResult(name=STAGE, checkpoint_url=final_url, metrics=summary, steps=total_steps,
                        extra={"resumed_from": last, "total_steps": total_steps})

@@ -2,7 +2,7 @@
 
 They follow the contracts in docs/CONTRACTS.md where the pipeline depends on them: artifacts at
 `out_url` published atomically with `_COMPLETE`, RL stages that checkpoint every step under `out_url`,
-resume from the last step checkpoint, call `maybe_inject_fault(stage.name, step)` at each step start and
+resume from the last step checkpoint, call `maybe_inject_fault(stage.name, step, out_url)` at each step start and
 log one metric per step. Every call is appended to $RSTAR2_HOME/calls.jsonl so tests can count them.
 """
 
@@ -78,7 +78,7 @@ def run_rl_stage(cfg, stage_index, *, init_checkpoint_url, data_url, out_url, lo
     start = max((int(u.rsplit("-", 1)[1]) for u in done), default=0)
     _note("rl", stage=st.name, start=start, tracking_run_id=tracking_run_id)
     for step in range(start + 1, st.steps + 1):
-        maybe_inject_fault(st.name, step)
+        maybe_inject_fault(st.name, step, out_url)
         if log_metrics:
             log_metrics({"rollout/reward_mean": step / st.steps}, step)
         _checkpoint(storage.join(steps_dir, f"step-{step:06d}"), {"step": step, "run_id": tracking_run_id})

@@ -1,18 +1,31 @@
 import pytest
 
-from rstar2_core.faults import InjectedFault, maybe_inject_fault, parse_fault_spec
+from rstar2_core.faults import FAULT_KINDS, InjectedFault, maybe_inject_fault, parse_fault_spec
 
 
-def test_fault_fires_once(monkeypatch, tmp_path):
-    monkeypatch.setenv("RSTAR2_HOME", str(tmp_path))
+def test_fault_fires_once_per_run_folder(monkeypatch, tmp_path):
     monkeypatch.setenv("RSTAR2_FAULT_INJECT", "rl-stage-1:step=3")
-    maybe_inject_fault("rl-stage-1", 2)
-    maybe_inject_fault("rl-stage-2", 3)
+    run_a, run_b = (tmp_path / "a").as_uri(), (tmp_path / "b").as_uri()
+    assert maybe_inject_fault("rl-stage-1", 2, run_a) is None
+    assert maybe_inject_fault("rl-stage-2", 3, run_a) is None
     with pytest.raises(InjectedFault):
-        maybe_inject_fault("rl-stage-1", 3)
-    maybe_inject_fault("rl-stage-1", 3)  # the retry goes through
+        maybe_inject_fault("rl-stage-1", 3, run_a)
+    assert maybe_inject_fault("rl-stage-1", 3, run_a) is None   # the retry of that run goes through
+    with pytest.raises(InjectedFault):                           # a fresh run fails again
+        maybe_inject_fault("rl-stage-1", 3, run_b)
 
 
-def test_bad_spec_says_the_format():
-    with pytest.raises(ValueError, match="<stage>:step=<n>"):
-        parse_fault_spec("rl-stage-1@3")
+def test_other_kinds_are_returned_for_the_runtime(monkeypatch, tmp_path):
+    monkeypatch.setenv("RSTAR2_FAULT_INJECT", "rl-stage-1:step=2:kill-engine, rl-stage-1:step=3:engine-errors")
+    run = tmp_path.as_uri()
+    assert maybe_inject_fault("rl-stage-1", 2, run) == "kill-engine"
+    assert maybe_inject_fault("rl-stage-1", 2, run) is None
+    assert maybe_inject_fault("rl-stage-1", 3, run) == "engine-errors"
+    assert parse_fault_spec("sft:step=1") == [("sft", 1, "raise")]
+    assert set(FAULT_KINDS) == {"raise", "kill-engine", "kill-trainer", "engine-errors"}
+
+
+@pytest.mark.parametrize("spec", ["rl-stage-1@3", "rl-stage-1:step=x", "rl-stage-1:step=2:explode"])
+def test_bad_spec_says_the_format(spec):
+    with pytest.raises(ValueError, match=r"<stage>:step=<n>\[:<kind>\]"):
+        parse_fault_spec(spec)

@@ -68,10 +68,23 @@ def _cpu_layout(n_engines: int):
     return compute_layout(load_config("tiny", [f"rollout.num_engines={n_engines}"]))
 
 
+class _Trainer:
+    def __init__(self, weights):
+        self.weights = weights
+
+    def weights_ref(self):
+        import ray
+
+        return ray.put(self.weights), sum(t.numel() * t.element_size() for t in self.weights.values())
+
+
 @pytest.mark.slow
 def test_remote_engines_generate_and_sync_weights(ray_here):
-    from rstar2_core.cluster.engines import start_engines, sync_weights
+    from types import SimpleNamespace
+
+    from rstar2_core.cluster.engines import start_engines
     from rstar2_core.cluster.placement import ActorGroup
+    from rstar2_core.cluster.weight_sync import make_weight_sync
 
     layout = _cpu_layout(2)
     with ActorGroup(None) as group:
@@ -87,17 +100,19 @@ def test_remote_engines_generate_and_sync_weights(ray_here):
         assert outs[5].token_ids == (5, 3, 2) and outs[5].finish_reason == "length"
 
         weights = {"a": torch.ones(4), "b": torch.full((2, 2), 2.0)}  # sum 12
-        rep = sync_weights(engines, weights, mode="state_dict")
-        assert rep.bytes == 8 * 4 and len(rep.engine_seconds) == 2 and rep.metrics()["rollout/weight_sync_s"] >= 0
+        rt = SimpleNamespace(engines=engines, trainer=_Trainer(weights),
+                             cfg=load_config("tiny"))
+        rep = make_weight_sync("object_store", rt).push()
+        assert rep.bytes == 8 * 4 and len(rep.engine_seconds) == 2 and rep.metrics()["sync/seconds"] >= 0
         out = asyncio.run(engines[1].generate([1], SamplingParams(max_new_tokens=1)))
         assert out.token_ids == (13,)
-        sync_weights(engines, "s3://bucket/ckpt/step-3", mode="checkpoint")
-        hist = group.call_all("pid")
-        assert len(set(hist)) == 2
-        with pytest.raises(ValueError, match="needs a state dict"):
-            sync_weights(engines, "s3://x", mode="state_dict")
-        with pytest.raises(ValueError, match="complete checkpoint"):
-            sync_weights(engines, weights, mode="checkpoint")
+        rep = make_weight_sync("checkpoint", rt).push("s3://bucket/ckpt/step-3")
+        assert rep.mode == "checkpoint" and rep.bytes == 0
+        assert len(set(group.call_all("pid"))) == 2
+        with pytest.raises(ValueError, match="needs the URL"):
+            make_weight_sync("checkpoint", rt).push(None)
+        with pytest.raises(ValueError, match="not a Ray-runtime backend"):
+            make_weight_sync("state_dict", rt)
 
 
 @pytest.mark.slow
@@ -117,7 +132,8 @@ def test_dead_engine_raises_actor_failure(ray_here, kill_and_wait):
 
 
 def test_production_engine_options_pin_tp_workers():
-    from rstar2_core.cluster.engines import EngineSpec, engine_actor_options
+    from rstar2_core.cluster.engines import engine_actor_options
+    from rstar2_core.runtime.engines import EngineSpec
 
     cfg = load_config("qwen3-14b-mi300x")
     layout = compute_layout(cfg)
@@ -127,5 +143,7 @@ def test_production_engine_options_pin_tp_workers():
     tp1 = compute_layout(load_config("qwen3-14b-mi300x", ["rollout.tensor_parallel_size=1",
                                                           "rollout.num_engines=64"]))
     assert engine_actor_options(tp1.engines[9], None) == {"num_cpus": 1, "num_gpus": 0.5}
-    spec = EngineSpec.from_config(cfg, "s3://rstar2-artifacts/runs/x/sft", max_model_len=12288 + 2048)
-    assert (spec.kind, spec.tensor_parallel_size, spec.dtype) == ("vllm", 2, "bfloat16")
+    spec = EngineSpec.from_config(cfg, "s3://rstar2-artifacts/runs/x/sft", 12288 + 2048, "cuda")
+    assert (spec.kind, spec.tensor_parallel_size, spec.dtype, spec.weight_transfer) == ("vllm", 2, "bfloat16", "ipc")
+    actor = spec.for_actor("cuda", tp_over_ray=True)
+    assert actor.distributed_executor_backend == "ray" and actor.max_model_len == 12288 + 2048

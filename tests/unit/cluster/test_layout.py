@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from rstar2_core.cluster.layout import LayoutError, compute_layout, driver_conflicts
-from rstar2_core.config import load_config
+from rstar2_core.config import ConfigError, load_config
 
 
 def test_production_layout_uses_64_gpus_colocated():
@@ -40,18 +40,22 @@ def test_production_layout_uses_64_gpus_colocated():
     assert "64 GPUs" in text and "32 engine(s) x TP 2" in text and "node 7" in text
 
 
-def test_production_profile_driver_reservation_is_reported():
+def test_production_profile_driver_holds_no_gpu_and_a_reservation_is_refused():
     cfg = load_config("qwen3-14b-mi300x")
     lay = compute_layout(cfg)
-    problems = driver_conflicts(lay, cfg.cluster.resources.get("rl"))
-    assert cfg.cluster.resources["rl"].num_gpus > 0 and len(problems) == 1
-    assert "cluster.resources.rl.num_gpus = 0" in problems[0]
-    fixed = load_config("qwen3-14b-mi300x", ["cluster.resources.rl.num_gpus=0"])
-    assert driver_conflicts(compute_layout(fixed), fixed.cluster.resources["rl"]) == []
+    assert cfg.cluster.runtime == "ray" and cfg.cluster.resources["rl"].num_gpus == 0
+    assert driver_conflicts(lay, cfg.cluster.resources.get("rl")) == []
+    with pytest.raises(ConfigError, match=r"cluster.resources.rl.num_gpus = 0"):
+        load_config("qwen3-14b-mi300x", ["cluster.resources.rl.num_gpus=8"])
+    # the local runtime has no layout to starve: a GPU for the task that runs the stage in process is fine
+    local = load_config("qwen3-14b-mi300x", ['cluster.runtime="local"', "cluster.resources.rl.num_gpus=8",
+                                             'rollout.weight_sync="auto"'])
+    assert local.cluster.resources["rl"].num_gpus == 8
 
 
 def test_separate_layout_splits_gpus():
     cfg = load_config("qwen3-14b-mi300x", ["cluster.layout=\"separate\"", "cluster.trainer_gpus=32",
+                                           "rollout.weight_sync=\"nccl\"",
                                            "rollout.num_engines=16", "sandbox.ray_actors_per_node=4"])
     lay = compute_layout(cfg)
     trainer = {(t.node, t.bundle_index) for t in lay.trainer_shards}
@@ -67,7 +71,8 @@ def test_separate_layout_splits_gpus():
     (["rollout.tensor_parallel_size=3", "rollout.num_engines=2"], "must divide cluster.gpus_per_node"),
     (["cluster.cpus_per_node=20"], "cluster.cpus_per_gpu"),
     (["sandbox.ray_actors_per_node=500"], "at most 104"),
-    (["cluster.layout=\"separate\"", "cluster.trainer_gpus=31", "rollout.num_engines=16"], "multiple of"),
+    (["cluster.layout=\"separate\"", "cluster.trainer_gpus=31", "rollout.num_engines=16",
+      "rollout.weight_sync=\"nccl\""], "multiple of"),
 ])
 def test_bad_layouts_name_the_fix(overrides, needle):
     with pytest.raises(LayoutError, match=needle.replace(".", r"\.")):
@@ -79,5 +84,7 @@ def test_cpu_only_layout_runs_engines_in_the_driver():
     assert lay.total_gpus == 0 and lay.trainer_shards[0].bundle_index == -1
     assert all(e.bundle_indices == () for e in lay.engines)
     assert [b.resources() for b in lay.placement_groups[0].bundles] == [{"CPU": 1.0}]  # 2 CPUs - 1 driver
+    with pytest.raises(ConfigError, match="the HF engine has no tensor parallelism"):
+        load_config("tiny", ["rollout.tensor_parallel_size=2"])
     with pytest.raises(LayoutError, match="needs GPUs"):
-        compute_layout(load_config("tiny", ["rollout.tensor_parallel_size=2"]))
+        compute_layout(load_config("tiny", ["rollout.tensor_parallel_size=2", 'rollout.engine="vllm"']))

@@ -1,7 +1,9 @@
-"""Two DeepSpeed ZeRO-2 trainer shards as Ray actors (gloo, CPU), started by StageRuntime with engines and
-the sandbox, take one RL step that equals a single TorchBackend step on the whole batch, even with uneven
-tokens per rank; the new weights reach an engine actor through the object store; a killed trainer fails
-the next step with a retryable ActorFailure and leaves no process behind."""
+"""Two DeepSpeed trainer shards as Ray actors (gloo, CPU, ZeRO-2 and ZeRO-3), started by RayRuntime with
+engines and the sandbox, take one RL step that equals a single TorchBackend step on the whole batch, also
+when the split over the ranks is forced uneven (one rank 5 trajectories, the other 1: the short rank pads
+with zero-weight micro-batches, or it would hang in the next collective); the new weights reach an engine
+actor through the object store; a killed trainer fails the next step with a retryable ActorFailure and
+leaves no process behind."""
 
 from __future__ import annotations
 
@@ -14,9 +16,8 @@ import torch
 
 pytest.importorskip("deepspeed")
 
-from rstar2_core.cluster.layout import ClusterLayout, TrainerShard
-from rstar2_core.cluster.trainer import split_by_tokens
 from rstar2_core.rollout.types import Trajectory
+from rstar2_core.runtime.sharding import micro_batches_per_rank, split_by_weight
 
 
 def tiny_model():
@@ -59,14 +60,41 @@ class SumEngine:
         pass
 
 
-def test_split_by_tokens_balances_and_refuses_too_few():
+def test_split_by_weight_balances_and_lets_a_rank_go_empty():
     trajs = _trajectories(7)
-    parts = split_by_tokens(trajs, 2)
+    w = lambda t: float(sum(t.loss_mask))  # noqa: E731
+    parts = split_by_weight(trajs, 2, w)
     assert sorted(i for p in parts for i in p) == list(range(7)) and all(parts)
-    loads = [sum(sum(trajs[i].loss_mask) for i in p) for p in parts]
-    assert max(loads) - min(loads) <= max(sum(t.loss_mask) for t in trajs)
-    with pytest.raises(ValueError, match="cannot feed 8 trainer ranks"):
-        split_by_tokens(trajs, 8)
+    loads = [sum(w(trajs[i]) for i in p) for p in parts]
+    assert max(loads) - min(loads) <= max(w(t) for t in trajs)
+    eight = split_by_weight(trajs, 8, w)             # more ranks than work: some ranks get nothing
+    assert sum(1 for p in eight if not p) == 1 and sorted(i for p in eight for i in p) == list(range(7))
+    assert micro_batches_per_rank(eight, 2) == 1 and micro_batches_per_rank([[0, 1, 2], [3]], 2) == 2
+    assert micro_batches_per_rank([[], []], 4) == 1  # an empty step still runs one (padding) pass per rank
+
+
+def test_padding_micro_batches_change_nothing_and_an_empty_rank_still_steps():
+    """Zero-weight padding passes add nothing to the gradient; a rank with no trajectory runs them and
+    takes the optimizer step with the others (here: one process standing in for each rank)."""
+    from rstar2_core.models.backend import TorchBackend
+    from rstar2_core.rl.trainer import rl_update
+
+    trajs, adv = _trajectories(5), [1.0, -1.0, 0.5, -0.5, 1.5]
+    a = TorchBackend(tiny_model(), lr=1e-2, total_steps=10, warmup_steps=0, schedule="constant")
+    b = TorchBackend(tiny_model(), lr=1e-2, total_steps=10, warmup_steps=0, schedule="constant")
+    ma = rl_update(a, trajs, adv, pad_id=0, micro_batch_size=2)
+    mb = rl_update(b, trajs, adv, pad_id=0, micro_batch_size=2, num_micro_batches=6)
+    assert mb["actor/micro_batches"] == 6 and ma["actor/micro_batches"] == 3
+    assert mb["actor/grad_norm"] == pytest.approx(ma["actor/grad_norm"], rel=1e-6)
+    for pa, pb in zip(a.model.parameters(), b.model.parameters()):
+        torch.testing.assert_close(pa, pb, rtol=0, atol=1e-7)
+    with pytest.raises(ValueError, match="num_micro_batches=2"):
+        rl_update(b, trajs, adv, pad_id=0, micro_batch_size=2, num_micro_batches=2)
+    c = TorchBackend(tiny_model(), lr=1e-2, total_steps=10, warmup_steps=0, schedule="constant")
+    before = [p.detach().clone() for p in c.model.parameters()]
+    mc = rl_update(c, [], [], pad_id=0, micro_batch_size=2, total_tokens=40.0, num_micro_batches=3)
+    assert mc["actor/skipped"] == 0.0 and mc["actor/tokens"] == 0.0 and c.global_step == 1
+    assert all(torch.equal(x, y) for x, y in zip(before, c.model.parameters()))
 
 
 def _alive(pid: int) -> bool:
@@ -84,72 +112,95 @@ class FakeSandbox:
         self.closed = True
 
 
+class _Tok:
+    pad_token_id = eos_token_id = 0
+
+
+def _ray_cfg(zero: int):
+    from rstar2_core.config import load_config
+
+    return load_config("tiny", ["rl.lr=1e-2", "rl.grad_clip=0.05", "rl.weight_decay=0.0", "rl.warmup_steps=0",
+                                'cluster.runtime="ray"', 'rl.backend="deepspeed"', 'sft.backend="deepspeed"',
+                                'sandbox.backend="ray"', "cluster.trainer_ranks=2", f"rl.zero_stage={zero}"])
+
+
 @pytest.mark.slow
-def test_two_zero2_shards_match_one_torch_step_and_sync_to_engines(ray_here, kill_and_wait):
-    """Through StageRuntime: trainers, engines and the sandbox placed per a layout; one RL step on two
-    ZeRO-2 ranks equals one TorchBackend step; weights reach the engine; a killed trainer fails the
-    next step with ActorFailure and takes every actor and placement group down with it."""
+@pytest.mark.parametrize("zero", [2, 3])
+def test_two_shards_match_one_torch_step_even_or_not_and_sync_to_engines(ray_here, zero):
+    """Through RayRuntime: trainers, engines and the sandbox placed per the layout; one RL step on two
+    ZeRO ranks equals one TorchBackend step, for the balanced split and for a forced 5/1 split; weights
+    reach the engine; a killed trainer fails the next step with ActorFailure and takes every actor and
+    placement group down with it."""
     import asyncio
 
-    import ray
-
     from rstar2_core.cluster.errors import ActorFailure
-    from rstar2_core.cluster.layout import Bundle, EngineSlot, PlacementGroupSpec, SandboxSlot
-    from rstar2_core.cluster.runtime import StageRuntime
-    from rstar2_core.config import load_config
+    from rstar2_core.cluster.placement import kill_and_wait
+    from rstar2_core.cluster.runtime import RayRuntime
     from rstar2_core.models.backend import TorchBackend
     from rstar2_core.rl.trainer import rl_update
     from rstar2_core.rollout.types import SamplingParams
+    from rstar2_core.runtime import TrainerSpec
 
-    cfg = load_config("tiny", ["rl.lr=1e-2", "rl.grad_clip=0.05", "rl.weight_decay=0.0", "rl.warmup_steps=0",
-                               "rl.backend=\"deepspeed\"", "rl.zero_stage=2"])
+    cfg = _ray_cfg(zero)
     trajs, adv = _trajectories(6), [1.0, -1.0, 0.5, -0.5, 1.5, -1.5]
     ref = TorchBackend(tiny_model(), lr=1e-2, total_steps=10, warmup_steps=0, schedule="constant", grad_clip=0.05)
     ref_m = rl_update(ref, trajs, adv, pad_id=0, micro_batch_size=2)
+    want = {k: v.clone() for k, v in ref.model.state_dict().items()}
+    ref2_m = rl_update(ref, trajs, adv, pad_id=0, micro_batch_size=2)   # the reference's second step
 
-    layout = ClusterLayout("colocated", 1, 0, 2, (PlacementGroupSpec("t-rt-node0", 0, (Bundle(0, 1, "sandbox"),)),),
-                           (EngineSlot(0, 0, (), 1, 0.0),),
-                           (TrainerShard(0, 0, -1, 0.0), TrainerShard(1, 0, -1, 0.0)), (SandboxSlot(0, 0, 1),))
-    rt = StageRuntime(cfg, policy_url="unused", max_model_len=64, total_steps=10, layout=layout,
-                      model_factory=tiny_model, engine_factory=lambda i: SumEngine, sandbox_factory=FakeSandbox)
-    sandbox = rt.sandbox
-    try:
-        assert [(pg.id, i, c) for pg, i, c in sandbox.placements] == [(rt.group.pgs[0].id, 0, 1)]
-        assert len(set(rt.trainers.pids)) == 2
-        m = rt.trainers.rl_update(trajs, adv, pad_id=0, micro_batch_size=2)
-        assert m["actor/grad_norm"] == pytest.approx(ref_m["actor/grad_norm"], rel=1e-4)
-        assert m["actor/grad_norm"] > 0.05  # clipping was active
-        assert m["actor/pg_loss"] == pytest.approx(ref_m["actor/pg_loss"], rel=1e-4, abs=1e-6)
-        assert m["actor/tokens"] == ref_m["actor/tokens"]
-        weights_ref, size = rt.trainers.weights_ref()
-        got, want = ray.get(weights_ref), ref.model.state_dict()
-        assert size > 0 and set(got) == set(want)
-        for k in want:
-            torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5)
-        rep = rt.sync_weights()  # cfg.rollout.weight_sync = state_dict: rank 0's ref goes to the engines
-        assert rep.bytes == size and rep.mode == "state_dict"
-        total = float(sum(float(v.double().sum()) for v in want.values()))
-        out = asyncio.run(rt.engines[0].generate([1], SamplingParams(max_new_tokens=1)))
-        assert out.token_ids[0] == pytest.approx(int(total * 1000) % 10_000, abs=1)
-        pids = rt.trainers.pids
-        kill_and_wait(ray, rt.group.actors["trainer-1"])
-        with pytest.raises(ActorFailure, match="trainer-1"):
-            rt.trainers.rl_update(trajs, adv, pad_id=0, micro_batch_size=2)
-        assert rt.group.actors == {} and rt.group.pgs == []
-        deadline = time.time() + 15
-        while any(_alive(p) for p in pids):
-            assert time.time() < deadline, "a trainer process outlived the failure"
-            time.sleep(0.2)
-    finally:
-        rt.close()
-    assert sandbox.closed and rt.sandbox is None
+    async def run():
+        async with RayRuntime(cfg, policy_url="unused", trainer=TrainerSpec("rl", 10, 0, "constant"), grader=False,
+                              model_factory=tiny_model, engine_factory=lambda i: SumEngine,
+                              sandbox_factory=FakeSandbox, tokenizer=_Tok()) as rt:
+            sandbox = rt.sandbox
+            assert [(pg.id, i, c) for pg, i, c in sandbox.placements] == [(rt.group.pgs[0].id, 0, 1)]
+            assert len(set(rt.trainer.pids)) == 2 and rt.trainer.world_size == 2
+            m = rt.trainer.rl_update(trajs, adv, pad_id=0, micro_batch_size=2)
+            assert m["actor/grad_norm"] == pytest.approx(ref_m["actor/grad_norm"], rel=1e-4)
+            assert m["actor/grad_norm"] > 0.05  # clipping was active
+            assert m["actor/pg_loss"] == pytest.approx(ref_m["actor/pg_loss"], rel=1e-4, abs=1e-6)
+            assert m["actor/tokens"] == ref_m["actor/tokens"]
+            weights_ref, size = rt.trainer.weights_ref()
+            import ray
+
+            got = ray.get(weights_ref)
+            assert size > 0 and set(got) == set(want)
+            for k in want:
+                torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5)
+            rep = rt.sync_weights()  # object_store: rank 0's ref goes to the engines
+            assert rep.bytes == size and rep.mode == "object_store"
+            total = float(sum(float(v.double().sum()) for v in want.values()))
+            out = await rt.engines[0].generate([1], SamplingParams(max_new_tokens=1))
+            assert out.token_ids[0] == pytest.approx(int(total * 1000) % 10_000, abs=1)
+            # second step, forced uneven: rank 0 gets 5 trajectories (3 micro-batches), rank 1 gets 1 (pads 2)
+            m2 = rt.trainer.rl_update(trajs, adv, pad_id=0, micro_batch_size=2, split=[[0, 1, 2, 3, 4], [5]])
+            assert m2["actor/micro_batches"] == 3
+            assert m2["actor/grad_norm"] == pytest.approx(ref2_m["actor/grad_norm"], rel=1e-4)
+            assert m2["actor/pg_loss"] == pytest.approx(ref2_m["actor/pg_loss"], rel=1e-4, abs=1e-6)
+            got = ray.get(rt.trainer.weights_ref()[0])
+            for k, v in ref.model.state_dict().items():
+                torch.testing.assert_close(got[k], v, rtol=1e-4, atol=1e-5)
+            pids = rt.trainer.pids
+            kill_and_wait(rt.trainer.actor(1))
+            with pytest.raises(ActorFailure, match="trainer-1"):
+                rt.trainer.rl_update(trajs, adv, pad_id=0, micro_batch_size=2)
+            assert rt.group.actors == {} and rt.group.pgs == []
+            return pids, sandbox
+
+    pids, sandbox = asyncio.run(run())
+    deadline = time.time() + 15
+    while any(_alive(p) for p in pids):
+        assert time.time() < deadline, "a trainer process outlived the failure"
+        time.sleep(0.2)
+    assert sandbox.closed
 
 
-def test_production_backend_kwargs_come_from_the_rl_config():
-    from rstar2_core.cluster.runtime import backend_kwargs
+def test_production_backend_options_come_from_the_rl_config():
     from rstar2_core.config import load_config
+    from rstar2_core.models.backend import backend_options
 
-    kw = backend_kwargs(load_config("qwen3-14b-mi300x"), total_steps=510)
+    cfg = load_config("qwen3-14b-mi300x")
+    kw = backend_options(cfg.rl, cfg.model, total_steps=510, warmup_steps=cfg.rl.warmup_steps, schedule="constant")
     assert kw == {"zero_stage": 3, "lr": 1e-6, "total_steps": 510, "warmup_steps": 20, "schedule": "constant",
-                  "weight_decay": 0.0, "betas": (0.9, 0.999), "grad_clip": 1.0, "micro_batch_size": 2,
-                  "gradient_checkpointing": True}
+                  "weight_decay": 0.0, "betas": (0.9, 0.999), "grad_clip": 1.0, "min_lr_ratio": 0.0,
+                  "micro_batch_size": 2, "gradient_checkpointing": True}

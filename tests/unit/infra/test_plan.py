@@ -26,12 +26,13 @@ def test_production_plan(capsys):
     dag = {t["name"]: t for t in plan["dag"]}
     assert dag["rl-stage-3"]["deps"] == ["rl-stage-2", "rl-stage-3-hard-subset"]
     assert dag["register"]["deps"] == ["eval-sft", "eval-rl-stage-1", "eval-rl-stage-2", "eval-rl-stage-3"]
-    assert (dag["curate"]["num_cpus"], dag["sft"]["num_gpus"]) == (32.0, 8.0)
+    assert (dag["curate"]["num_cpus"], dag["sft"]["num_gpus"], dag["sft"]["num_cpus"]) == (32.0, 0.0, 8.0)
+    assert dag["rl-stage-1"]["runtime_slot"] and dag["eval-sft"]["runtime_slot"] and not dag["curate"]["runtime_slot"]
     lay = plan["layout"]
     assert lay["nodes"] * lay["gpus_per_node"] == 64 and len(lay["engines"]) == 32
     assert len(lay["trainer_shards"]) == 64 and len(lay["placement_groups"]) == 8
     assert plan["image"] == "ghcr.io/rstar2/rstar2-rocm:0.1.0"
-    assert len(plan["problems"]) == 1 and "cluster.resources.rl.num_gpus" in plan["problems"][0]
+    assert plan["problems"] == []     # the stage tasks hold no GPU the layout needs; infra/ matches
 
 
 def test_plan_labels_match_the_flow_run_names():
@@ -47,13 +48,22 @@ def test_plan_labels_match_the_flow_run_names():
     assert {t.kind for t in dag} <= set(TASK_KINDS)  # the resource keys the pipeline reads
 
 
-def test_strict_fails_on_problems_and_passes_when_fixed(capsys):
-    assert main(["plan", "--profile", "qwen3-14b-mi300x", "--strict"]) == 1
+def test_strict_passes_the_production_profile_and_fails_on_an_infra_mismatch(capsys, tmp_path):
+    import shutil
+
+    assert main(["plan", "--profile", "qwen3-14b-mi300x", "--strict"]) == 0
     out = capsys.readouterr().out
-    assert "64 GPUs" in out and "rl-stage-2 (12K, 10 turns)" in out and "problems (1)" in out
-    assert main(["plan", "--profile", "qwen3-14b-mi300x", "--strict",
-                 "--set", "cluster.resources.rl.num_gpus=0"]) == 0
-    assert "infra/ matches the profile" in capsys.readouterr().out
+    assert "64 GPUs" in out and "rl-stage-2 (12K, 10 turns)" in out and "runtime ray: 32 vllm" in out
+    assert "infra/ matches the profile" in out and "runtime slot" in out
+    # an infra/ whose head lacks the runtime slot: the stage tasks could never be scheduled
+    from rstar2_cli.plan import INFRA, infra_problems
+
+    bad = tmp_path / "infra"
+    shutil.copytree(INFRA, bad)
+    rc = bad / "k8s" / "raycluster.yaml"
+    rc.write_text(rc.read_text().replace('resources: \'"{\\"rstar2_runtime\\": 1}"\'', ""))
+    problems = infra_problems(load_config("qwen3-14b-mi300x"), bad)
+    assert len(problems) == 1 and "rstar2_runtime" in problems[0]
 
 
 def test_layout_that_cannot_fit_exits_2_naming_the_field(capsys):

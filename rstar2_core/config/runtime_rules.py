@@ -1,0 +1,110 @@
+"""Cross-field rules of the runtime seam: which settings each runtime honours.
+
+A setting the chosen runtime (`cluster.runtime`) would not honour is refused at load time with the
+field path and what to set instead, never silently ignored. `runtime_problems(cfg)` returns the list;
+`Config` raises them together (pydantic then prefixes nothing: the messages name their own fields).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+STAGE_TASKS = ("sft", "rl", "hard_subset", "eval")
+"""Pipeline tasks that drive a stage through a runtime (their actors hold the GPUs)."""
+
+_DEFAULT_GPU_UTIL = 0.85
+
+
+def resolved_weight_sync(cfg: Any) -> str:
+    """`rollout.weight_sync` with `auto` resolved for the runtime, engine and layout."""
+    ws = cfg.rollout.weight_sync
+    if ws != "auto":
+        return ws
+    if cfg.cluster.runtime == "local":
+        return "state_dict"
+    if cfg.rollout.engine == "vllm" and cfg.cluster.gpus_per_node:
+        return "ipc" if cfg.cluster.layout == "colocated" else "nccl"
+    return "object_store"
+
+
+def runtime_problems(cfg: Any) -> list[str]:
+    cl, ro, p = cfg.cluster, cfg.rollout, []
+    ws = resolved_weight_sync(cfg)
+    if ro.engine == "hf":
+        if ro.tensor_parallel_size != 1:
+            p.append(f"rollout.tensor_parallel_size = {ro.tensor_parallel_size}: the HF engine has no tensor "
+                     "parallelism; set it to 1 or use rollout.engine = \"vllm\"")
+        if ro.gpu_memory_utilization != _DEFAULT_GPU_UTIL:
+            p.append("rollout.gpu_memory_utilization applies to vLLM engines only; the HF engine's KV cache is "
+                     "rollout.max_batch_size slots of the maximum length (or rollout.kv_capacity_tokens): remove it")
+        if ro.release_memory_during_training:
+            p.append("rollout.release_memory_during_training needs vLLM's sleep mode (rollout.engine = \"vllm\"); "
+                     "set it to false")
+    if ws in ("nccl", "ipc") and (ro.engine != "vllm" or not cl.gpus_per_node):
+        p.append(f"rollout.weight_sync = \"{ws}\" is vLLM's GPU weight transfer: it needs rollout.engine = \"vllm\" "
+                 "and cluster.gpus_per_node > 0; use \"object_store\" or \"checkpoint\"")
+    if ws == "checkpoint" and cfg.rl.checkpoint_every != 1:
+        p.append(f"rollout.weight_sync = \"checkpoint\" reloads the checkpoint each step publishes, but "
+                 f"rl.checkpoint_every = {cfg.rl.checkpoint_every}: set rl.checkpoint_every = 1")
+    if cl.runtime == "local":
+        p += _local_problems(cfg, ws)
+    else:
+        p += _ray_problems(cfg, ws)
+    return p
+
+
+def _local_problems(cfg: Any, ws: str) -> list[str]:
+    cl, p = cfg.cluster, []
+    if ws in ("object_store", "nccl", "ipc"):
+        p.append(f"rollout.weight_sync = \"{ws}\" needs cluster.runtime = \"ray\"; the local runtime copies "
+                 "weights in process (\"state_dict\") or reloads a checkpoint (\"checkpoint\")")
+    if cl.trainer_ranks > 1:
+        p.append(f"cluster.trainer_ranks = {cl.trainer_ranks}: the local runtime trains in one process; set "
+                 "cluster.runtime = \"ray\" for several ranks, or cluster.trainer_ranks = 0")
+    if cl.layout == "separate" or cl.trainer_gpus:
+        p.append("cluster.layout = \"separate\" / cluster.trainer_gpus place actors on a cluster; the local runtime "
+                 "has none: set cluster.runtime = \"ray\" or remove them")
+    if cfg.rollout.release_memory_during_training:
+        p.append("rollout.release_memory_during_training applies to colocated engine actors (cluster.runtime = "
+                 "\"ray\", cluster.layout = \"colocated\"); set it to false")
+    if cfg.sandbox.ray_actors_per_node and cfg.sandbox.backend != "ray":
+        p.append("sandbox.ray_actors_per_node applies to sandbox.backend = \"ray\"; remove it or set the backend")
+    return p
+
+
+def _ray_problems(cfg: Any, ws: str) -> list[str]:
+    cl, ro, p = cfg.cluster, cfg.rollout, []
+    for section in ("rl", "sft"):
+        backend = getattr(cfg, section).backend
+        if backend != "deepspeed":
+            p.append(f"{section}.backend = \"{backend}\": the Ray runtime's trainer shards are DeepSpeed ZeRO ranks; "
+                     f"set {section}.backend = \"deepspeed\" (zero_stage 2 or 3), or cluster.runtime = \"local\"")
+    if ws == "state_dict":
+        p.append("rollout.weight_sync = \"state_dict\" is the local runtime's in-process copy; on Ray use "
+                 "\"object_store\", \"checkpoint\", or for vLLM \"nccl\"/\"ipc\" (or \"auto\")")
+    if ws == "ipc" and cl.layout != "colocated":
+        p.append("rollout.weight_sync = \"ipc\" hands CUDA-IPC handles to an engine on the same GPU: it needs "
+                 "cluster.layout = \"colocated\"; use \"nccl\" for the separate layout")
+    if ws == "nccl" and cl.layout == "colocated":
+        p.append("rollout.weight_sync = \"nccl\" cannot broadcast between a trainer rank and an engine worker on the "
+                 "same GPU (one NCCL rank per device): use \"ipc\" with cluster.layout = \"colocated\"")
+    if cfg.sandbox.backend != "ray":
+        p.append("sandbox.backend = \"local\": the Ray runtime runs the sandbox as actors on the layout's CPU bundles; "
+                 "set sandbox.backend = \"ray\"")
+    if ro.release_memory_during_training and (ro.engine != "vllm" or cl.layout != "colocated"):
+        p.append("rollout.release_memory_during_training needs vLLM engines in cluster.layout = \"colocated\"")
+    if cl.gpus_per_node == 0 and cfg.model.dtype != "float32":
+        p.append(f"model.dtype = \"{cfg.model.dtype}\" on a CPU-only cluster (cluster.gpus_per_node = 0): DeepSpeed "
+                 "trains bf16/fp16 only on GPUs; set model.dtype = \"float32\"")
+    if cl.gpus_per_node and cl.trainer_ranks:
+        want = cl.nodes * cl.gpus_per_node if cl.layout == "colocated" else cl.trainer_gpus
+        if cl.trainer_ranks != want:
+            p.append(f"cluster.trainer_ranks = {cl.trainer_ranks} but the {cl.layout} layout has {want} trainer GPUs; "
+                     "set cluster.trainer_ranks = 0 (one rank per trainer GPU)")
+    for kind in STAGE_TASKS:
+        r = cl.resources.get(kind)
+        if r is not None and r.num_gpus:
+            p.append(f"cluster.resources.{kind}.num_gpus = {r.num_gpus:g}: with cluster.runtime = \"ray\" the {kind} "
+                     "task only drives its actors, which get their GPUs from the layout's placement groups; a GPU "
+                     f"held by the task would sit idle and starve the layout: set cluster.resources.{kind}.num_gpus = 0")
+    return p

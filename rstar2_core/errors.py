@@ -1,0 +1,30 @@
+"""Errors that cross layers: what the pipeline may retry, and why a stage stopped.
+
+`InfraError` is the one base of "the infrastructure failed, not the config, the data or the model":
+a dead engine or trainer actor (`cluster.errors.ActorFailure`), a step whose infrastructure failures
+passed `rl.max_infra_failure_share` (`InfraFailureShareExceeded`), engines that serve other weights
+than the trainer's (`StaleEngineWeights`), an injected fault (`faults.InjectedFault`). It subclasses
+`ConnectionError`, so the pipeline's retry rule (tasks/retry.py) retries it without knowing the
+subclasses, and a retried stage resumes from its last complete checkpoint.
+
+Bad input never raises these: a malformed config raises `ConfigError` (a `ValueError`), bad data a
+`ValueError` with the row and the reason; neither is retried.
+"""
+
+from __future__ import annotations
+
+
+class InfraError(ConnectionError):
+    """The infrastructure failed; a retry of the stage resumes from its last complete checkpoint."""
+
+
+class InfraFailureShareExceeded(InfraError):
+    """More of a step's trajectories failed for infrastructure reasons (engine errors, sandbox
+    internal errors or overload, grader timeouts) than `rl.max_infra_failure_share` allows: training on
+    what is left would train on a biased remainder, or on nothing."""
+
+
+class StaleEngineWeights(InfraError):
+    """The engines' sampling log-probs differ from the trainer's recomputed ones by more than
+    `rl.max_engine_logprob_gap`: after a weight sync the engines serve other weights than the trainer
+    holds (the failure TRL issue #5312 describes for sleep-mode engines)."""

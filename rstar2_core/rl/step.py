@@ -1,0 +1,161 @@
+"""One RL step on any runtime: rollout -> grade -> build_step_batch -> update -> (publish) -> weight sync.
+
+    outcome = await rl_step(rt, chat, batch, cfg=cfg, limits=limits, seed=seed, pad_id=pad)
+
+`rt` is a `StageRuntime` (rstar2_core/runtime/): its engines roll out `oversample x group_size`
+trajectories per prompt through `rollout.rollout_groups` (KV-aware admission across the engines, tool
+calls sent to the runtime's sandbox as soon as they are generated), its grader scores them (truncated
+trajectories score 0, as in the paper), `rl.groups.build_step_batch` keeps the RoC-resampled groups,
+its trainer takes one optimizer step, the trainer's new weights are pushed to every engine, and
+`publish(metrics)` (optional: the stage loop's checkpoint, returning its URL or None) runs last, with the
+step's complete metrics; with `rollout.weight_sync = "checkpoint"` it runs before the sync, since the
+engines reload what it published. The stage loop (rl/stage.py),
+bench/vs_trl.py, bench/runtime.py and the tests all call this function; there is no other copy of the
+step body.
+
+Failures are loud:
+- a step in which more than `rl.max_infra_failure_share` of the trajectories failed for infrastructure
+  reasons (engine errors, sandbox `internal` results or exceptions, grader timeouts) raises
+  `InfraFailureShareExceeded` before any update (retryable; counts in the message);
+- with recomputed old log-probs, a mean |engine - trainer| log-prob gap above
+  `rl.max_engine_logprob_gap` raises `StaleEngineWeights` before the step is published (the engines
+  sample from other weights than the trainer holds);
+- a dead actor raises `ActorFailure` from whichever call noticed it.
+Grader timeouts keep reward 0 (the paper) but count as infrastructure failures in the share.
+
+Metrics (one dict per step): `rollout/...` and `actor/...` (groups.py, trainer.py), `infra/...`
+(failure counts and share), `timing/{rollout,grade,train,publish,sync,step}_s`, `sync/...` (bytes
+and seconds per sync), `usage/...` (runtime/usage.py: device-seconds and idle fractions by role,
+sandbox call seconds and latency percentiles, tokens generated vs trained).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rstar2_core.errors import InfraFailureShareExceeded, StaleEngineWeights
+from rstar2_core.rl.data import RLProblem
+from rstar2_core.rl.groups import build_step_batch, is_infra_failed
+from rstar2_core.rollout.types import RolloutLimits, Trajectory
+from rstar2_core.runtime.usage import step_usage_metrics
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one RL step did: its metrics, whether an optimizer step was taken, the checkpoint it published."""
+
+    metrics: dict[str, float]
+    stepped: bool
+    checkpoint_url: str | None = None
+
+
+@dataclass(frozen=True)
+class Grades:
+    """Rewards per trajectory (`rewards[g][j]`) and which ones the grader timed out on."""
+
+    rewards: list[list[float]]
+    timeouts: list[list[bool]]
+
+
+def grade_groups(grader: Any, groups: Sequence[Sequence[Trajectory]], answers: Sequence[str]) -> Grades:
+    """The grader's 0/1 per trajectory, forced to 0 for truncated trajectories (the paper keeps them with
+    reward 0); grader timeouts score 0 and are flagged."""
+    items = [(t.response_text, answers[g]) for g, group in enumerate(groups) for t in group]
+    results = grader.grade_many(items) if items else []
+    rewards, timeouts, k = [], [], 0
+    for group in groups:
+        row, to = [], []
+        for t in group:
+            r = results[k]
+            row.append(0.0 if t.truncated else float(r.reward))
+            to.append(r.reason == "grader_timeout")
+            k += 1
+        rewards.append(row)
+        timeouts.append(to)
+    return Grades(rewards, timeouts)
+
+
+def infra_failures(groups: Sequence[Sequence[Trajectory]], grades: Grades) -> dict[str, float]:
+    """`infra/...` counts of one step: engine errors, sandbox errors, grader timeouts and their share."""
+    engine = sandbox = timeouts = 0
+    total = 0
+    for group, tos in zip(groups, grades.timeouts):
+        for t, to in zip(group, tos):
+            total += 1
+            if is_infra_failed(t):
+                if (t.infra_error or "").startswith("engine"):
+                    engine += 1
+                else:
+                    sandbox += 1
+            elif to:
+                timeouts += 1
+    failed = engine + sandbox + timeouts
+    return {"infra/engine_errors": float(engine), "infra/sandbox_errors": float(sandbox),
+            "infra/grader_timeouts": float(timeouts), "infra/failed_share": failed / max(1, total)}
+
+
+async def rl_step(rt: Any, chat: Any, batch: Sequence[RLProblem], *, cfg: Any, limits: RolloutLimits, seed: int,
+                  pad_id: int, publish: Callable[[dict[str, float]], str | None] | None = None) -> StepOutcome:
+    """One GRPO-RoC step on runtime `rt` (see the module docstring)."""
+    from rstar2_core.rollout import rollout_groups
+
+    rl, grpo = cfg.rl, cfg.rl.grpo
+    t0 = time.perf_counter()
+    before = rt.usage()
+    groups = await rollout_groups(rt.engines, rt.sandbox, chat, [p.problem for p in batch],
+                                  grpo.group_size * grpo.oversample, limits, seed=seed,
+                                  scheduler=cfg.rollout.scheduler)
+    t1 = time.perf_counter()
+    after_rollout = rt.usage()
+    grades = grade_groups(rt.grader, groups, [p.answer for p in batch])
+    t2 = time.perf_counter()
+    infra = infra_failures(groups, grades)
+    if infra["infra/failed_share"] > rl.max_infra_failure_share:
+        raise InfraFailureShareExceeded(
+            f"{infra['infra/failed_share']:.0%} of this step's trajectories failed for infrastructure reasons "
+            f"(engine errors {infra['infra/engine_errors']:.0f}, sandbox errors {infra['infra/sandbox_errors']:.0f}, "
+            f"grader timeouts {infra['infra/grader_timeouts']:.0f}), above rl.max_infra_failure_share = "
+            f"{rl.max_infra_failure_share}; no update was taken. A retry resumes from the last checkpoint; if it "
+            "repeats, check the engines, the sandbox pool size (sandbox.workers) and eval.grader_timeout_s")
+    sb = build_step_batch(groups, grades.rewards, grpo, seed)
+    if sb.trajectories:
+        actor = rt.trainer.rl_update(sb.trajectories, sb.advantages, pad_id=pad_id, temperature=rl.temperature,
+                                     micro_batch_size=rl.micro_batch_size, clip_low=grpo.clip_low,
+                                     clip_high=grpo.clip_high, loss_key=grpo.policy_loss,
+                                     old_logprobs=rl.old_logprobs)
+    else:
+        actor = {"actor/skipped": 1.0, "actor/tokens": 0.0}
+    stepped = not actor.get("actor/skipped")
+    gap = actor.get("actor/engine_logprob_gap")
+    if stepped and gap is not None and gap > rl.max_engine_logprob_gap:
+        raise StaleEngineWeights(
+            f"engine vs trainer log-prob gap {gap:.4f} per sampled token exceeds rl.max_engine_logprob_gap = "
+            f"{rl.max_engine_logprob_gap}: the engines sampled with other weights than the trainer holds (a weight "
+            "sync that did not land, or a sampling/template mismatch). The step was not published; a retry "
+            "resumes from the last checkpoint")
+    t3 = time.perf_counter()
+    after_train = rt.usage()
+    metrics: dict[str, float] = {**sb.metrics, **actor, **infra}
+    phases = {"rollout": t1 - t0, "grade": t2 - t1, "train": t3 - t2}
+    url, publish_s = None, 0.0
+    if rt.weight_sync_mode == "checkpoint" and publish is not None:   # the engines reload what is published
+        url = publish(metrics)
+        publish_s = time.perf_counter() - t3
+    t4 = time.perf_counter()
+    sync = rt.sync_weights(url) if stepped else None
+    phases["sync"] = time.perf_counter() - t4
+    if sync is not None:
+        metrics.update(sync.metrics())
+    metrics.update(step_usage_metrics(before, after_rollout, after_train, phases, groups, sb.trajectories,
+                                      n_trainer_ranks=rt.trainer.world_size if rt.trainer else 0))
+    metrics.update({f"timing/{k}_s": v for k, v in phases.items()})
+    if url is None and publish is not None:
+        t5 = time.perf_counter()
+        url = publish(metrics)
+        publish_s = time.perf_counter() - t5
+    metrics["timing/publish_s"] = publish_s
+    metrics["timing/step_s"] = time.perf_counter() - t0
+    return StepOutcome(metrics, stepped, url)

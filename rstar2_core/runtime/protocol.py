@@ -1,0 +1,119 @@
+"""The runtime seam: what a stage needs (engines, sandbox, grader, trainer, weight sync) behind one protocol.
+
+    async with open_runtime(cfg, policy_url=url, max_model_len=n, trainer=TrainerSpec("rl", 510, 20, "constant")) as rt:
+        groups = await rollout_groups(rt.engines, rt.sandbox, chat, problems, n=32, limits=limits)
+        metrics = rt.trainer.rl_update(kept, advantages, pad_id=pad, ...)
+        report = rt.sync_weights()
+
+Two implementations, chosen by `cluster.runtime` (rstar2_core/runtime/__init__.py `open_runtime`):
+`LocalRuntime` (runtime/local.py: everything in the stage's process) and `RayRuntime`
+(rstar2_core/cluster/runtime.py: engine actors, DeepSpeed trainer-shard actors and the sandbox pool on
+the layout's placement groups). Stage code (rl/step.py, rl/stage.py, rl/hard_subset.py, sft/train.py,
+eval/sampler.py, data/label_check.py) only sees this protocol, so the same step runs on one CPU or 64 GPUs.
+
+A runtime opened without a `TrainerSpec` has no trainer (evaluation, hard subset, label check); one
+opened with `engines=False` has no engines (SFT).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from rstar2_core.rollout.types import Engine, Trajectory
+
+
+@dataclass(frozen=True)
+class TrainerSpec:
+    """What the trainer optimises: the config section (`rl` or `sft`) and its schedule length."""
+
+    section: Literal["rl", "sft"]
+    total_steps: int
+    warmup_steps: int
+    schedule: Literal["cosine", "constant"]
+
+
+@dataclass(frozen=True)
+class WeightSyncReport:
+    """One trainer -> engines weight push: mode, bytes moved per engine, wall seconds."""
+
+    mode: str
+    bytes: int
+    seconds: float
+    engine_seconds: tuple[float, ...] = ()
+
+    def metrics(self) -> dict[str, float]:
+        return {"sync/seconds": self.seconds, "sync/bytes": float(self.bytes),
+                "sync/engine_max_s": max(self.engine_seconds, default=0.0)}
+
+
+@dataclass(frozen=True)
+class RuntimeUsage:
+    """Cumulative busy seconds of each engine (x its devices) and each trainer rank since the runtime
+    opened; `devices_per_engine` = its tensor-parallel size (1 for CPU processes)."""
+
+    engine_busy_s: tuple[float, ...] = ()
+    devices_per_engine: int = 1
+    trainer_busy_s: tuple[float, ...] = ()
+    extra: dict = field(default_factory=dict)
+
+
+@runtime_checkable
+class PolicyTrainer(Protocol):
+    """The policy's optimiser: one process (local) or `world_size` data-parallel ranks (Ray)."""
+
+    world_size: int
+
+    def rl_update(self, trajectories: Sequence[Trajectory], advantages: Sequence[float], **kwargs: Any
+                  ) -> dict[str, float]:
+        """One optimizer step (rl.trainer.rl_update semantics over all ranks); `actor/...` metrics."""
+        ...
+
+    def sft_update(self, rows: Sequence[Any], *, micro_batch_size: int) -> dict[str, float]:
+        """One optimizer step on packed SFT rows; `sft/loss`, `sft/grad_norm`, `sft/lr`, ..."""
+        ...
+
+    def reset_optimizer(self) -> None: ...
+
+    def load_state(self, checkpoint_url: str) -> bool:
+        """Restore optimizer/scheduler state saved with the checkpoint (same world size); False if none."""
+        ...
+
+    def save(self, staging_url: str, optimizer: bool = True) -> None:
+        """Write the HF weights (and, with `optimizer`, each rank's optimizer state) into a folder being
+        published (runtime/checkpoint.py)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class StageRuntime(Protocol):
+    kind: str
+    weight_sync_mode: str       # rollout.weight_sync, resolved for this runtime
+    engines: list[Engine]
+    sandbox: Any
+    grader: Any
+    trainer: PolicyTrainer | None
+    tokenizer: Any
+
+    def sync_weights(self, checkpoint_url: str | None = None) -> WeightSyncReport:
+        """Push the trainer's current weights to every engine (`rollout.weight_sync`)."""
+        ...
+
+    async def inject_fault(self, kind: str) -> None:
+        """Carry out a fault of rstar2_core.faults (kill-engine, kill-trainer, engine-errors)."""
+        ...
+
+    def usage(self) -> RuntimeUsage: ...
+
+    async def aclose(self) -> None: ...
+
+
+def merge_sft_metrics(per_rank: Sequence[dict[str, float]]) -> dict[str, float]:
+    """One SFT step's metrics from each rank's `sft.step.sft_update` sums: the batch's token-mean loss,
+    its label and real token counts, and the (global) grad norm and lr of rank 0."""
+    labels = sum(m["sft/label_tokens"] for m in per_rank)
+    return {"sft/loss": sum(m["sft/loss_sum"] for m in per_rank) / max(1.0, labels),
+            "sft/label_tokens": labels, "sft/real_tokens": sum(m["sft/real_tokens"] for m in per_rank),
+            "sft/grad_norm": per_rank[0]["sft/grad_norm"], "sft/lr": per_rank[0]["sft/lr"]}

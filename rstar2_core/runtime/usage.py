@@ -1,0 +1,87 @@
+"""Where a step's cluster time goes: device-seconds by role, idle fractions, sandbox load, tokens.
+
+`step_usage_metrics` turns a runtime's cumulative busy counters (`StageRuntime.usage()`, read before
+the rollout, after it, and after the update) and the step's phase times into `usage/...` metrics:
+
+- `usage/engine_device_s`: engines x devices each x rollout seconds (what the engines held while the
+  step generated); `usage/engine_busy_s`: the engines' own compute seconds (x devices) in that phase;
+  `usage/engine_idle_frac` = 1 - busy / held. On a colocated layout the same GPUs then train.
+- `usage/trainer_device_s`: ranks x update seconds; `usage/trainer_busy_s`: the ranks' forward,
+  backward and optimizer seconds; `usage/trainer_idle_frac` = 1 - busy / held (straggler wait and
+  the driver's share of the update phase).
+- `usage/sandbox_calls`, `usage/sandbox_call_s` (summed wall time of the tool calls),
+  `usage/sandbox_cpu_s` (summed CPU time, where the sandbox reports it), `usage/sandbox_p50_ms`,
+  `usage/sandbox_p99_ms` (call latency as the agent loop saw it).
+- `usage/tokens_generated` (sampled tokens of every trajectory) vs `usage/tokens_trained` (those of the
+  trajectories kept after RoC and the zero-variance drop) and `usage/trained_share`.
+
+Departure: "devices" are GPUs on a GPU cluster and processes on a CPU-only one; busy time is what each
+engine and rank measures itself (HF: prefill + decode time; vLLM: time with a request running).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from rstar2_core.runtime.protocol import RuntimeUsage
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    if not xs:
+        return 0.0
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+def _delta(a: Sequence[float], b: Sequence[float]) -> float:
+    return float(sum(max(0.0, y - x) for x, y in zip(a, b)))
+
+
+def step_usage_metrics(before: RuntimeUsage, after_rollout: RuntimeUsage, after_train: RuntimeUsage,
+                       phases: dict[str, float], groups: Sequence[Sequence[Any]], kept: Sequence[Any],
+                       n_trainer_ranks: int) -> dict[str, float]:
+    dev = max(1, after_rollout.devices_per_engine)
+    n_eng = len(after_rollout.engine_busy_s)
+    held_e = n_eng * dev * phases["rollout"]
+    busy_e = _delta(before.engine_busy_s, after_rollout.engine_busy_s) * dev
+    held_t = n_trainer_ranks * phases["train"]
+    busy_t = _delta(after_rollout.trainer_busy_s, after_train.trainer_busy_s)
+    calls = [c for g in groups for t in g for c in t.tool_calls]
+    lat = [c.duration_s for c in calls]
+    cpu = [getattr(c, "cpu_s", None) for c in calls]
+    generated = float(sum(t.n_generated_tokens for g in groups for t in g))
+    trained = float(sum(t.n_generated_tokens for t in kept))
+    out = {"usage/engine_device_s": held_e, "usage/engine_busy_s": busy_e,
+           "usage/engine_idle_frac": 1.0 - min(1.0, busy_e / held_e) if held_e > 0 else 0.0,
+           "usage/trainer_device_s": held_t, "usage/trainer_busy_s": busy_t,
+           "usage/trainer_idle_frac": 1.0 - min(1.0, busy_t / held_t) if held_t > 0 else 0.0,
+           "usage/sandbox_calls": float(len(calls)), "usage/sandbox_call_s": float(sum(lat)),
+           "usage/sandbox_p50_ms": 1000.0 * _percentile(lat, 0.5),
+           "usage/sandbox_p99_ms": 1000.0 * _percentile(lat, 0.99),
+           "usage/tokens_generated": generated, "usage/tokens_trained": trained,
+           "usage/trained_share": trained / generated if generated else 0.0}
+    if calls and all(x is not None for x in cpu):
+        out["usage/sandbox_cpu_s"] = float(sum(cpu))
+    return out
+
+
+TOTAL_KEYS = ("usage/engine_device_s", "usage/engine_busy_s", "usage/trainer_device_s", "usage/trainer_busy_s",
+              "usage/sandbox_calls", "usage/sandbox_call_s", "usage/sandbox_cpu_s", "usage/tokens_generated",
+              "usage/tokens_trained", "sync/seconds", "sync/bytes")
+"""Per-step metrics the stage also sums over its steps (`total/<key>`), kept across resumes."""
+
+
+def accumulate(totals: dict[str, float], metrics: dict[str, float]) -> dict[str, float]:
+    """`totals` plus this step's summable metrics; the derived ratios of the sums as `total/...`."""
+    out = dict(totals)
+    for k in TOTAL_KEYS:
+        if k in metrics:
+            out[f"total/{k}"] = out.get(f"total/{k}", 0.0) + float(metrics[k])
+    he, be = out.get("total/usage/engine_device_s", 0.0), out.get("total/usage/engine_busy_s", 0.0)
+    ht, bt = out.get("total/usage/trainer_device_s", 0.0), out.get("total/usage/trainer_busy_s", 0.0)
+    out["total/usage/engine_idle_frac"] = 1.0 - min(1.0, be / he) if he else 0.0
+    out["total/usage/trainer_idle_frac"] = 1.0 - min(1.0, bt / ht) if ht else 0.0
+    gen = out.get("total/usage/tokens_generated", 0.0)
+    out["total/usage/trained_share"] = out.get("total/usage/tokens_trained", 0.0) / gen if gen else 0.0
+    return out

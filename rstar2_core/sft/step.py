@@ -1,0 +1,69 @@
+"""One SFT optimizer step on packed rows: `sft_update(backend, rows, ...)`, the body every trainer runs.
+
+The local trainer calls it on the whole batch; each Ray trainer shard calls it on its share, with the
+batch's label-token count (`total_label_tokens`) so that the loss is the token mean over the whole
+batch, the micro-batch count every rank runs (`num_micro_batches`, zero-weight `padding_row` passes
+fill up: every rank must issue the same collectives, runtime/sharding.py) and `loss_scale` = the world
+size (DeepSpeed averages gradients over ranks).
+
+Loss: token-level cross-entropy on assistant tokens (labels != IGNORE), summed per micro-batch and
+divided by the batch's label count, so accumulated micro-batch gradients are the gradient of the
+batch's token mean.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from rstar2_core.sft.packing import IGNORE, PackedRow, collate
+
+
+def padding_row(pad_id: int) -> PackedRow:
+    """Two padding tokens with no label: the input of a zero-weight micro-batch (touches every parameter)."""
+    return PackedRow((pad_id, pad_id), (IGNORE, IGNORE), (0, 1), (0, 0), 1, 0)
+
+
+def label_tokens(row: PackedRow) -> int:
+    """Tokens of `row` that the loss trains on (next-token targets that are not IGNORE)."""
+    return sum(1 for x in row.labels[1:] if x != IGNORE)
+
+
+def sft_update(backend, rows: Sequence[PackedRow], *, micro_batch_size: int, pad_id: int,
+               total_label_tokens: int | None = None, num_micro_batches: int | None = None,
+               loss_scale: float = 1.0) -> dict[str, float]:
+    """Forward/backward over `rows` in micro-batches, then one `backend.step()`. Returns this rank's
+    `sft/loss_sum` (summed token losses), `sft/label_tokens`, `sft/real_tokens`, `sft/grad_norm`,
+    `sft/lr` (the lr of this step) and `sft/busy_s`."""
+    from rstar2_core.sft.train import masked_token_loss
+
+    t0 = time.perf_counter()
+    model = backend.model
+    p0 = next(model.parameters())
+    device = p0.device
+    mask_dtype = torch.bfloat16 if getattr(backend, "use_autocast", False) else p0.dtype
+    local = sum(label_tokens(r) for r in rows)
+    total = local if total_label_tokens is None else int(total_label_tokens)
+    chunks = [list(rows[i:i + micro_batch_size]) for i in range(0, len(rows), micro_batch_size)]
+    need = num_micro_batches if num_micro_batches is not None else max(1, len(chunks))
+    if need < len(chunks):
+        raise ValueError(f"sft_update: num_micro_batches={need} but {len(rows)} rows at micro_batch_size="
+                         f"{micro_batch_size} need {len(chunks)}")
+    chunks += [[padding_row(pad_id)]] * (need - len(chunks))
+    lr = float(getattr(backend, "current_lr", float("nan")))
+    loss_sum = 0.0
+    model.train()
+    for chunk in chunks:
+        mb = collate(chunk, device, mask_dtype)
+        with backend.autocast():
+            logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"],
+                           attention_mask=mb.get("attention_mask"), use_cache=False).logits
+        loss, _ = masked_token_loss(logits, mb["labels"])
+        backend.backward(loss * (loss_scale / max(1, total)))
+        loss_sum += float(loss.detach())
+    grad_norm = backend.step()
+    return {"sft/loss_sum": loss_sum, "sft/label_tokens": float(local),
+            "sft/real_tokens": float(sum(r.n_real for r in rows)), "sft/grad_norm": float(grad_norm),
+            "sft/lr": lr, "sft/busy_s": time.perf_counter() - t0}
