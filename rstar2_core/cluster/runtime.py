@@ -9,8 +9,9 @@ start fails, whatever started is stopped before the error propagates. An actor d
 `ActorFailure` (retryable) from the call that noticed it, after the whole group was shut down; leaving
 the `async with` block stops every actor and removes the placement groups in any case.
 
-One runtime per process at a time (`_OPEN`), and one runtime-driving pipeline task per cluster at a
-time (the `rstar2_runtime` resource, cluster/ray_init.py): a runtime's layout takes the cluster.
+One runtime per process at a time (`_OPEN`: a second one, e.g. an evaluation running in a thread beside
+the next RL stage, waits for the first to close), and one runtime-driving pipeline task per cluster at
+a time (the `rstar2_runtime` resource, cluster/ray_init.py): a runtime's layout takes the cluster.
 
 Weight sync (`rollout.weight_sync`, cluster/weight_sync.py): `object_store` (rank 0's state dict, one
 `ray.put`, every engine loads the same object), `checkpoint` (engines reload the published step),
@@ -24,6 +25,7 @@ actor 0 fail every request.
 
 from __future__ import annotations
 
+import logging
 import threading
 import uuid
 from functools import partial
@@ -39,6 +41,7 @@ from rstar2_core.runtime.engines import EngineSpec
 from rstar2_core.runtime.protocol import RuntimeUsage, TrainerSpec, WeightSyncReport
 
 _OPEN = threading.Lock()
+log = logging.getLogger(__name__)
 
 
 def load_policy(checkpoint_url: str, dtype: str):
@@ -72,10 +75,11 @@ class RayRuntime:
         from rstar2_core.models.backend import backend_options
         from rstar2_core.models.io import load_tokenizer
 
-        self._holds_lock = _OPEN.acquire(blocking=False)
-        if not self._holds_lock:
-            raise RuntimeError("another RayRuntime is open in this process; a runtime's layout takes the cluster, "
-                               "so stages drive runtimes one at a time (close the other first)")
+        if not _OPEN.acquire(blocking=False):
+            log.info("another stage's RayRuntime is open in this process; waiting for it to close (a runtime's "
+                     "layout takes the cluster)")
+            _OPEN.acquire()
+        self._holds_lock = True
         self.cfg, self.policy_url = cfg, policy_url
         self.weight_sync_mode = resolved_weight_sync(cfg)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(policy_url)

@@ -72,6 +72,10 @@ class TrainerShardActor:
         if self.backend_options.get("zero_stage") == 3:
             from transformers.integrations import HfDeepSpeedConfig
 
+            from rstar2_core.models.deepspeed_backend import init_single_process_distributed
+
+            init_single_process_distributed("nccl" if device == "cuda" else "gloo")   # zero.Init needs the group
+
             ds = deepspeed_config(zero_stage=3, grad_clip=self.backend_options["grad_clip"], bf16=device == "cuda",
                                   micro_batch_size=self.backend_options.get("micro_batch_size", 1),
                                   world_size=self.world)

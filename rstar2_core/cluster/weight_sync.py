@@ -164,6 +164,16 @@ def _nccl_send(shard: Any) -> None:
         iterator=params, trainer_args=NCCLTrainerSendWeightsArgs(group=shard.extras["nccl_group"], packed=True))
 
 
+def nccl_group(tps: list[int]) -> tuple[int, list[int]]:
+    """(world size, rank offset of each engine) of the weight-transfer group: trainer rank 0 is rank 0,
+    engine i's TP workers take the next `tps[i]` ranks."""
+    offsets, k = [], 1
+    for tp in tps:
+        offsets.append(k)
+        k += tp
+    return k, offsets
+
+
 class NCCLSync(_Sync):
     mode = "nccl"
 
@@ -174,11 +184,7 @@ class NCCLSync(_Sync):
     def _setup(self) -> None:
         tr = self.trainer
         addr, port = tr.group.get(tr.actor(0).address.remote(), tr.names[0])
-        world = 1 + sum(e.tp for e in self.engines)
-        offsets, k = [], 1
-        for e in self.engines:
-            offsets.append(k)
-            k += e.tp
+        world, offsets = nccl_group([e.tp for e in self.engines])
         eng = [e.handle.call.remote("init_weight_transfer", addr, port, off, world)
                for e, off in zip(self.engines, offsets)]
         trn = [tr.actor(r).call.remote(_nccl_trainer_init, addr, port, world) for r in range(tr.world)]

@@ -203,7 +203,8 @@ class RolloutConfig(_Section):
     """`kv_aware` admits as many trajectories as an engine's free KV cache holds at max length and
     refills as soon as one finishes (the paper); `static` fixes N per engine (the baseline)."""
     max_batch_size: int = Field(64, ge=1)
-    """Most sequences decoded together by one HF engine."""
+    """Most sequences decoded together by one engine: the HF engine's KV slots, vLLM's `max_num_seqs`.
+    More raises throughput until the KV cache (HF: slots x max length) or memory runs out."""
     kv_capacity_tokens: int = Field(0, ge=0)
     """KV cache capacity per engine in tokens; 0 = the engine reports it (vLLM) or max_batch_size x max length (HF)."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)

@@ -95,7 +95,8 @@ class _ClippingAdamW(torch.optim.AdamW):
 
 
 def init_single_process_distributed(dist_backend: str = "gloo") -> None:
-    """Join (or create) the default process group from MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK."""
+    """Join (or create) the default process group from MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK
+    (one process, or one rank of many: the variables say which)."""
     import deepspeed
 
     missing = [k for k in _DIST_ENV if k not in os.environ]
@@ -129,6 +130,9 @@ class DeepSpeedBackend:
         if bf16 and not on_gpu:
             raise ValueError("DeepSpeedBackend: bf16 needs a GPU; on CPU load the model in float32 "
                              "(model.dtype = \"float32\") or use backend = \"torch\"")
+        if bf16 and not torch.cuda.is_bf16_supported():
+            raise ValueError(f"DeepSpeedBackend: this GPU ({torch.cuda.get_device_name()}) has no bf16 support; set "
+                             "model.dtype = \"float32\" (or run on a GPU with bf16: A100/H100/MI200 and newer)")
         init_single_process_distributed(dist_backend or ("nccl" if on_gpu else "gloo"))
         if gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

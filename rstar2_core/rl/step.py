@@ -24,7 +24,7 @@ Failures are loud:
 Grader timeouts keep reward 0 (the paper) but count as infrastructure failures in the share.
 
 Metrics (one dict per step): `rollout/...` and `actor/...` (groups.py, trainer.py), `infra/...`
-(failure counts and share), `timing/{rollout,grade,train,publish,sync,step}_s`, `sync/...` (bytes
+(failure counts and share), `runtime/engines` and `runtime/trainer_ranks` (what the step ran on), `timing/{rollout,grade,train,publish,sync,step}_s`, `sync/...` (bytes
 and seconds per sync), `usage/...` (runtime/usage.py: device-seconds and idle fractions by role,
 sandbox call seconds and latency percentiles, tokens generated vs trained).
 """
@@ -138,7 +138,8 @@ async def rl_step(rt: Any, chat: Any, batch: Sequence[RLProblem], *, cfg: Any, l
             "resumes from the last checkpoint")
     t3 = time.perf_counter()
     after_train = rt.usage()
-    metrics: dict[str, float] = {**sb.metrics, **actor, **infra}
+    metrics: dict[str, float] = {**sb.metrics, **actor, **infra, "runtime/engines": float(len(rt.engines)),
+                                 "runtime/trainer_ranks": float(rt.trainer.world_size)}
     phases = {"rollout": t1 - t0, "grade": t2 - t1, "train": t3 - t2}
     url, publish_s = None, 0.0
     if rt.weight_sync_mode == "checkpoint" and publish is not None:   # the engines reload what is published

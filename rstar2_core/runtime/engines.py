@@ -6,8 +6,9 @@ so `rollout.engine` (hf | vllm), `rollout.tensor_parallel_size`, `rollout.gpu_me
 
 - `hf`: `HFEngine` over the checkpoint loaded in `model.dtype` on the engine's device; `max_batch_size`
   KV slots of `max_model_len` tokens, fewer if `kv_capacity_tokens` (a memory budget) is smaller.
-- `vllm`: `VLLMEngine` (vLLM's AsyncLLM) with tensor parallelism, the memory share, prefix caching,
-  and the weight-transfer backend of `rollout.weight_sync` (nccl / ipc) when one is used.
+- `vllm`: `VLLMEngine` (vLLM's AsyncLLM) with tensor parallelism, the memory share, at most
+  `max_batch_size` sequences per batch (`max_num_seqs`), prefix caching, and the weight-transfer
+  backend of `rollout.weight_sync` (nccl / ipc) when one is used.
 
 `engine_busy_seconds(engine)` reads how long an engine has computed (HF: prefill + decode time;
 vLLM: time with at least one request running) for the stage's time accounting.
@@ -75,7 +76,7 @@ def build_engine(spec: EngineSpec):
         extra: dict[str, Any] = {}
         if spec.distributed_executor_backend:
             extra["distributed_executor_backend"] = spec.distributed_executor_backend
-        return VLLMEngine(spec.checkpoint_url, max_model_len=spec.max_model_len,
+        return VLLMEngine(spec.checkpoint_url, max_model_len=spec.max_model_len, max_num_seqs=spec.max_batch_size,
                           tensor_parallel_size=spec.tensor_parallel_size,
                           gpu_memory_utilization=spec.gpu_memory_utilization, dtype=spec.dtype, seed=spec.seed,
                           kv_capacity_tokens=spec.kv_capacity_tokens, weight_transfer=spec.weight_transfer,

@@ -101,3 +101,57 @@ def test_fault_retry_resume_through_the_deployment(services, monkeypatch):
     assert {"curate", "sft", "rl-stage-1", "rl-stage-2", "rl-stage-3", "eval-rl-stage-3"} <= {
         r.info.run_name for r in children}
     assert len([r for r in children if r.info.run_name == "rl-stage-1"]) == 1
+
+
+# The same shrunk recipe on the Ray runtime: Prefect tasks on Ray (RayTaskRunner), each stage driving its
+# own engine actors (2), DeepSpeed trainer shards (2, ZeRO-2, gloo) and sandbox actor pool.
+RAY_RUNTIME = ["cluster.use_ray=true", 'cluster.runtime="ray"', 'rl.backend="deepspeed"', 'sft.backend="deepspeed"',
+               'sandbox.backend="ray"', "cluster.trainer_ranks=2", "rollout.num_engines=2", "rl.zero_stage=2",
+               "sft.zero_stage=2"]
+
+
+@pytest.fixture
+def services_no_fault(tmp_path):
+    home = tmp_path / "home"
+    env = {**os.environ, "RSTAR2_HOME": str(home), "RSTAR2_PREFECT_PORT": str(_free_port()),
+           "RSTAR2_NO_MLFLOW_UI": "1", "RSTAR2_RAY_TMP": f"/tmp/rstar2-ray-e2e-{os.getpid()}"}
+    env.pop("PREFECT_API_URL", None)
+    env.pop("RSTAR2_FAULT_INJECT", None)
+    subprocess.run(["bash", "scripts/services.sh", "up"], cwd=ROOT, env=env, check=True, timeout=600)
+    try:
+        api = next(line.split("=", 1)[1] for line in (home / "services.env").read_text().splitlines()
+                   if line.startswith("export PREFECT_API_URL="))
+        env["PREFECT_API_URL"] = api
+        subprocess.run([str(ROOT / ".venv/bin/prefect"), "--no-prompt", "deploy", "--name", "full-recipe"],
+                       cwd=ROOT, env={**env, "RSTAR2_REPO": str(ROOT)}, check=True, timeout=300,
+                       capture_output=True)
+        yield home, api
+    finally:
+        subprocess.run(["bash", "scripts/services.sh", "down"], cwd=ROOT, env=env, timeout=120, check=False)
+
+
+@pytest.mark.slow
+def test_full_recipe_through_the_deployment_on_the_ray_runtime(services_no_fault, monkeypatch):
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.client import start_run, watch
+    from rstar2_core.config import load_config
+    from tasks import tracking
+    from tasks.run_store import RunStore
+
+    home, api = services_no_fault
+    monkeypatch.setenv("RSTAR2_HOME", str(home))
+    overrides = E2E_OVERRIDES[1:] + RAY_RUNTIME      # E2E_OVERRIDES[0] is cluster.use_ray=false
+    cfg = load_config("tiny", overrides)
+    with temporary_settings({PREFECT_API_URL: api}):
+        fid = asyncio.run(start_run("rstar2/full-recipe", {"profile": "tiny", "overrides": overrides}))
+        assert asyncio.run(watch(fid, timeout_s=1800, quiet=True)) == "Completed"
+    store = RunStore.for_run(cfg.resolved_storage_root(), str(fid))
+    c = tracking.client(cfg)
+    runs = [c.get_run(store.tracking_id(stage)) for stage in ("rl-stage-1", "rl-stage-2", "rl-stage-3")]
+    for run in runs:   # each stage ran its steps on 2 engine actors and 2 trainer ranks
+        assert tracking.metric_steps(cfg, run.info.run_id, "rollout/trajectories")
+        assert run.data.metrics["runtime/engines"] == 2 and run.data.metrics["runtime/trainer_ranks"] == 2
+        assert run.data.metrics["total/usage/engine_device_s"] > 0
+    versions = c.search_model_versions(f"name='{cfg.tracking.registered_model}'")
+    assert [v for v in versions if v.tags.get("rstar2.recipe_run_id") == str(fid)]

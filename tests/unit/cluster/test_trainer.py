@@ -195,6 +195,51 @@ def test_two_shards_match_one_torch_step_even_or_not_and_sync_to_engines(ray_her
     assert sandbox.closed
 
 
+def _packed_rows(n: int, seed: int = 0):
+    from rstar2_core.sft.packing import IGNORE, PackedRow
+
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        T = 12 if i % 2 else 20
+        ids = tuple(rng.randrange(1, 64) for _ in range(T))
+        labels = tuple(x if rng.random() < 0.6 else IGNORE for x in ids)
+        rows.append(PackedRow(ids, labels, tuple(range(T)), (0,) * T, 1, T))
+    return rows
+
+
+@pytest.mark.slow
+def test_sft_on_two_shards_equals_one_process(ray_here):
+    """SFT trains on the same shards: rows split by label tokens, a 3/1 row split pads the short rank, and
+    the step equals one process's step on the whole batch (loss, grad norm, weights)."""
+    import asyncio
+
+    import ray
+
+    from rstar2_core.cluster.runtime import RayRuntime
+    from rstar2_core.models.backend import TorchBackend
+    from rstar2_core.runtime import TrainerSpec
+    from rstar2_core.sft.step import sft_update
+
+    cfg = _ray_cfg(2)
+    rows = _packed_rows(4)
+    ref = TorchBackend(tiny_model(), lr=1e-2, total_steps=10, warmup_steps=0, schedule="constant", grad_clip=1.0)
+    ref_m = sft_update(ref, rows, micro_batch_size=1, pad_id=0)
+
+    async def run():
+        async with RayRuntime(cfg, policy_url="unused", trainer=TrainerSpec("sft", 10, 0, "constant"), engines=False,
+                              sandbox=False, grader=False, model_factory=tiny_model, tokenizer=_Tok()) as rt:
+            m = rt.trainer.sft_update(rows, micro_batch_size=1)
+            return m, ray.get(rt.trainer.weights_ref()[0])
+
+    m, got = asyncio.run(run())
+    assert m["sft/loss"] == pytest.approx(ref_m["sft/loss_sum"] / ref_m["sft/label_tokens"], rel=1e-5)
+    assert m["sft/grad_norm"] == pytest.approx(ref_m["sft/grad_norm"], rel=1e-4)
+    assert m["sft/label_tokens"] == ref_m["sft/label_tokens"]
+    for k, v in ref.model.state_dict().items():
+        torch.testing.assert_close(got[k], v, rtol=1e-4, atol=1e-5)
+
+
 def test_production_backend_options_come_from_the_rl_config():
     from rstar2_core.config import load_config
     from rstar2_core.models.backend import backend_options

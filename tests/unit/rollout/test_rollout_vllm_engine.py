@@ -32,6 +32,7 @@ class FakeAsyncLLM:
         self.args, self.calls, self.aborted, self.rpcs, self.resets, self.loops = args, [], [], [], 0, set()
         self.vllm_config = SimpleNamespace(cache_config=SimpleNamespace(num_gpu_blocks=100, block_size=16))
         self.shut = False
+        self.events: list = []
         FakeAsyncLLM.instances.append(self)
 
     @classmethod
@@ -66,6 +67,25 @@ class FakeAsyncLLM:
 
     async def reset_prefix_cache(self):
         self.resets += 1
+        self.events.append("reset")
+
+    async def init_weight_transfer_engine(self, request):
+        self.events.append(("init", request.init_info))
+
+    async def update_weights(self, request):
+        self.events.append(("update", request.update_info))
+
+    async def pause_generation(self, mode="abort"):
+        self.events.append(("pause", mode))
+
+    async def resume_generation(self):
+        self.events.append("resume")
+
+    async def sleep(self, level=1):
+        self.events.append(("sleep", level))
+
+    async def wake_up(self, tags=None):
+        self.events.append(("wake_up", tags))
 
     def shutdown(self):
         self.shut = True
@@ -81,8 +101,18 @@ def fake_vllm(monkeypatch):
     vllm.TokensPrompt = lambda **kw: dict(**kw)
     vllm.AsyncEngineArgs = lambda **kw: SimpleNamespace(**kw)
     vllm.AsyncLLMEngine = FakeAsyncLLM
+    config_mod = types.ModuleType("vllm.config")
+    config_mod.WeightTransferConfig = lambda backend: SimpleNamespace(backend=backend)
+    base_mod = types.ModuleType("vllm.distributed.weight_transfer.base")
+    base_mod.WeightTransferInitRequest = lambda init_info: SimpleNamespace(init_info=init_info)
+    base_mod.WeightTransferUpdateRequest = lambda update_info: SimpleNamespace(update_info=update_info)
     monkeypatch.setitem(sys.modules, "vllm", vllm)
     monkeypatch.setitem(sys.modules, "vllm.sampling_params", sp_mod)
+    monkeypatch.setitem(sys.modules, "vllm.config", config_mod)
+    monkeypatch.setitem(sys.modules, "vllm.distributed", types.ModuleType("vllm.distributed"))
+    monkeypatch.setitem(sys.modules, "vllm.distributed.weight_transfer",
+                        types.ModuleType("vllm.distributed.weight_transfer"))
+    monkeypatch.setitem(sys.modules, "vllm.distributed.weight_transfer.base", base_mod)
     FakeAsyncLLM.instances.clear()
     from rstar2_core.rollout import vllm_engine
     return vllm_engine
@@ -166,3 +196,48 @@ def test_missing_logprobs_and_missing_vllm_are_clear_errors(fake_vllm, monkeypat
     monkeypatch.setitem(sys.modules, "vllm", None)
     with pytest.raises(ImportError, match="gpu extra"):
         fake_vllm.VLLMEngine("/ckpt", max_model_len=1024)
+
+
+def test_weight_transfer_pauses_generation_and_sleep_mode_is_forwarded(fake_vllm):
+    """rollout.weight_sync = nccl/ipc: the engine is built with vLLM's weight-transfer backend, joins the
+    trainer's group with its rank offset, and loads each update with generation paused around it and the
+    prefix cache reset before generation resumes; sleep/wake_up reach vLLM's sleep mode."""
+    eng = fake_vllm.VLLMEngine("/ckpt", max_model_len=1024, weight_transfer="nccl", max_num_seqs=32)
+    fake = FakeAsyncLLM.instances[0]
+    assert fake.args.weight_transfer_config.backend == "nccl" and fake.args.enable_sleep_mode
+    assert fake.args.max_num_seqs == 32
+    eng.init_weight_transfer("10.0.0.1", 29600, 3, 65)
+    eng.receive_weights({"names": ["w"], "dtype_names": ["bfloat16"], "shapes": [[2, 2]], "packed": True})
+    eng.sleep(1)
+    eng.wake_up(["weights"])
+    assert fake.events == [
+        ("init", {"master_address": "10.0.0.1", "master_port": 29600, "rank_offset": 3, "world_size": 65}),
+        ("pause", "keep"), ("update", {"names": ["w"], "dtype_names": ["bfloat16"], "shapes": [[2, 2]],
+                                       "packed": True}),
+        "reset", "resume", ("sleep", 1), ("wake_up", ["weights"])]
+    plain = fake_vllm.VLLMEngine("/ckpt")
+    assert "max_model_len" not in vars(FakeAsyncLLM.instances[1].args)   # vLLM takes it from the model config
+    with pytest.raises(ValueError, match="weight-transfer backend"):
+        plain.receive_weights({})
+    assert eng.busy_seconds() == 0.0
+    asyncio.run(eng.generate([1], SamplingParams(max_new_tokens=2)))
+    assert eng.busy_seconds() > 0.0
+    asyncio.run(eng.close())
+    asyncio.run(plain.close())
+
+
+def test_weight_transfer_groups_and_buckets_of_the_production_layout():
+    from rstar2_core.cluster.layout import compute_layout
+    from rstar2_core.cluster.weight_sync import IPCSync, buckets, nccl_group
+    from rstar2_core.config import load_config
+
+    assert nccl_group([2, 2, 2]) == (7, [1, 3, 5])
+    assert buckets([4, 4, 9, 1, 1], 8) == [[0, 1], [2], [3, 4]]
+    cfg = load_config("qwen3-14b-mi300x")
+    rt = SimpleNamespace(layout=compute_layout(cfg))
+    ranks = IPCSync.colocated_ranks(SimpleNamespace(rt=rt))
+    assert len(ranks) == 32 and ranks[0] == [0, 1] and ranks[5] == [10, 11] and ranks[31] == [62, 63]
+    sep = load_config("qwen3-14b-mi300x", ['cluster.layout="separate"', "cluster.trainer_gpus=32",
+                                           "rollout.num_engines=16", 'rollout.weight_sync="nccl"'])
+    with pytest.raises(ValueError, match="colocated"):
+        IPCSync.colocated_ranks(SimpleNamespace(rt=SimpleNamespace(layout=compute_layout(sep))))
