@@ -1,4 +1,4 @@
-"""A toy policy for RL stage tests (`rstar2_core.rl.toy`): a tiny Qwen2 model SFT-ed in a few seconds of
+"""A toy policy for RL stage tests (`toy_policy.py`): a tiny Qwen2 model SFT-ed in a few seconds of
 CPU to call the Python tool with `print(1)` or `print(2)` (sometimes a misspelt `pritn` first), then
 answer with what it printed. On problems whose gold answer is 1 some rollouts are right, so GRPO
 groups have signal."""
@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from rstar2_core.rl.toy import build_toy_policy
+from toy_policy import build_toy_policy
 
 
 @pytest.fixture(scope="session")
