@@ -145,9 +145,7 @@ def register_best(ctx: RecipeContext, reports: dict[str, EvalReport]) -> dict:
             c.log_metric(ctx.parent_run_id, tracking.metric_key(f"eval/{st}/{b}/pass@1"), p)
     decision = store.load("promotion")  # decided once: a retry must not re-judge against itself as champion
     if decision is None:
-        champ = registry.champion(cfg)
-        p = decide_promotion(stage, best, reports[SFT_STAGE],
-                             champion=None if champ is None else (champ[0], champ[2]), benchmark=bench,
+        p = decide_promotion(stage, best, reports[SFT_STAGE], champion=registry.champion(cfg), benchmark=bench,
                              confidence=cfg.eval.comparison_confidence, seed=cfg.eval.seed)
         decision = p.to_json()
         store.save("promotion", decision, attempt=ctx.attempt)

@@ -70,16 +70,14 @@ def existing_version(cfg: Config, recipe_run_id: str):
     return versions[0] if versions else None
 
 
-def champion(cfg: Config) -> tuple[str, str, EvalReport | None] | None:
-    """(label `version N`, its recipe run id, its EvalReport or None when the `eval_report_url` tag is
-    missing or unreadable) of the current champion, or None when there is none."""
+def champion(cfg: Config) -> tuple[str, EvalReport | None] | None:
+    """(label `version N`, its EvalReport, or None when its `eval_report_url` tag is missing or the file
+    is gone) of the current champion, or None when there is none."""
     mv = _alias_version(tracking.client(cfg), cfg.tracking.registered_model, "champion")
     if mv is None:
         return None
-    tags = mv.tags or {}
-    url = tags.get("eval_report_url")
-    report = EvalReport.load(url) if url and storage.exists(url) else None
-    return f"version {mv.version}", tags.get("rstar2.recipe_run_id", ""), report
+    url = (mv.tags or {}).get("eval_report_url")
+    return f"version {mv.version}", EvalReport.load(url) if url and storage.exists(url) else None
 
 
 def register(cfg: Config, *, parent_run_id: str, recipe_run_id: str, stage: str, report: EvalReport,

@@ -130,7 +130,8 @@ def profile_tree(profile: str = "tiny", overrides: list[str] | tuple[str, ...] =
 def load_config(profile: str = "tiny", overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Load `configs/<profile>.toml` (or a .toml path), apply dotted overrides, validate."""
     tree = profile_tree(profile, overrides)
-    return config_from_dict(tree, source=f"profile {tree['profile']}" + (f" with {list(overrides)}" if overrides else ""))
+    source = f"profile {tree['profile']}" + (f" with {list(overrides)}" if overrides else "")
+    return config_from_dict(tree, source=source)
 
 
 def profile_storage(profile: str, overrides: list[str] | tuple[str, ...] = ()) -> tuple[str, StorageConfig]:
@@ -141,7 +142,8 @@ def profile_storage(profile: str, overrides: list[str] | tuple[str, ...] = ()) -
     source = f"profile {tree['profile']}" + (f" with {list(overrides)}" if overrides else "")
     state_dir = tree.get("state_dir")
     if state_dir is not None and not isinstance(state_dir, str):
-        raise ConfigError(f"invalid config ({source}):\n  state_dir: must be a path string (got {state_dir!r})")
+        raise ConfigError(f"invalid config ({source}):\n  state_dir: must be a path string "
+                          f"(got {state_dir!r})")
     try:
         section = StorageConfig.model_validate(tree.get("storage") or {})
     except ValidationError as e:

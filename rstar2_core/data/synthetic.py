@@ -21,9 +21,10 @@ Splits (`generate_problems(seed, n, split)`):
 
 `sft_demonstrations(seed, n, fail_first_share, execute=..., render=...)` turns SFT problems into
 non-reasoning demonstrations: a one-line `<reason>`, one tool call with the reference code, the real
-tool response (the code runs in the sandbox, `execute_requests`), and `<answer>` with `\\boxed{}`. A share `fail_first_share`
-first makes a failing call (a misspelt name -> NameError/AttributeError, or a missing parenthesis ->
-SyntaxError), reads the error and fixes it, so that tool errors exist for GRPO-RoC to act on; with
+tool response (the code runs in the sandbox, `execute_requests`), and `<answer>` with `\\boxed{}`. A
+share `fail_first_share` first makes a failing call (a misspelt name -> NameError/AttributeError, or a
+missing parenthesis -> SyntaxError), reads the error and fixes it, so that tool errors exist for
+GRPO-RoC to act on; with
 `signposted` those open with their own reason line (`HASTY_REASON`), so the habit is one early choice
 that survives sampling at a low temperature. `direct_share` adds demonstrations that answer without
 the tool (`DIRECT_REASON`; their boxed answer is excluded from the SFT loss): the SFT policy then

@@ -60,7 +60,8 @@ class Comparison:
 
 
 def primary_benchmark(eval_cfg: EvalConfig) -> str:
-    """The benchmark that ranks checkpoints and decides promotion (`eval.primary_benchmark`, else the first)."""
+    """The benchmark that ranks checkpoints and decides promotion (`eval.primary_benchmark`, else the
+    first one)."""
     return eval_cfg.primary_benchmark or eval_cfg.benchmarks[0].name
 
 
@@ -106,7 +107,8 @@ def compare_reports(candidate: EvalReport, baseline: EvalReport | None, *, confi
     out = []
     for name in sorted(candidate.metrics):
         if baseline is None:
-            out.append(Comparison(name, candidate.metrics[name].pass1, None, None, None, None, 0, confidence, "new"))
+            out.append(Comparison(name, candidate.metrics[name].pass1, None, None, None, None, 0, confidence,
+                                  "new"))
         else:
             out.append(compare_benchmark(candidate, baseline, name, confidence=confidence, seed=seed))
     return out
