@@ -1,10 +1,10 @@
-# rstar2: `make demo` runs the whole tiny recipe; `make test` runs the tests. Both set up .venv first.
+# rstar2: `make demo` runs the whole tiny recipe; `make test` lints, then runs the tests. Both set up .venv first.
 SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 ENV := source scripts/env.sh &&
 
-.PHONY: setup test test-fast demo stop bench clean
+.PHONY: setup lint test test-fast demo stop bench clean
 
 setup: $(VENV)/.setup-done
 
@@ -12,10 +12,13 @@ $(VENV)/.setup-done: pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh
 	touch $@
 
-test: setup
+lint: setup
+	$(VENV)/bin/ruff check .
+
+test: lint
 	$(ENV) $(PY) -m pytest -q
 
-test-fast: setup
+test-fast: lint
 	$(ENV) $(PY) -m pytest -q -m "not slow"
 
 demo: setup

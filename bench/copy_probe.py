@@ -9,8 +9,7 @@ answer; every tool response produced by actually running the code) and scores, t
 digit tokens of three spans:
 
 - `problem_to_code`: the numbers of the first call, copied from the problem text (a mapping: the
-  order and template depend on the family and phrasing); with `--restate` also the numbers of the
-  restated problem that precedes the call (`data.synthetic.restate`);
+  order and template depend on the family and phrasing);
 - `code_to_code`: the numbers of the fixed call, copied verbatim from the failed call above it;
 - `output_to_answer`: the answer digits, copied verbatim from the tool output.
 
@@ -33,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 SPANS = ("problem_to_code", "code_to_code", "output_to_answer")
 
 
-def probe(url: str, n: int, seed: int = 0, restate: bool = False, signposted: bool = False) -> dict:
+def probe(url: str, n: int, seed: int = 0, signposted: bool = False) -> dict:
     import torch
 
     from rstar2_core.chat import ChatFormat, render_tool_result
@@ -61,7 +60,7 @@ def probe(url: str, n: int, seed: int = 0, restate: bool = False, signposted: bo
     for i, (p, cs) in enumerate(zip(problems, codes)):
         turns = [(t, list(r) if r is not None else None)   # exactly what the SFT data would hold
                  for t, r in demonstration_turns(p, cs, [results[f"{i}:0"], results[f"{i}:1"]], render_tool_result,
-                                                 restate, signposted)]
+                                                 signposted)]
         ids, mask = chat.render_trajectory(p.problem, turns)
         with torch.no_grad():
             logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), -1)
@@ -91,9 +90,6 @@ def main(argv=None) -> int:
     ap.add_argument("checkpoints", nargs="+")
     ap.add_argument("--n", type=int, default=60, help="held-out eval problems")
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--restate", action="store_true",
-                    help="render the first <reason> as data.synthetic.restate demonstrations do (its digits "
-                         "count in problem_to_code)")
     ap.add_argument("--signposted", action="store_true",
                     help="open the failing first call with its own reason line, as data.synthetic.fail_first_signposted "
                          "demonstrations do")
@@ -103,7 +99,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     res = {}
     for url in args.checkpoints:
-        res[url] = r = probe(url, args.n, restate=args.restate, signposted=args.signposted)
+        res[url] = r = probe(url, args.n, signposted=args.signposted)
         print(f"{url}: " + " | ".join(f"{s} NLL {r[s]['nll']:.2f} acc {r[s]['acc']:.2f}" for s in SPANS)
               + f" | first call all digits right {r['calls_exact']:.2f}", flush=True)
     if args.json:

@@ -60,12 +60,12 @@ PEAK_TFLOPS = {  # dense bf16, per device
     "L40S": 362.0, "MI300X": 1307.0, "MI325X": 1307.0, "MI300A": 980.0, "MI250X": 383.0,
 }
 SHAPES = {
-    "tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
-                 num_key_value_heads=4, vocab_size=512),
-    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2, vocab_size=151936),
-    "cpu-small": dict(hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=512),
+    "tiny": {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4, "num_attention_heads": 4,
+                 "num_key_value_heads": 4, "vocab_size": 512},
+    "0.5b": {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
+                 "num_key_value_heads": 2, "vocab_size": 151936},
+    "cpu-small": {"hidden_size": 128, "intermediate_size": 344, "num_hidden_layers": 2, "num_attention_heads": 4,
+                      "num_key_value_heads": 2, "vocab_size": 512},
 }
 T0 = time.perf_counter()
 

@@ -28,10 +28,6 @@ and among the positives each arm trains on, and the eval pass@1 bars) is saved u
 and its path printed. `--quick` runs 2 RL steps and 20 eval problems: a smoke run of the whole path,
 not a measurement.
 
-`--toy` swaps the task for `rstar2_core.rl.toy` (a 0.1M-parameter policy SFT-ed in-process to call the
-tool with print(1)/print(2), 30% after a failing misspelt call; gold answer 1; held-out eval set of
-32 toy problems): a cheap mechanism check of the RL loop and of RoC on 2 shared cores. Its figures are
-labelled `"task": "toy"` and are not the issue's learning target.
 """
 
 from __future__ import annotations
@@ -67,21 +63,14 @@ class RecordingSampler:
         self.inner.close()
 
 
-TOY_RL = ["rl.prompts_per_step=4", "rl.grpo.group_size=4", "rl.grpo.oversample=2", "rl.stages.0.steps=15",
-          "rl.stages.0.max_response_tokens=200", "rl.stages.0.max_turns=3", "rl.lr=1e-3", "rl.warmup_steps=0",
-          "rl.micro_batch_size=16", "rl.checkpoint_every=5", "rollout.max_batch_size=32", "eval.k=4",
-          "eval.max_tokens=200", "eval.max_turns=3"]
-
-
-def eval_arm(cfg, ckpt_url: str, out_url: str, log, benchmarks=None) -> dict:
+def eval_arm(cfg, ckpt_url: str, out_url: str, log) -> dict:
     from rstar2_core import storage
     from rstar2_core.eval.run import evaluate
     from rstar2_core.eval.sampler import PolicySampler
 
     sampler = RecordingSampler(PolicySampler.open(cfg, ckpt_url))
     t0 = time.time()
-    report = evaluate(cfg, checkpoint_url=ckpt_url, out_url=out_url, sampler=sampler, progress=False,
-                      benchmarks=benchmarks)
+    report = evaluate(cfg, checkpoint_url=ckpt_url, out_url=out_url, sampler=sampler, progress=False)
     sampler.close()
     name = next(iter(report.metrics))
     m = report.metrics[name]
@@ -91,14 +80,14 @@ def eval_arm(cfg, ckpt_url: str, out_url: str, log, benchmarks=None) -> dict:
         raise RuntimeError(f"eval samples ({len(recs)}) and recorded trajectories ({len(trajs)}) differ")
     out = {"pass1": m.pass1, "n_problems": m.n_problems, "k": m.k, "tool_error_ratio": m.tool_error_ratio,
            "mean_response_tokens": m.mean_response_tokens, "seconds": round(time.time() - t0, 1)}
-    if benchmarks is None:     # the synthetic eval set: split pass@1 by phrasing seen / held out in SFT
-        from rstar2_core.data.synthetic import SFT_PHRASINGS, generate_problems
+    # the synthetic eval set: split pass@1 by phrasing seen / held out in SFT
+    from rstar2_core.data.synthetic import SFT_PHRASINGS, generate_problems
 
-        syn = cfg.data.synthetic
-        phrasing = {p.id: p.phrasing for p in generate_problems(syn.seed, syn.n_eval, "eval")}
-        for key, seen in (("pass1_seen_phrasing", True), ("pass1_unseen_phrasing", False)):
-            rs = [r["reward"] > 0 for r in recs if (phrasing.get(r["id"], 0) < SFT_PHRASINGS) == seen]
-            out[key] = round(sum(rs) / len(rs), 3) if rs else None
+    syn = cfg.data.synthetic
+    phrasing = {p.id: p.phrasing for p in generate_problems(syn.seed, syn.n_eval, "eval")}
+    for key, seen in (("pass1_seen_phrasing", True), ("pass1_unseen_phrasing", False)):
+        rs = [r["reward"] > 0 for r in recs if (phrasing.get(r["id"], 0) < SFT_PHRASINGS) == seen]
+        out[key] = round(sum(rs) / len(rs), 3) if rs else None
     for cls, pick in (("pos", lambda r: r > 0), ("neg", lambda r: r <= 0)):
         sel = [t for t, r in zip(trajs, recs) if pick(r["reward"])]
         calls = sum(t.n_tool_calls for t in sel)
@@ -149,8 +138,6 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="2 RL steps, 20 eval problems: smoke run")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     ap.add_argument("--sft-url", default=None, help="reuse this SFT checkpoint (wall_s then excludes SFT)")
-    ap.add_argument("--toy", action="store_true", help="the toy task of rstar2_core.rl.toy (mechanism check)")
-    ap.add_argument("--toy-sft-steps", type=int, default=300, help="SFT steps of the toy policy")
     ap.add_argument("--threads", type=int, default=2,
                     help="torch intra-op threads (2: SFT reads ~1.6x more tokens/s on a quiet 2-core machine; use 1 "
                          "when the machine is shared, where a second thread spin-waits)")
@@ -169,7 +156,7 @@ def main(argv=None) -> int:
     from rstar2_core.sft.train import run_sft
 
     t_start = time.time()
-    overrides = (TOY_RL if args.toy else []) + list(args.overrides)
+    overrides = list(args.overrides)
     if args.quick:
         overrides += ["rl.stages.0.steps=2", "eval.benchmarks.0.limit=20"]
     cfg = load_config(args.profile, overrides)
@@ -180,17 +167,8 @@ def main(argv=None) -> int:
     def log(msg: str) -> None:
         print(f"[{time.time() - t_start:7.1f} s] {msg}", file=sys.stderr, flush=True)
 
-    benches = None
-    sft_late_loss: float | None = None        # SFT run here (not --toy / --sft-url): mean loss of its last 5% of steps
-    if args.toy:
-        from rstar2_core.config import BenchmarkConfig
-        from rstar2_core.rl.toy import build_toy_policy, write_toy_problems
-
-        sft_url, toy_rl_url, loss = build_toy_policy(work / "toy", sft_steps=args.toy_sft_steps)
-        log(f"toy policy SFT-ed ({args.toy_sft_steps} steps, last loss {loss:.3f})")
-        benches = [BenchmarkConfig(name="toy", url=write_toy_problems(storage.join(root, "toy", "eval.jsonl"),
-                                                                      range(1000, 1032)), layout="generic")]
-    elif args.sft_url:
+    sft_late_loss: float | None = None        # SFT run here (not --sft-url): mean loss of its last 5% of steps
+    if args.sft_url:
         sft_url = args.sft_url
         log(f"reusing SFT checkpoint {sft_url}")
     else:
@@ -208,13 +186,10 @@ def main(argv=None) -> int:
             log(f"WARNING: SFT did not cross the copying phase change (late loss {sft_late_loss:.3f} > "
                 f"{SFT_CROSSED_LOSS}): the SFT policy cannot copy the problem's numbers, so the RL figures of "
                 "this run say little (docs/models-and-sft.md, 'Measured')")
-    if args.toy:
-        rl_data_url = toy_rl_url
-    else:
-        rl_data = curate(cfg, storage.join(root, "data"), progress=False)
-        rl_data_url = rl_data.url
-        log(f"RL problems: {rl_data.n_rows}")
-    evals = {"sft": eval_arm(cfg, sft_url, storage.join(root, "eval-sft"), log, benches)}
+    rl_data = curate(cfg, storage.join(root, "data"), progress=False)
+    rl_data_url = rl_data.url
+    log(f"RL problems: {rl_data.n_rows}")
+    evals = {"sft": eval_arm(cfg, sft_url, storage.join(root, "eval-sft"), log)}
 
     arms = {"roc": cfg,
             "grpo": load_config(args.profile, overrides + ["rl.grpo.resample=none", "rl.grpo.oversample=1"])}
@@ -228,7 +203,7 @@ def main(argv=None) -> int:
         streams[arm] = stream
         log(f"RL {arm}: {len(stream)} steps in {time.time() - t0:.0f} s; pass rate per step "
             f"{[round(m.get('rollout/pass_rate', float('nan')), 3) for _, m in stream]}")
-        evals[arm] = eval_arm(acfg, res.checkpoint_url, storage.join(root, f"eval-{arm}"), log, benches)
+        evals[arm] = eval_arm(acfg, res.checkpoint_url, storage.join(root, f"eval-{arm}"), log)
 
     storage.write_json_atomic(storage.join(root, "streams.json"), {a: st for a, st in streams.items()})
     png = Path(os.environ["RSTAR2_HOME"]).resolve() / "bench" / f"learning-{stamp}.png"
@@ -242,7 +217,7 @@ def main(argv=None) -> int:
         "grpo_train_pos_tool_error_ratio": late_mean(streams["grpo"], "rollout/pos_tool_error_ratio"),
         "wall_s": round(wall, 1), "sft_reused": bool(args.sft_url), "quick": args.quick,
         "sft_late_loss": sft_late_loss,
-        "task": "toy" if args.toy else "synthetic",
+        "task": "synthetic",
         "rl_steps": cfg.rl.stages[0].steps, "eval_problems": evals["sft"]["n_problems"], "eval_k": evals["sft"]["k"],
         "overrides": overrides, "plot": str(png), "evals": evals,
     }

@@ -89,7 +89,7 @@ def run_arm(cfg, url: str, problems, args, label: str) -> dict:
 
     start = asyncio.run(loop())
     tail = steps[1:] if len(steps) > 1 else steps
-    med = lambda key: statistics.median(m.get(key, 0.0) for m in tail)  # noqa: E731
+    med = lambda key: statistics.median(m.get(key, 0.0) for m in tail)
     return {"step_s": round(med("timing/step_s"), 3), "start_s": round(start, 1),
             "rollout_tokens_per_s": round(sum(m["usage/tokens_generated"] for m in tail)
                                           / max(1e-9, sum(m["timing/rollout_s"] for m in tail)), 1),

@@ -7,7 +7,8 @@ progress while it runs, retry a failed run exactly as the UI's Retry button does
 
 The UI's Retry (flow run page -> "Retry") sets the failed run's state to Scheduled named
 "AwaitingRetry" with the message "Retry from the UI" and force=False; a worker then runs the same
-flow run again (same id, run_count + 1). `retry_flow_run` sends exactly that.
+flow run again (same id, run_count + 1) with the run's frozen config snapshot, not the profile on disk
+(docs/pipeline.md, "What a retry runs"). `retry_flow_run` sends exactly that.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from prefect.client.schemas.filters import (
     TaskRunFilterFlowRunId,
 )
 from prefect.states import Scheduled
+
+from rstar2_cli.common import add_override_args
 
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 
@@ -66,7 +69,7 @@ def expected_tasks(parameters: dict) -> int | None:
     except ConfigError:
         return None
     stages = cfg.rl.stages
-    evals = {"all": len(stages) + 1, "rl": len(stages), "last": 1}[cfg.pipeline.eval_stages]
+    evals = 1 + {"all": len(stages), "rl": len(stages), "last": 1}[cfg.pipeline.eval_stages]  # + the SFT baseline
     return 4 + len(stages) + sum(s.dataset == "hard_subset" for s in stages) + evals + 1
 
 
@@ -129,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("run", help="start a deployment run and watch it")
     r.add_argument("deployment", nargs="?", default="rstar2/full-recipe")
     r.add_argument("--param", action="append", default=[], metavar="NAME=JSON")
-    r.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    add_override_args(r)
     r.add_argument("--timeout", type=float, default=3600)
     r.add_argument("--id-file", help="write the flow run id here")
     t = sub.add_parser("retry", help="retry a failed flow run as the UI does, and watch it")

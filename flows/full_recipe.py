@@ -6,10 +6,12 @@
                     └─> eval (sft)                   └──────────────┴──> register best <──────────┘
 
 The RL stages (and which one trains on the hard subset) come from `cfg.rl.stages`; every stage's
-checkpoint is evaluated and the best one is registered (the paper saw training collapse past step
-510, so the last checkpoint is not assumed best). The flow only composes tasks: validation, lineage
-and persistence live in tasks/. The stage DAG runs as a subflow so that its task runner (Ray or
-threads) can be chosen per run from the profile.
+checkpoint is evaluated (`cfg.pipeline.eval_stages`), the best one is registered (the paper saw
+training collapse past step 510, so the last checkpoint is not assumed best) and promoted only when it
+beats the SFT checkpoint (always evaluated: it is the baseline) beyond noise. Every task reads the
+run's frozen config snapshot (tasks/run_config.py), so the UI's Retry runs what the first attempt ran.
+The flow only composes tasks: validation, lineage and persistence live in tasks/. The stage DAG runs as
+a subflow so that its task runner (Ray or threads) can be chosen per run from the profile.
 
 Run: `prefect deployment run rstar2/full-recipe -p profile=tiny` (see docs/pipeline.md), or locally
 `python -m flows.full_recipe --profile tiny --set rl.stages.0.steps=2`.
@@ -22,15 +24,16 @@ import argparse
 from prefect import flow, runtime
 from prefect.artifacts import create_markdown_artifact
 
+from rstar2_cli.common import add_profile_args
 from tasks.context import RecipeContext, stage_label
 from tasks.recipe import close_recipe, open_recipe, register_best, summary_markdown
 from tasks.runners import placement, task_runner
 from tasks.stages import (
+    base_model,
     build_sft_data,
     curate_data,
     evaluate_checkpoint,
     hard_subset,
-    prepare_base_model,
     rl_stage,
     sft,
 )
@@ -44,7 +47,7 @@ def _configured(t, cfg):
 def recipe_stages(ctx: RecipeContext) -> dict:
     """The stage DAG of one recipe run (a subflow of `full_recipe`)."""
     cfg = ctx.config()
-    T = {t.name: _configured(t, cfg) for t in (curate_data, build_sft_data, prepare_base_model, sft, rl_stage,
+    T = {t.name: _configured(t, cfg) for t in (curate_data, build_sft_data, base_model, sft, rl_stage,
                                                 hard_subset, evaluate_checkpoint, register_best)}
     dag = []  # every submitted future, in DAG order
 
@@ -57,10 +60,8 @@ def recipe_stages(ctx: RecipeContext) -> dict:
     sft_data = submit("sft_data", "build-sft-data", label="sft-data")
     base = submit("base_model", "base-model", label=f"base-model ({cfg.model.kind})")
     policy = submit("sft", "sft", base, sft_data, label=f"sft ({cfg.sft.epochs:g} epochs)")
-    evals = []
+    evals = {"sft": submit("eval", "evaluate", "sft", policy, label="eval sft")}  # the promotion baseline
     last = len(cfg.rl.stages) - 1
-    if cfg.pipeline.eval_stages == "all":
-        evals.append(submit("eval", "evaluate", "sft", policy, label="eval sft"))
     for i, st in enumerate(cfg.rl.stages):
         data = curated
         if st.dataset == "hard_subset":
@@ -68,7 +69,7 @@ def recipe_stages(ctx: RecipeContext) -> dict:
                           label=f"{st.name} hard subset (k={st.hard_subset_k})")
         policy = submit("rl", "rl-stage", i, policy, data, label=stage_label(cfg, i))
         if cfg.pipeline.eval_stages != "last" or i == last:
-            evals.append(submit("eval", "evaluate", st.name, policy, label=f"eval {st.name}"))
+            evals[st.name] = submit("eval", "evaluate", st.name, policy, label=f"eval {st.name}")
     registered = submit("register", "register-best", evals)
     return _first_failure_or(registered, dag)
 
@@ -116,9 +117,8 @@ def full_recipe(profile: str = "tiny", overrides: list[str] | None = None, run_i
 
 def main() -> None:
     ap = argparse.ArgumentParser(description="Run the full recipe in this process (no server needed).")
-    ap.add_argument("--profile", default="tiny")
-    ap.add_argument("--set", dest="overrides", action="append", default=[])
-    ap.add_argument("--run-id", default=None)
+    add_profile_args(ap)
+    ap.add_argument("--run-id", default=None, help="an earlier run's id resumes that run with its own config")
     a = ap.parse_args()
     full_recipe(profile=a.profile, overrides=a.overrides, run_id=a.run_id)
 

@@ -37,12 +37,14 @@ def _curate(args: argparse.Namespace) -> int:
     from rstar2_core import storage
     from rstar2_core.data.curate import curate
     from rstar2_core.data.sources import SourceLayoutError
+    from rstar2_core.eval.sampler import label_check_sampler
 
     cfg = load(args)
     storage.configure_s3(cfg.storage.s3_endpoint_url, cfg.storage.s3_region)
     out = args.out or storage.join(cfg.resolved_storage_root(), "datasets", "curated")
     try:
-        ref = curate(cfg, out)
+        with label_check_sampler(cfg) as sampler:
+            ref = curate(cfg, out, sampler=sampler)
     except (FileNotFoundError, SourceLayoutError) as e:
         print(f"rstar2 data curate: {e}", file=sys.stderr)
         return 2

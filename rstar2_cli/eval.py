@@ -22,6 +22,8 @@ import time
 
 from rstar2_cli.common import add_profile_args, load
 
+_FILE_LAYOUTS = ["aime", "generic", "gpqa", "hmmt", "math500"]  # rstar2_core.data.benchmarks.LOADERS (tested)
+
 
 def _default_out(cfg, model_ref: str) -> str:
     from rstar2_core import storage
@@ -32,8 +34,8 @@ def _default_out(cfg, model_ref: str) -> str:
 
 def _eval(args: argparse.Namespace) -> int:
     from rstar2_core import storage
+    from rstar2_core.data.benchmarks import benchmark_from_url, load_benchmark, resolve_benchmarks
     from rstar2_core.data.sources import SourceLayoutError
-    from rstar2_core.eval.benchmarks import benchmark_from_url, load_benchmark, resolve_benchmarks
     from rstar2_core.eval.report import metrics_table
     from rstar2_core.eval.run import evaluate
     from tasks.modelref import ModelRefError, resolve_model_ref
@@ -82,7 +84,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", required=True, help="checkpoint URL/path, or models:/NAME@ALIAS / models:/NAME/VERSION")
     p.add_argument("--bench", action="append", default=[], metavar="NAME_OR_URL",
                    help="configured benchmark name or .jsonl/.parquet URL (repeatable; default: all configured)")
-    p.add_argument("--layout", default=None, choices=["aime", "hmmt", "math500", "gpqa", "generic"],
+    p.add_argument("--layout", default=None, choices=_FILE_LAYOUTS,
                    help="layout of --bench files given by URL (default: detected from the fields)")
     p.add_argument("--k", type=int, default=None, help="samples per problem (default eval.k; the paper: 16)")
     p.add_argument("--out", default=None, help="report folder URL")

@@ -41,13 +41,6 @@ class PlanTask:
     runtime_slot: bool = False   # asks for the cluster's one `rstar2_runtime` unit (cluster.runtime = "ray")
 
 
-def _stage_label(cfg: Any, i: int) -> str:
-    st = cfg.rl.stages[i]
-    n = st.max_response_tokens
-    size = f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else (f"{n / 1000:g}K" if n >= 1000 else str(n))
-    return f"{st.name} ({size}, {st.max_turns} turns)"
-
-
 def recipe_dag(cfg: Any) -> list[PlanTask]:
     """The full recipe's tasks in submission order, with dependencies and Ray resources."""
     out: list[PlanTask] = []
@@ -60,21 +53,21 @@ def recipe_dag(cfg: Any) -> list[PlanTask]:
                             float(r.num_gpus) if r else 0.0, cfg.cluster.runtime == "ray" and kind in STAGE_TASKS))
         return name
 
-    eval_stages = getattr(getattr(cfg, "pipeline", None), "eval_stages", "all")
+    from tasks.context import stage_label
+
+    eval_stages = cfg.pipeline.eval_stages
     curated = add("curate", "curate", "curate")
     sft_data = add("sft-data", "sft_data", "sft-data")
     base = add("base-model", "base_model", f"base-model ({cfg.model.kind})")
     policy = add("sft", "sft", f"sft ({cfg.sft.epochs:g} epochs)", base, sft_data)
-    evals = []
-    if eval_stages == "all":
-        evals.append(add("eval-sft", "eval", "eval sft", policy))
+    evals = [add("eval-sft", "eval", "eval sft", policy)]  # always: the promotion baseline
     last = len(cfg.rl.stages) - 1
     for i, st in enumerate(cfg.rl.stages):
         data = curated
         if st.dataset == "hard_subset":
             data = add(f"{st.name}-hard-subset", "hard_subset", f"{st.name} hard subset (k={st.hard_subset_k})",
                        policy, curated)
-        policy = add(st.name, "rl", _stage_label(cfg, i), policy, data)
+        policy = add(st.name, "rl", stage_label(cfg, i), policy, data)
         if eval_stages != "last" or i == last:
             evals.append(add(f"eval-{st.name}", "eval", f"eval {st.name}", policy))
     add("register", "register", "register best", *evals)
@@ -228,9 +221,10 @@ def _fmt_res(t: dict) -> str:
 
 
 def render(plan: dict, cfg: Any) -> str:
-    lines = [f"profile {plan['profile']}: config valid", f"  image {plan['image'] or '(local processes)'}; "
-             f"ray {plan['ray_address'] or '(local Ray)'}; tracking {plan['tracking_uri']}; "
-             f"storage {plan['storage_root']}", "", "recipe DAG (task run name  [Ray resources]  <- depends on):"]
+    lines = [f"profile {plan['profile']}: config valid",
+             (f"  image {plan['image'] or '(local processes)'}; ray {plan['ray_address'] or '(local Ray)'}; "
+              f"tracking {plan['tracking_uri']}; storage {plan['storage_root']}"),
+             "", "recipe DAG (task run name  [Ray resources]  <- depends on):"]
     for t in plan["dag"]:
         deps = f"  <- {', '.join(t['deps'])}" if t["deps"] else ""
         lines.append(f"  {t['label']:<34} [{_fmt_res(t)}]{deps}")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from rstar2_cli.common import add_profile_args, load
+from rstar2_cli.common import add_profile_args, load, step_logger
 
 
 def _stage_index(cfg, stage: int) -> int:
@@ -29,11 +29,8 @@ def _run(args: argparse.Namespace) -> int:
 
     cfg = load(args)
 
-    def log(metrics: dict, step: int) -> None:
-        print(json.dumps({"step": step, **{k: round(float(v), 6) for k, v in sorted(metrics.items())}}), flush=True)
-
     res = run_rl_stage(cfg, _stage_index(cfg, args.stage), init_checkpoint_url=args.init, data_url=args.data,
-                       out_url=args.out, log_metrics=log, resume=not args.no_resume,
+                       out_url=args.out, log_metrics=step_logger(), resume=not args.no_resume,
                        tracking_run_id=args.run_id)
     print(json.dumps({"result": res.to_json()}))
     return 0

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from rstar2_cli.common import add_profile_args, load
+from rstar2_cli.common import add_profile_args, load, step_logger
 
 
 def _data(args: argparse.Namespace) -> int:
@@ -26,15 +26,12 @@ def _data(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     from rstar2_core.sft.train import run_sft
 
-    def log(metrics: dict, step: int) -> None:
-        print(json.dumps({"step": step, **{k: round(float(v), 6) for k, v in sorted(metrics.items())}}), flush=True)
-
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
-    res = run_sft(load(args), base_model_url=args.base, sft_data_url=args.data, out_url=args.out, log_metrics=log,
-                  resume=not args.no_resume)
+    res = run_sft(load(args), base_model_url=args.base, sft_data_url=args.data, out_url=args.out,
+                  log_metrics=step_logger(), resume=not args.no_resume)
     print(json.dumps({"result": res.to_json()}))
     return 0
 

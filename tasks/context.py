@@ -1,34 +1,36 @@
 """What every stage task of one recipe run needs to know, passed as one small frozen value.
 
-Tasks may run in another process (a Ray worker) than the flow, so the context carries the profile and
-overrides (not a live config object) and `config()` rebuilds and validates the same config there,
-configuring s3fs from `cfg.storage` on the way.
+The context carries the run's frozen config snapshot (its canonical JSON and digest, tasks/run_config.py),
+never a profile name: every task, in the flow process or in a Ray worker, and every retry of the run
+rebuilds the same validated `Config` from it with `config()` (configuring s3fs from `cfg.storage` on the
+way), whatever `configs/<profile>.toml` says by then.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass
 
 from rstar2_core import storage
-from rstar2_core.config import Config, load_config
+from rstar2_core.config import Config, config_from_snapshot
 from tasks.run_store import RunStore
 
 
 @dataclass(frozen=True)
 class RecipeContext:
-    """profile + overrides -> the config; run_id keys the run's storage; attempt = flow-run attempt (1-based);
-    parent_run_id = the recipe's MLflow parent run."""
+    """run_id keys the run's storage; config_json/config_digest = the run's config snapshot; attempt =
+    flow-run attempt (1-based); parent_run_id = the recipe's MLflow parent run."""
 
-    profile: str
-    overrides: tuple[str, ...] = ()
-    run_id: str = ""
+    run_id: str
+    config_json: str
+    config_digest: str
     attempt: int = 1
     parent_run_id: str | None = None
     flow_run_id: str | None = None
-    labels: dict = field(default_factory=dict)
 
     def config(self) -> Config:
-        cfg = load_config(self.profile, list(self.overrides))
+        cfg = config_from_snapshot(json.loads(self.config_json), f"config snapshot of run {self.run_id}",
+                                   self.config_digest)
         apply_storage_settings(cfg)
         return cfg
 

@@ -1,9 +1,10 @@
-"""Recipe-level steps around the stage tasks: validate inputs before any compute, open/close the MLflow
-parent run, rank the evaluated checkpoints and register the best, render the summary table.
+"""Recipe-level steps around the stage tasks: validate inputs before any compute, freeze the run's config,
+open/close the MLflow parent run, decide the promotion of the best checkpoint and register it, render the
+summary table.
 
-    preflight(cfg)            bad data/benchmark URLs, unknown resource keys, unreachable storage -> ConfigError
-    open_recipe(...)          -> RecipeContext (parent MLflow run created once per recipe run)
-    register_best(ctx, evals) -> Registration (idempotent per recipe run)
+    preflight(cfg)              bad data/benchmark URLs, unknown resource keys, unreachable storage -> ConfigError
+    open_recipe(...)            -> RecipeContext (config snapshot written once, parent MLflow run created once)
+    register_best(ctx, reports) -> summary dict (idempotent per recipe run)
 """
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ from prefect.cache_policies import NO_CACHE
 
 from rstar2_core import storage
 from rstar2_core.config import Config, ConfigError, load_config
+from rstar2_core.eval.compare import primary_benchmark, rank_checkpoints
+from rstar2_core.eval.promotion import SFT_STAGE, decide_promotion
+from rstar2_core.eval.run import EvalReport
 from tasks import registry, tracking
 from tasks.context import RecipeContext, apply_storage_settings
-from tasks.evals import pass1_by_benchmark, primary_benchmark
 from tasks.retry import retry_on_infrastructure_error
-from tasks.run_store import RunStore
+from tasks.run_config import drift_notes, locate_store, read_snapshot, write_snapshot
 from tasks.runners import TASK_KINDS
 
 
@@ -56,93 +59,130 @@ def preflight(cfg: Config) -> None:
 
 def open_recipe(profile: str, overrides: list[str], run_id: str | None, flow_run_id: str | None,
                 attempt: int, kind: str = "recipe") -> RecipeContext:
-    """Validate, then get or create the run's MLflow parent run (named `<kind> <profile> <id>`);
-    returns the tasks' context."""
-    cfg = load_config(profile, overrides)
-    preflight(cfg)
+    """Freeze or read back the run's config, validate its inputs, get or create its MLflow parent run
+    (named `<kind> <profile> <id>`); returns the tasks' context.
+
+    First attempt: the profile + overrides are validated, checked (`preflight`) and only then written as
+    the run's snapshot. Any later attempt (the UI's Retry) runs that snapshot, whatever the profile on
+    disk says now, and logs what differs (Prefect log, and tag `rstar2.drift.attempt_<n>` on the parent
+    MLflow run)."""
+    log = get_run_logger()
     rid = run_id or flow_run_id
     if not rid:
         raise ConfigError(f"{kind} needs a run_id when it runs outside a Prefect flow run")
-    store = RunStore.for_run(cfg.resolved_storage_root(), rid)
+    store = locate_store(profile, overrides, rid)
+    rc = read_snapshot(store)
+    notes: list[str] = []
+    if rc is None:
+        if attempt > 1:
+            log.warning(f"attempt {attempt} of run {rid} found no config snapshot at {store.config_url()} (the "
+                        "first attempt failed before writing it, or the profile's storage root changed since): "
+                        "starting from the profile on disk")
+        cfg = load_config(profile, overrides)
+        preflight(cfg)
+        rc = write_snapshot(store, cfg, profile, overrides)
+        log.info(f"run {rid}: config snapshot {rc.digest[:12]} written to {store.config_url()}")
+    else:
+        preflight(rc.config)
+        notes = drift_notes(rc, profile, overrides)
+        log.info(f"run {rid} (attempt {attempt}): running its config snapshot {rc.digest[:12]} "
+                 f"({store.config_url()})")
+        for note in notes:
+            log.warning(f"{note}; the run keeps its snapshot (start a new run to use the profile as it is now)")
+    cfg = rc.config
     parent = store.tracking_id("parent")
     if parent is None:
-        parent = tracking.start_parent_run(cfg, run_name=f"{kind} {cfg.profile} {rid[:8]}",
-                                           recipe_run_id=rid, flow_run_id=flow_run_id)
+        parent = tracking.start_parent_run(cfg, run_name=f"{kind} {cfg.profile} {rid[:8]}", recipe_run_id=rid,
+                                           flow_run_id=flow_run_id, config_tree=rc.tree, config_digest=rc.digest)
         store.set_tracking_id("parent", parent)
     else:
         tracking.reopen(cfg, parent)
-        tracking.client(cfg).set_tag(parent, f"prefect.attempt.{attempt}", flow_run_id or "")
-    return RecipeContext(profile=profile, overrides=tuple(overrides), run_id=rid, attempt=attempt,
+        c = tracking.client(cfg)
+        c.set_tag(parent, f"prefect.attempt.{attempt}", flow_run_id or "")
+        if notes:
+            c.set_tag(parent, f"rstar2.drift.attempt_{attempt}", "\n".join(notes)[:5000])
+    return RecipeContext(run_id=rid, config_json=rc.json, config_digest=rc.digest, attempt=attempt,
                          parent_run_id=parent, flow_run_id=flow_run_id)
 
 
 def close_recipe(profile: str, overrides: list[str], run_id: str, status: str) -> None:
     """Mark the parent MLflow run FINISHED/FAILED (called from flow state hooks)."""
     try:
-        cfg = load_config(profile, overrides)
+        store = locate_store(profile, overrides, run_id)
+        rc = read_snapshot(store)
     except ConfigError:  # the run failed on its config: it never opened an MLflow run
         return
-    apply_storage_settings(cfg)
-    parent = RunStore.for_run(cfg.resolved_storage_root(), run_id).tracking_id("parent")
+    if rc is None:  # failed before its snapshot was written: no MLflow run either
+        return
+    apply_storage_settings(rc.config)
+    parent = store.tracking_id("parent")
     if parent is not None:
-        tracking.finish(cfg, parent, status)
-
-
-def rank(cfg: Config, evals: list[dict]) -> list[tuple[str, float, dict]]:
-    """[(stage, primary pass@1, eval record)] best first; ties go to the later stage."""
-    bench = primary_benchmark(cfg)
-    scored = []
-    for order, ev in enumerate(evals):
-        table = pass1_by_benchmark(ev["report"])
-        if bench not in table:
-            raise ValueError(f"evaluation of {ev['stage']} has no pass@1 for primary benchmark {bench!r} "
-                             f"(has {sorted(table)})")
-        scored.append((table[bench], order, ev))
-    scored.sort(key=lambda x: (x[0], x[1]), reverse=True)
-    return [(ev["stage"], score, ev) for score, _, ev in scored]
+        tracking.finish(rc.config, parent, status)
 
 
 @task(name="register-best", task_run_name="register best checkpoint", retries=2, retry_delay_seconds=2,
       retry_condition_fn=retry_on_infrastructure_error, cache_policy=NO_CACHE, persist_result=False)
-def register_best(ctx: RecipeContext, evals: list[dict]) -> dict:
-    """Register the best-ranked stage checkpoint as this recipe run's version of the model."""
+def register_best(ctx: RecipeContext, reports: dict[str, EvalReport]) -> dict:
+    """Rank the evaluated checkpoints, decide the best one's aliases against the run's SFT checkpoint and
+    the current champion, and register it as this recipe run's version of the model. `reports` holds
+    every evaluated stage (always "sft"); the SFT checkpoint itself is ranked only with
+    `pipeline.eval_stages = "all"`."""
     log = get_run_logger()
     cfg = ctx.config()
     store = ctx.store(cfg)
     done = store.load("register")
     if done is not None:
         return done
-    ranked = rank(cfg, evals)
-    stage, score, best = ranked[0]
+    if SFT_STAGE not in reports:
+        raise ValueError(f"register-best needs the SFT evaluation to decide promotion; got {sorted(reports)}")
+    bench = primary_benchmark(cfg.eval)
+    ranked = rank_checkpoints({s: r for s, r in reports.items()
+                               if s != SFT_STAGE or cfg.pipeline.eval_stages == "all"}, bench)
+    stage, best = ranked[0]
     c = tracking.client(cfg)
-    for st, _, ev in ranked:  # the eval table on the parent run, one metric per stage x benchmark
-        for bench, p in pass1_by_benchmark(ev["report"]).items():
-            c.log_metric(ctx.parent_run_id, tracking.metric_key(f"eval/{st}/{bench}/pass@1"), p)
-    metrics = {f"eval/{b}/pass@1": p for b, p in pass1_by_benchmark(best["report"]).items()}
+    for st, rep in reports.items():  # the eval table on the parent run, one metric per stage x benchmark
+        for b, p in rep.pass1().items():
+            c.log_metric(ctx.parent_run_id, tracking.metric_key(f"eval/{st}/{b}/pass@1"), p)
+    decision = store.load("promotion")  # decided once: a retry must not re-judge against itself as champion
+    if decision is None:
+        p = decide_promotion(stage, best, reports[SFT_STAGE], champion=registry.champion(cfg), benchmark=bench,
+                             confidence=cfg.eval.comparison_confidence, seed=cfg.eval.seed)
+        decision = p.to_json()
+        store.save("promotion", decision, attempt=ctx.attempt)
+    log.info(f"promotion: {decision['line']}")
+    c.set_tag(ctx.parent_run_id, "promotion", decision["line"][:5000])
     reg = registry.register(cfg, parent_run_id=ctx.parent_run_id, recipe_run_id=ctx.run_id, stage=stage,
-                            checkpoint_url=best["checkpoint_url"], primary_pass1=score, metrics=metrics,
+                            report=best, primary_pass1=best.metrics[bench].pass1,
+                            aliases=tuple(decision["aliases"]), promotion_line=decision["line"],
                             lineage={"prefect.flow_run_id": ctx.flow_run_id or "",
                                      "mlflow.parent_run_id": ctx.parent_run_id or ""})
-    log.info(f"best checkpoint: {stage} (pass@1 {score:.3f}); {reg.summary_line()}")
+    log.info(f"best checkpoint: {stage}; {reg.summary_line()}")
     out = {"registration": {"name": reg.name, "version": reg.version, "aliases": list(reg.aliases),
                             "stage": reg.stage, "checkpoint_url": reg.checkpoint_url,
                             "primary_pass1": reg.primary_pass1, "line": reg.summary_line()},
-           "stages": [{"stage": st, "primary_pass1": p, "pass1": pass1_by_benchmark(ev["report"]),
-                       "checkpoint_url": ev["checkpoint_url"]} for st, p, ev in ranked],
-           "primary_benchmark": primary_benchmark(cfg), "run_id": ctx.run_id,
-           "mlflow_parent_run_id": ctx.parent_run_id}
+           "promotion": decision,
+           "stages": [{"stage": st, "primary_pass1": rep.metrics[bench].pass1 if bench in rep.metrics else None,
+                       "pass1": rep.pass1(), "checkpoint_url": rep.checkpoint_url, "report_url": rep.json_url}
+                      for st, rep in reports.items()],
+           "primary_benchmark": bench, "run_id": ctx.run_id, "mlflow_parent_run_id": ctx.parent_run_id,
+           "config_digest": ctx.config_digest}
     store.save("register", out, attempt=ctx.attempt)
     return out
 
 
 def summary_markdown(summary: dict[str, Any], order: list[str]) -> str:
-    """The recipe's stage table (pass@1 per benchmark, stages in recipe order) and its registration line."""
+    """The recipe's stage table (pass@1 per benchmark, stages in recipe order), the promotion decision with
+    its numbers and the registration line."""
     rows = {s["stage"]: s for s in summary["stages"]}
     benches = sorted({b for s in summary["stages"] for b in s["pass1"]})
     lines = [f"| stage | {' | '.join(f'{b} pass@1' for b in benches)} |", "|---|" + "---|" * len(benches)]
     for st in [s for s in order if s in rows]:
         lines.append(f"| {st} | " + " | ".join(f"{rows[st]['pass1'].get(b, float('nan')):.3f}" for b in benches) + " |")
-    reg = summary["registration"]
+    reg, promo = summary["registration"], summary["promotion"]
+    conf = (promo.get("vs_sft") or {}).get("confidence")
+    how = f"paired bootstrap, {conf:.0%} interval" if conf else "paired bootstrap"
     lines += ["", f"best: {reg['stage']} ({summary['primary_benchmark']} pass@1 {reg['primary_pass1']:.3f})",
-              reg["line"], f"checkpoint: {reg['checkpoint_url']}"]
+              f"promotion ({summary['primary_benchmark']}, {how}): {promo['line']}",
+              reg["line"] + ("" if reg["aliases"] else ": registered without aliases"),
+              f"checkpoint: {reg['checkpoint_url']}"]
     return "\n".join(lines)

@@ -1,10 +1,12 @@
 """The MLflow model registry side of the pipeline: one version of `rstar2-agent` per recipe run.
 
 Convention (docs/CONTRACTS.md): a version carries tag `checkpoint_url` (the fsspec URL of its HF
-checkpoint); `models:/rstar2-agent@champion` resolves through that tag. The version's `source` is a
-small pointer artifact logged under the parent run (so an MLflow server accepts it; the weights are
-never copied). Aliases: `candidate` when the primary pass@1 reaches `cfg.eval.gate_pass1`, `champion`
-when it also beats the current champion's primary pass@1 (or there is none yet).
+checkpoint); `models:/rstar2-agent@champion` resolves through that tag, and tag `eval_report_url` (its
+`report.json`) lets the next run compare against the champion's per-problem results. The version's
+`source` is a small pointer artifact logged under the parent run (so an MLflow server accepts it; the
+weights are never copied). Which aliases a version gets is decided before it is registered
+(`rstar2_core.eval.promotion.decide_promotion`: `candidate` when it beats its run's SFT checkpoint,
+`champion` when it also beats the current champion); tag `promotion` holds that decision's line.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rstar2_core import storage
 from rstar2_core.config import Config
+from rstar2_core.eval.run import EvalReport
 from tasks import tracking
 from tasks.modelref import registry_checkpoint
 
@@ -32,7 +36,7 @@ class Registration:
     metrics: dict = field(default_factory=dict)
 
     def summary_line(self) -> str:
-        alias = f" (alias {', '.join(self.aliases)})" if self.aliases else " (no alias: eval gate not passed)"
+        alias = f" (alias {', '.join(self.aliases)})" if self.aliases else " (no alias)"
         return f"{self.name} version {self.version}{alias}"
 
 
@@ -66,11 +70,25 @@ def existing_version(cfg: Config, recipe_run_id: str):
     return versions[0] if versions else None
 
 
-def register(cfg: Config, *, parent_run_id: str, recipe_run_id: str, stage: str, checkpoint_url: str,
-             primary_pass1: float, metrics: dict[str, float], lineage: dict[str, str]) -> Registration:
-    """Register `checkpoint_url` as a new version (idempotent per recipe run) and set its aliases."""
+def champion(cfg: Config) -> tuple[str, EvalReport | None] | None:
+    """(label `version N`, its EvalReport, or None when its `eval_report_url` tag is missing or the file
+    is gone) of the current champion, or None when there is none."""
+    mv = _alias_version(tracking.client(cfg), cfg.tracking.registered_model, "champion")
+    if mv is None:
+        return None
+    url = (mv.tags or {}).get("eval_report_url")
+    return f"version {mv.version}", EvalReport.load(url) if url and storage.exists(url) else None
+
+
+def register(cfg: Config, *, parent_run_id: str, recipe_run_id: str, stage: str, report: EvalReport,
+             primary_pass1: float, aliases: tuple[str, ...], promotion_line: str,
+             lineage: dict[str, str]) -> Registration:
+    """Register `report`'s checkpoint as this recipe run's version (idempotent per recipe run) and set
+    `aliases` on it."""
     c = tracking.client(cfg)
     name = cfg.tracking.registered_model
+    checkpoint_url = report.checkpoint_url
+    metrics = {f"eval/{b}/pass@1": p for b, p in report.pass1().items()}
     _ensure_model(c, name)
     mv = existing_version(cfg, recipe_run_id)
     if mv is None:
@@ -80,20 +98,14 @@ def register(cfg: Config, *, parent_run_id: str, recipe_run_id: str, stage: str,
             c.log_artifact(parent_run_id, str(ptr), artifact_path="model")
         source = f"{c.get_run(parent_run_id).info.artifact_uri.rstrip('/')}/model"
         tags = {"checkpoint_url": checkpoint_url, "stage": stage, "rstar2.recipe_run_id": recipe_run_id,
+                "eval_report_url": report.json_url or "", "primary_pass1": f"{primary_pass1:.6g}",
+                "promotion": promotion_line[:5000],
                 "git_sha": c.get_run(parent_run_id).data.tags.get("git_sha", tracking.git_sha()), **lineage,
                 **{tracking.metric_key(k): f"{v:.6g}" for k, v in metrics.items()}}
         mv = c.create_model_version(name, source=source, run_id=parent_run_id, tags=tags)
     version = int(mv.version)
-    aliases: list[str] = []
-    if primary_pass1 >= cfg.eval.gate_pass1:
-        c.set_registered_model_alias(name, "candidate", version)
-        aliases.append("candidate")
-        champ = _alias_version(c, name, "champion")
-        champ_score = float(champ.tags.get("primary_pass1", "-1")) if champ is not None else -1.0
-        if champ is None or int(champ.version) == version or primary_pass1 > champ_score:
-            c.set_registered_model_alias(name, "champion", version)
-            aliases.append("champion")
-    c.set_model_version_tag(name, str(version), "primary_pass1", f"{primary_pass1:.6g}")
+    for alias in aliases:
+        c.set_registered_model_alias(name, alias, version)
     c.set_tag(parent_run_id, "registered_model_version", f"{name}/{version}")
     return Registration(name=name, version=version, stage=stage, checkpoint_url=checkpoint_url,
                         primary_pass1=primary_pass1, aliases=tuple(aliases), metrics=dict(metrics))

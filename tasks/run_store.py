@@ -7,6 +7,7 @@ A recipe run (one Prefect flow run of `full_recipe`, keyed by its flow-run id, o
         data/curated/ data/sft/ data/<stage>-subset/     datasets (DatasetRef manifests beside them)
         checkpoints/base checkpoints/sft checkpoints/<rl stage>/   HF checkpoints (+ step checkpoints)
         eval/<stage>/                                    evaluation reports
+        state/config.json                                the run's frozen config snapshot (written once)
         state/<stage>.json                               the finished stage's result (atomic write)
         state/mlflow/<key>.json                          MLflow run id of the parent run and of each stage
 
@@ -24,9 +25,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from rstar2_core import storage
+from rstar2_core.eval.run import EvalReport
 from rstar2_core.results import DatasetRef, StageResult
 
-_KINDS = {"dataset": DatasetRef, "stage": StageResult}
+_KINDS: dict[str, Any] = {"dataset": DatasetRef, "stage": StageResult, "eval_report": EvalReport}
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,7 @@ class RunStore:
 
     # finished stages -----------------------------------------------------------------------------
     def save(self, stage: str, result: Any, attempt: int = 1) -> None:
-        """Record a finished stage (`DatasetRef`, `StageResult` or a JSON-able dict)."""
+        """Record a finished stage (`DatasetRef`, `StageResult`, `EvalReport` or a JSON-able dict)."""
         kind = next((k for k, t in _KINDS.items() if isinstance(result, t)), "json")
         payload = result.to_json() if kind != "json" else result
         storage.write_json_atomic(self._record_url(stage), {
@@ -66,8 +68,25 @@ class RunStore:
         if rec is None:
             return None
         kind, payload = rec["kind"], rec["result"]
-        result = _KINDS[kind](**payload) if kind in _KINDS else payload
+        result = _from_json(kind, payload)
         return result if _artifacts_present(result) else None
+
+    # the run's config snapshot (tasks/run_config.py) ----------------------------------------------
+    def config_url(self) -> str:
+        return self.url("state", "config.json")
+
+    def read_config_snapshot(self) -> dict | None:
+        """The snapshot record written when the run opened, or None before that."""
+        url = self.config_url()
+        return storage.read_json(url) if storage.exists(url) else None
+
+    def write_config_snapshot(self, record: dict) -> dict:
+        """Write the snapshot record unless one exists; return the one the run uses (written once)."""
+        have = self.read_config_snapshot()
+        if have is not None:
+            return have
+        storage.write_json_atomic(self.config_url(), record)
+        return record
 
     # tracking ids (one file per key: evaluations of several stages may run at once) ---------------
     def tracking_id(self, key: str) -> str | None:
@@ -79,7 +98,15 @@ class RunStore:
         storage.write_json_atomic(self.url("state", "mlflow", f"{key}.json"), {"run_id": run_id})
 
 
+def _from_json(kind: str, payload: Any) -> Any:
+    if kind == "eval_report":
+        return EvalReport.from_json(payload)
+    return _KINDS[kind](**payload) if kind in _KINDS else payload
+
+
 def _artifacts_present(result: Any) -> bool:
+    if isinstance(result, EvalReport):
+        return result.json_url is None or storage.exists(result.json_url)
     if isinstance(result, StageResult):
         return storage.is_complete(result.checkpoint_url)
     if isinstance(result, DatasetRef):

@@ -1,4 +1,5 @@
-"""Prefect tasks over the recipe's stage entry points (docs/CONTRACTS.md, "stage entry points").
+"""Prefect tasks over the recipe's stage entry points (docs/CONTRACTS.md, "stage entry points"), imported
+here by name (tests replace them with `monkeypatch.setattr(tasks.stages, "run_rl_stage", double)`).
 
 Each task is a thin wrapper that adds what the core does not know about:
 
@@ -16,8 +17,6 @@ would not be visible to a worker on another machine, while the run store lives b
 
 from __future__ import annotations
 
-import dataclasses
-import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -25,26 +24,18 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from rstar2_core.config import Config
+from rstar2_core.data.curate import curate
+from rstar2_core.eval.run import EvalReport, evaluate
+from rstar2_core.eval.sampler import label_check_sampler
+from rstar2_core.models import prepare_base_model
 from rstar2_core.results import DatasetRef, StageResult
+from rstar2_core.rl.hard_subset import select_hard_subset
+from rstar2_core.rl.stage import run_rl_stage
+from rstar2_core.sft.data import build_sft_dataset
+from rstar2_core.sft.train import run_sft
 from tasks import tracking
 from tasks.context import RecipeContext
 from tasks.retry import retry_on_infrastructure_error
-
-# The core functions each task calls; resolved at call time so that this module imports without them.
-ENTRY_POINTS = {
-    "curate": "rstar2_core.data.curate:curate",
-    "sft_data": "rstar2_core.sft.data:build_sft_dataset",
-    "base_model": "rstar2_core.models:prepare_base_model",
-    "sft": "rstar2_core.sft.train:run_sft",
-    "rl": "rstar2_core.rl.stage:run_rl_stage",
-    "hard_subset": "rstar2_core.rl.hard_subset:select_hard_subset",
-    "eval": "rstar2_core.eval.run:evaluate",
-}
-
-
-def core(kind: str) -> Callable[..., Any]:
-    module, _, name = ENTRY_POINTS[kind].partition(":")
-    return getattr(importlib.import_module(module), name)
 
 
 def _stage_task(**kw):
@@ -91,7 +82,8 @@ def _run_tracked(ctx: RecipeContext, key: str, params: dict[str, Any],
 @_stage_task(name="curate")
 def curate_data(ctx: RecipeContext, label: str = "curate") -> DatasetRef:
     def compute(cfg, log_metrics, _):
-        return core("curate")(cfg, ctx.store(cfg).url("data", "curated"), log_metrics=log_metrics)
+        with label_check_sampler(cfg) as sampler:
+            return curate(cfg, ctx.store(cfg).url("data", "curated"), log_metrics=log_metrics, sampler=sampler)
 
     return _run_tracked(ctx, "curate", {"sources": len(ctx.config().data.sources)}, compute)
 
@@ -99,15 +91,15 @@ def curate_data(ctx: RecipeContext, label: str = "curate") -> DatasetRef:
 @_stage_task(name="build-sft-data")
 def build_sft_data(ctx: RecipeContext, label: str = "sft-data") -> DatasetRef:
     def compute(cfg, _log, _run):
-        return core("sft_data")(cfg, ctx.store(cfg).url("data", "sft"))
+        return build_sft_dataset(cfg, ctx.store(cfg).url("data", "sft"))
 
     return _run_tracked(ctx, "sft-data", {}, compute)
 
 
 @_stage_task(name="base-model")
-def prepare_base_model(ctx: RecipeContext, label: str = "base-model") -> dict:
+def base_model(ctx: RecipeContext, label: str = "base-model") -> dict:
     def compute(cfg, _log, _run):
-        return {"checkpoint_url": core("base_model")(cfg, ctx.store(cfg).url("checkpoints", "base"))}
+        return {"checkpoint_url": prepare_base_model(cfg, ctx.store(cfg).url("checkpoints", "base"))}
 
     return _run_tracked(ctx, "base-model", {"model.kind": ctx.config().model.kind}, compute)
 
@@ -115,8 +107,8 @@ def prepare_base_model(ctx: RecipeContext, label: str = "base-model") -> dict:
 @_stage_task(name="sft")
 def sft(ctx: RecipeContext, base_model: dict, sft_data: DatasetRef, label: str = "sft") -> StageResult:
     def compute(cfg, log_metrics, _):
-        return core("sft")(cfg, base_model_url=base_model["checkpoint_url"], sft_data_url=sft_data.url,
-                           out_url=ctx.store(cfg).url("checkpoints", "sft"), log_metrics=log_metrics, resume=True)
+        return run_sft(cfg, base_model_url=base_model["checkpoint_url"], sft_data_url=sft_data.url,
+                       out_url=ctx.store(cfg).url("checkpoints", "sft"), log_metrics=log_metrics, resume=True)
 
     cfg = ctx.config()
     params = {**tracking.flatten(cfg.sft.model_dump(mode="json"), "sft."), "base_model_url": base_model["checkpoint_url"]}
@@ -129,9 +121,9 @@ def rl_stage(ctx: RecipeContext, stage_index: int, init: StageResult, data: Data
     st = cfg.rl.stages[stage_index]
 
     def compute(cfg, log_metrics, run_id):
-        return core("rl")(cfg, stage_index, init_checkpoint_url=init.checkpoint_url, data_url=data.url,
-                          out_url=ctx.store(cfg).url("checkpoints", st.name), log_metrics=log_metrics,
-                          resume=True, tracking_run_id=run_id)
+        return run_rl_stage(cfg, stage_index, init_checkpoint_url=init.checkpoint_url, data_url=data.url,
+                            out_url=ctx.store(cfg).url("checkpoints", st.name), log_metrics=log_metrics,
+                            resume=True, tracking_run_id=run_id)
 
     params = {**tracking.flatten(st.model_dump(mode="json"), "stage."), "init_checkpoint_url": init.checkpoint_url}
     return _run_tracked(ctx, st.name, params, compute, inputs=((f"{st.name}-data", data),))
@@ -145,41 +137,31 @@ def hard_subset(ctx: RecipeContext, stage_index: int, policy: StageResult, data:
     key = f"{st.name}-hard-subset"
 
     def compute(cfg, _log, _run):
-        return core("hard_subset")(cfg, stage_index, checkpoint_url=policy.checkpoint_url, data_url=data.url,
-                                   out_url=ctx.store(cfg).url("data", key))
+        return select_hard_subset(cfg, stage_index, checkpoint_url=policy.checkpoint_url, data_url=data.url,
+                                  out_url=ctx.store(cfg).url("data", key))
 
     return _run_tracked(ctx, key, {"k": st.hard_subset_k, "policy": policy.checkpoint_url}, compute,
                         inputs=(("pool", data),))
 
 
-def report_json(report: Any) -> dict:
-    """The core's EvalReport as a JSON-able dict."""
-    if hasattr(report, "to_json"):
-        return report.to_json()
-    if dataclasses.is_dataclass(report):
-        return dataclasses.asdict(report)
-    if isinstance(report, dict):
-        return report
-    raise TypeError(f"evaluate() returned {type(report).__name__}, expected EvalReport")
-
-
 @_stage_task(name="evaluate")
 def evaluate_checkpoint(ctx: RecipeContext, stage: str, checkpoint: StageResult | dict,
-                        benchmarks: list[str] | None = None, k: int | None = None, label: str = "") -> dict:
+                        benchmarks: list[str] | None = None, k: int | None = None, label: str = "") -> EvalReport:
+    """The core's `EvalReport` of `checkpoint` (a stage's result or {"checkpoint_url": ...}); its summary
+    PNGs, report URL and benchmark digests also go on the stage's MLflow run."""
     url = checkpoint.checkpoint_url if isinstance(checkpoint, StageResult) else checkpoint["checkpoint_url"]
     key = f"eval-{stage}"
 
     def compute(cfg, log_metrics, run_id):
-        report = core("eval")(cfg, checkpoint_url=url, out_url=ctx.store(cfg).url("eval", stage),
-                              benchmarks=benchmarks, k=k, log_metrics=log_metrics)
-        rep = report_json(report)
-        for plot in rep.get("plot_urls") or []:  # the core's summary PNGs, copied into the stage run
+        report = evaluate(cfg, checkpoint_url=url, out_url=ctx.store(cfg).url("eval", stage),
+                          benchmarks=benchmarks, k=k, log_metrics=log_metrics)
+        for plot in report.plot_urls:  # the core's summary PNGs, copied into the stage run
             tracking.log_file_artifact(cfg, run_id, plot, "plots")
         c = tracking.client(cfg)
-        if rep.get("report_url"):
-            c.set_tag(run_id, "report_url", rep["report_url"])
-        for bench, digest in (rep.get("benchmark_digests") or {}).items():
+        if report.report_url:
+            c.set_tag(run_id, "report_url", report.report_url)
+        for bench, digest in report.benchmark_digests.items():
             c.set_tag(run_id, f"benchmark.{bench}.digest", str(digest))
-        return {"stage": stage, "checkpoint_url": url, "report": rep}
+        return report
 
     return _run_tracked(ctx, key, {"checkpoint_url": url, "benchmarks": benchmarks, "k": k}, compute)

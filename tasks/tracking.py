@@ -1,7 +1,7 @@
 """MLflow lineage for the pipeline (the only place besides flows/ that imports mlflow).
 
 One parent run per recipe run (tags: Prefect flow run id, git SHA, profile), one nested run per stage
-(tags: checkpoint URL, dataset URLs), params = the resolved config flattened to dotted keys, metrics
+(tags: checkpoint URL, dataset URLs), params = the run's config snapshot flattened to dotted keys, metrics
 per step through the `log_metrics(dict, step)` callback the core receives, datasets as run inputs with
 their content digests, PNG plots of each stage's metric curves as artifacts. Checkpoints are never
 copied into MLflow: runs carry their fsspec URLs as tags and params.
@@ -23,7 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rstar2_core.config import REPO_ROOT, Config, config_to_toml_dict
+from rstar2_core.config import REPO_ROOT, Config
+from rstar2_core.config.snapshot import flatten_tree
 from rstar2_core.results import DatasetRef
 
 _PLOT_FIRST = ("rollout/reward_mean", "actor/loss", "actor/grad_norm", "rollout/response_tokens_mean",
@@ -38,16 +39,7 @@ def metric_key(name: str) -> str:
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, str]:
     """{"rl": {"stages": [{"steps": 6}]}} -> {"rl.stages.0.steps": "6"} (None values kept as "None")."""
-    out: dict[str, str] = {}
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            out.update(flatten(v, f"{prefix}{k}."))
-    elif isinstance(tree, (list, tuple)) and tree and any(isinstance(x, (dict, list)) for x in tree):
-        for i, v in enumerate(tree):
-            out.update(flatten(v, f"{prefix}{i}."))
-    else:
-        out[prefix.rstrip(".")] = str(tree)
-    return out
+    return {k: str(v) for k, v in flatten_tree(tree, prefix).items()}
 
 
 @functools.lru_cache(maxsize=1)
@@ -96,13 +88,15 @@ def log_params(cfg: Config, run_id: str, params: dict[str, Any]) -> None:
         client(cfg).log_batch(run_id, params=items[i:i + 100])
 
 
-def start_parent_run(cfg: Config, *, run_name: str, recipe_run_id: str, flow_run_id: str | None) -> str:
-    """Create the recipe run's parent MLflow run with lineage tags and the resolved config as params."""
+def start_parent_run(cfg: Config, *, run_name: str, recipe_run_id: str, flow_run_id: str | None,
+                     config_tree: dict, config_digest: str) -> str:
+    """Create the recipe run's parent MLflow run with lineage tags, the run's config snapshot as params and
+    its digest as tag `config_digest`."""
     c = client(cfg)
     run = c.create_run(experiment_id(cfg), run_name=run_name, tags={
-        "rstar2.recipe_run_id": recipe_run_id, "rstar2.profile": cfg.profile,
+        "rstar2.recipe_run_id": recipe_run_id, "rstar2.profile": cfg.profile, "config_digest": config_digest,
         "prefect.flow_run_id": flow_run_id or "", "git_sha": git_sha(), "mlflow.source.git.commit": git_sha()})
-    log_params(cfg, run.info.run_id, flatten(config_to_toml_dict(cfg)))
+    log_params(cfg, run.info.run_id, flatten(config_tree))
     return run.info.run_id
 
 

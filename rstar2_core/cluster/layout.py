@@ -141,11 +141,11 @@ class ClusterLayout:
 
     def describe(self) -> list[str]:
         """Human-readable summary, one line per node plus totals (what `rstar2 plan` prints)."""
-        lines = [f"layout {self.mode}: {self.nodes} node(s) x {self.gpus_per_node} GPU, {self.cpus_per_node} CPU "
-                 f"= {self.total_gpus} GPUs; {len(self.engines)} engine(s) x TP {self.engines[0].tp} "
-                 f"({self.engine_gpus} GPUs), {len(self.trainer_shards)} trainer shard(s) "
-                 f"({self.trainer_gpus} GPUs), {len(self.sandbox_actors)} sandbox actor(s) "
-                 f"({self.sandbox_cpus} CPUs)"]
+        lines = [(f"layout {self.mode}: {self.nodes} node(s) x {self.gpus_per_node} GPU, {self.cpus_per_node} CPU "
+                  f"= {self.total_gpus} GPUs; {len(self.engines)} engine(s) x TP {self.engines[0].tp} "
+                  f"({self.engine_gpus} GPUs), {len(self.trainer_shards)} trainer shard(s) "
+                  f"({self.trainer_gpus} GPUs), {len(self.sandbox_actors)} sandbox actor(s) "
+                  f"({self.sandbox_cpus} CPUs)")]
         for pg in self.placement_groups:
             eng = [e.index for e in self.engines if e.node == pg.node]
             tr = [t.rank for t in self.trainer_shards if t.node == pg.node]

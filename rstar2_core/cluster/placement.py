@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Self
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -59,7 +59,7 @@ def remove_placement_groups(pgs: Iterable[PlacementGroup]) -> None:
     for pg in pgs:
         try:
             remove_placement_group(pg)
-        except Exception:  # already removed, or the cluster is gone: nothing left to free
+        except Exception:  # noqa: BLE001, S110 - already removed or the cluster is gone; cleanup must not mask the cause
             pass
 
 
@@ -122,7 +122,7 @@ class ActorGroup:
         for n in names:
             try:
                 ray.get(self.actors[n].__ray_ready__.remote(), timeout=5)
-            except Exception:
+            except (*_ACTOR_DEATHS, ray.exceptions.GetTimeoutError):
                 return n
         return ",".join(names)
 
@@ -137,13 +137,13 @@ class ActorGroup:
         for handle in self.actors.values():
             try:
                 ray.kill(handle, no_restart=True)
-            except Exception:  # already dead
+            except Exception:  # noqa: BLE001, S110 - already dead; cleanup must not mask the cause
                 pass
         self.actors.clear()
         remove_placement_groups(self.pgs)
         self.pgs = []
 
-    def __enter__(self) -> ActorGroup:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

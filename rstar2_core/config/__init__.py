@@ -81,17 +81,26 @@ class Config(_Section):
 
     # resolved locations -------------------------------------------------------------------------
     def resolved_state_dir(self) -> Path:
-        return Path(self.state_dir or os.environ.get("RSTAR2_HOME") or REPO_ROOT / ".rstar2").resolve()
+        return resolve_state_dir(self.state_dir)
 
     def resolved_storage_root(self) -> str:
-        return self.storage.root or (self.resolved_state_dir() / "artifacts").as_uri()
+        return resolve_storage_root(self.state_dir, self.storage)
 
     def resolved_tracking_uri(self) -> str:
         return self.tracking.tracking_uri or f"sqlite:///{self.resolved_state_dir() / 'mlflow.db'}"
 
 
+def resolve_state_dir(state_dir: str | None) -> Path:
+    """`state_dir`, else $RSTAR2_HOME, else <repo>/.rstar2 (resolved in the calling process)."""
+    return Path(state_dir or os.environ.get("RSTAR2_HOME") or REPO_ROOT / ".rstar2").resolve()
 
 
+def resolve_storage_root(state_dir: str | None, storage: StorageConfig) -> str:
+    """`storage.root`, else file://<state dir>/artifacts."""
+    return storage.root or (resolve_state_dir(state_dir) / "artifacts").as_uri()
+
+
+# loading.py and snapshot.py import Config from this module: imported once it is defined
 from rstar2_core.config.loading import (
     apply_override,
     available_profiles,
@@ -99,6 +108,15 @@ from rstar2_core.config.loading import (
     config_from_dict,
     config_to_toml_dict,
     load_config,
+    profile_storage,
+    profile_tree,
+)
+from rstar2_core.config.snapshot import (
+    SnapshotError,
+    canonical_json,
+    config_digest,
+    config_drift,
+    config_from_snapshot,
 )
 
 __all__ = [
@@ -118,6 +136,7 @@ __all__ = [
     "RolloutConfig",
     "SFTConfig",
     "SandboxConfig",
+    "SnapshotError",
     "SourceConfig",
     "StorageConfig",
     "SyntheticConfig",
@@ -126,8 +145,16 @@ __all__ = [
     "TrackingConfig",
     "apply_override",
     "available_profiles",
+    "canonical_json",
+    "config_digest",
     "config_dir",
+    "config_drift",
     "config_from_dict",
+    "config_from_snapshot",
     "config_to_toml_dict",
     "load_config",
+    "profile_storage",
+    "profile_tree",
+    "resolve_state_dir",
+    "resolve_storage_root",
 ]

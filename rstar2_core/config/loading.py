@@ -10,8 +10,9 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from rstar2_core.config import Config  # defined before the package imports this module
+from rstar2_core.config import Config, resolve_storage_root  # defined before the package imports this module
 from rstar2_core.config.base import REPO_ROOT, ConfigError
+from rstar2_core.config.sections import StorageConfig
 
 
 def config_dir() -> Path:
@@ -92,23 +93,29 @@ def _field_doc(loc: tuple) -> str:
     return " ".join(doc.split())
 
 
-def _format_validation_error(err: ValidationError, source: str) -> str:
+_UNKNOWN_FIELD = "unknown field; check the spelling against `rstar2 config show`"
+
+
+def _format_validation_error(err: ValidationError, source: str, prefix: tuple = (), hint: str = "",
+                             unknown: str = _UNKNOWN_FIELD) -> str:
     lines = [f"invalid config ({source}):"]
     for e in err.errors():
-        loc = tuple(x for x in e["loc"] if not (isinstance(x, str) and x.startswith("function-after")))
+        loc = prefix + tuple(x for x in e["loc"] if not (isinstance(x, str) and x.startswith("function-after")))
         path = ".".join(str(x) for x in loc) or "<root>"
         msg = e["msg"].removeprefix("Value error, ")
         got = f" (got {e['input']!r})" if e["type"] not in ("missing",) and not isinstance(e["input"], dict) else ""
         if e["type"] == "extra_forbidden":
-            msg = "unknown field; check the spelling against `rstar2 config show`"
+            msg = unknown
         doc = _field_doc(loc)
         fix = f"\n    field: {doc}" if doc else ""
         lines.append(f"  {path}: {msg}{got}{fix}")
+    if hint:
+        lines.append(hint)
     return "\n".join(lines)
 
 
-def load_config(profile: str = "tiny", overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Load `configs/<profile>.toml` (or a .toml path), apply dotted overrides, validate."""
+def profile_tree(profile: str = "tiny", overrides: list[str] | tuple[str, ...] = ()) -> dict:
+    """The raw (unvalidated) tree of `configs/<profile>.toml` (or a .toml path) with dotted overrides."""
     path = _profile_path(profile)
     try:
         tree = tomllib.loads(path.read_text())
@@ -117,7 +124,31 @@ def load_config(profile: str = "tiny", overrides: list[str] | tuple[str, ...] = 
     tree.setdefault("profile", path.stem)
     for o in overrides:
         apply_override(tree, o)
-    return config_from_dict(tree, source=f"profile {path.stem}" + (f" with {list(overrides)}" if overrides else ""))
+    return tree
+
+
+def load_config(profile: str = "tiny", overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Load `configs/<profile>.toml` (or a .toml path), apply dotted overrides, validate."""
+    tree = profile_tree(profile, overrides)
+    source = f"profile {tree['profile']}" + (f" with {list(overrides)}" if overrides else "")
+    return config_from_dict(tree, source=source)
+
+
+def profile_storage(profile: str, overrides: list[str] | tuple[str, ...] = ()) -> tuple[str, StorageConfig]:
+    """(storage root, `[storage]` section) of a profile, validating only `state_dir` and `[storage]`: where
+    a run's store lives even when the rest of the profile no longer validates (a retried run reads its
+    config snapshot from there)."""
+    tree = profile_tree(profile, overrides)
+    source = f"profile {tree['profile']}" + (f" with {list(overrides)}" if overrides else "")
+    state_dir = tree.get("state_dir")
+    if state_dir is not None and not isinstance(state_dir, str):
+        raise ConfigError(f"invalid config ({source}):\n  state_dir: must be a path string "
+                          f"(got {state_dir!r})")
+    try:
+        section = StorageConfig.model_validate(tree.get("storage") or {})
+    except ValidationError as e:
+        raise ConfigError(_format_validation_error(e, source, prefix=("storage",))) from None
+    return resolve_storage_root(state_dir, section), section
 
 
 def config_from_dict(tree: dict, source: str = "dict") -> Config:

@@ -74,45 +74,30 @@ class SyntheticConfig(_Section):
     seed: int = 0
     """Seed of the generator; the same seed gives the same problems."""
     n_sft: int = Field(2000, ge=0)
-    """Non-reasoning SFT demonstrations to generate."""
+    """Tool-calling SFT demonstrations to generate (`digitsum_pow` runs out of distinct SFT problems near
+    17,000). More demonstrations cost SFT time linearly; a from-scratch model needs enough tokens to learn
+    to copy the problem's numbers into its code."""
     n_rl: int = Field(2000, ge=0)
     """RL problems to generate."""
     n_eval: int = Field(200, ge=0)
     """Held-out evaluation problems (families/phrasings not all seen in SFT)."""
     fail_first_share: float = Field(0.25, ge=0.0, le=1.0)
     """Share of SFT demonstrations whose first tool call fails and is then fixed, so that tool errors
-    exist for RoC to act on."""
-    heldout_sft_share: float = Field(0.0, ge=0.0, le=1.0)
-    """Share of SFT demonstrations phrased in a phrasing otherwise held out of SFT (phrasing 3). 0 (the
-    default): SFT never shows it and the eval's held-out phrasing is unseen; a small share makes the SFT
-    policy half-know it, so RL has positives to learn from there. Measured on tiny at 0.03: the
-    held-out phrasing stayed at 0.00 (docs/rl.md, "Tried on 2026-11-30")."""
+    exist for RoC to act on. Higher: more recovery examples, but also more failed calls the SFT policy
+    learns to make."""
     direct_answer_share: float = Field(0.0, ge=0.0, lt=1.0)
     """Share of the SFT set made of demonstrations that answer without calling the tool, as general
     instruction data does; they come on top of the `n_sft` tool demonstrations (which stay the same),
-    on problems of their own. The SFT policy then sometimes takes the direct route, where it cannot
-    compute the answer: RL has to learn that calling the tool pays (the paper's point). Their boxed
-    answers are excluded from the loss unless `direct_answer_scored`."""
-    direct_answer_scored: bool = False
-    """Train on the direct demonstrations' boxed answers too (a from-scratch model then learns to guess
-    digits it cannot compute). Measured on tiny, scored, with the direct share taken out of `n_sft`
-    (0.3, 0.4): SFT never crossed the copying phase change (docs/rl.md)."""
-    fail_first_same_typo: bool = False
-    """Every failing first call makes the same mistake (`print(` misspelt `pritn(`), a habit the SFT
-    policy keeps at eval temperature; with varied typos (false) and no `fail_first_signposted` it never
-    makes one at T=0.6, so no correct trajectory contains a tool error for RoC to act on. Measured on
-    tiny: SFT did not cross the copying phase change in 3 of 3 runs with it (docs/rl.md)."""
+    on problems of their own, and their boxed answers are excluded from the loss (the model learns the
+    route and the format, not to guess numbers). The SFT policy then sometimes takes the direct route,
+    where it cannot compute the answer, so RL has a choice to learn (calling the tool pays); the cost is
+    SFT time for the extra rows."""
     fail_first_signposted: bool = False
     """The failing first calls open with their own reason line ("Let me try it quickly in Python.")
     instead of the one every other call has: the habit is then one early choice that the SFT policy
-    keeps at eval temperature (in about the share's proportion, sharpened by the temperature), instead
-    of seven rare typos it never makes at T=0.6, so correct trajectories with a tool error exist for RoC
-    to act on."""
-    restate: bool = False
-    """Open each demonstration's first `<reason>` by restating the problem in its family's canonical
-    form with the problem's numbers (e.g. `This asks for 37^412 mod 91.`): the numbers are then copied
-    twice, from the phrasing into one fixed form and from that form into the code, a denser copy
-    signal for a from-scratch model. Measured on the tiny model: no gain (docs/models-and-sft.md)."""
+    keeps at eval temperature (in about the share's proportion, sharpened by the temperature), so
+    correct trajectories with a tool error exist for RoC to act on. false: the failures are spread over
+    varied typos that a policy sampled at a low temperature rarely reproduces."""
 
 
 class LabelCheckConfig(_Section):
@@ -153,7 +138,7 @@ class SandboxConfig(_Section):
     """`local`: forked workers on this host. `ray`: an actor pool over every node's CPUs."""
     workers: int = Field(0, ge=0)
     """Concurrent executions per host; 0 = two per CPU core (a call waits on pipes and forks between
-    its CPU bursts; one per core left cores idle in bench/sandbox.py)."""
+    its CPU bursts, so one per core leaves cores idle)."""
     timeout_s: float = Field(4.0, gt=0)
     """Wall-clock limit per call; the whole process tree is killed. Default 4 s."""
     cpu_time_s: float = Field(8.0, gt=0)
@@ -309,12 +294,17 @@ class EvalConfig(_Section):
     """Response budget at evaluation. Paper: 30K."""
     seed: int = 1234
     """Sampling seed: the same seed gives the same table."""
-    gate_pass1: float = Field(0.0, ge=0.0, le=1.0)
-    """A registered version gets alias `candidate` when its primary pass@1 reaches this."""
     primary_benchmark: str | None = None
-    """Benchmark used to rank checkpoints and gate registration; default: the first one."""
-    nightly_regression_threshold: float = Field(0.02, ge=0.0, le=1.0)
-    """Nightly eval fails when pass@1 drops by more than this against the previous nightly."""
+    """Benchmark used to rank checkpoints and to decide their promotion; default: the first one."""
+    comparison_confidence: float = Field(0.95, gt=0.5, lt=1.0)
+    """Confidence level of the paired bootstrap interval over the eval problems (each problem's pass@1
+    difference between two checkpoints) that decides promotion and nightly regressions: the best
+    checkpoint becomes `candidate` only when the interval of its difference to the run's SFT checkpoint
+    lies above 0, `champion` only when the one against the current champion does too, and a nightly
+    benchmark is a regression when its interval lies below 0. Higher: fewer promotions (and alarms) that
+    are noise (at 0.95 a checkpoint no better than its baseline passes about 2.5% of the time), but a
+    real small gain needs more problems or a larger k to show (the half-width is about
+    1.96 x sd(difference) / sqrt(problems))."""
     grader_timeout_s: float = Field(5.0, gt=0)
     """Hard per-item timeout of the answer grader; a timeout scores 0 (`grader_timeout`)."""
     sample_text_chars: int = Field(4000, ge=0)
@@ -408,8 +398,9 @@ class PipelineConfig(_Section):
     retry_delay_s: float = Field(2.0, ge=0)
     """Seconds between task retries."""
     eval_stages: Literal["all", "rl", "last"] = "all"
-    """Checkpoints evaluated and ranked for registration: SFT and every RL stage (`all`), RL stages
-    only (`rl`), or the last stage only (`last`). The paper keeps and ranks every stage's checkpoint
+    """Checkpoints ranked for registration: SFT and every RL stage (`all`), RL stages only (`rl`), or the
+    last stage only (`last`); each ranked checkpoint costs one evaluation. The SFT checkpoint is evaluated
+    in every case: promotion compares against it. The paper keeps and ranks every stage's checkpoint
     because training past step 510 collapsed."""
 
 

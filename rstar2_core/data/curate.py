@@ -64,7 +64,7 @@ def read_all_sources(cfg: Config) -> list[SourceRead]:
 
 def benchmark_texts(cfg: Config) -> tuple[dict[str, list[str]], list[str], dict[str, str]]:
     """(benchmark name -> problem texts, names matched exactly, name -> digest) for decontamination."""
-    from rstar2_core.eval.benchmarks import load_benchmark
+    from rstar2_core.data.benchmarks import load_benchmark
 
     texts, exact, digests = {}, [], {}
     for bc in cfg.eval.benchmarks:
@@ -94,40 +94,29 @@ def parquet_bytes(rows: list[dict]) -> bytes:
     return buf.getvalue()
 
 
-def _label_check(cfg: Config, cands: list[Candidate], sampler: Any | None):
+def _label_check(cfg: Config, cands: list[Candidate], sampler: Any):
     from rstar2_core.data.label_check import label_check
-    from rstar2_core.eval.sampler import PolicySampler
     from rstar2_core.reward import GraderPool
     from rstar2_core.rollout.types import RolloutLimits
 
     lc = cfg.data.label_check
     limits = RolloutLimits.from_config(cfg.rollout, cfg.eval.max_turns, cfg.eval.max_tokens,
                                        cfg.eval.temperature, cfg.eval.top_p)
-    own = sampler is None
-    if own:
-        url = lc.model or cfg.model.name_or_path
-        if not url:
-            raise ValueError("data.label_check.enabled needs a checking model: set data.label_check.model "
-                             "to a checkpoint URL (or model.name_or_path)")
-        sampler = PolicySampler.open(cfg, url)
-    try:
-        with GraderPool(timeout_s=cfg.eval.grader_timeout_s) as pool:
-            return label_check(cands, sampler, pool.grade_many, k=lc.k, min_agree=lc.min_agree,
-                               limits=limits, seed=cfg.seed)
-    finally:
-        if own:
-            sampler.close()
+    with GraderPool(timeout_s=cfg.eval.grader_timeout_s) as pool:
+        return label_check(cands, sampler, pool.grade_many, k=lc.k, min_agree=lc.min_agree,
+                           limits=limits, seed=cfg.seed)
 
 
 def curate(cfg: Config, out_url: str, log_metrics: LogMetrics | None = None, *,
            sampler: Any | None = None, progress: bool = True) -> DatasetRef:
     """Curate `cfg.data` into `<out_url>/<version>/problems.parquet` (+ manifest.json).
-    `sampler` (a `PolicySampler`) replaces the model loaded for the label check (tests)."""
+    `sampler` samples the label check's trajectories (`data.label_check.enabled`): the caller opens it,
+    e.g. `rstar2_core.eval.sampler.label_check_sampler(cfg)`, so that curation does not load models."""
     t0 = time.time()
     d = cfg.data
-    if d.label_check.enabled and sampler is None and not (d.label_check.model or cfg.model.name_or_path):
-        raise ValueError("data.label_check.enabled needs a checking model: set data.label_check.model "
-                         "to a checkpoint URL (or model.name_or_path)")
+    if d.label_check.enabled and sampler is None:
+        raise ValueError("data.label_check.enabled needs a sampler of the checking model: open it with "
+                         "rstar2_core.eval.sampler.label_check_sampler(cfg) and pass sampler=...")
     bench, exact_only, bench_digests = benchmark_texts(cfg)  # fails early on a missing benchmark file
     reads = read_all_sources(cfg)
     counts: dict[str, Any] = {"read": {r.name: r.n_rows for r in reads}}

@@ -13,8 +13,7 @@ Families (each with 4 phrasings; the code a solver should run is one regular lin
 | sum_multiples  | Sum of integers up to 5000 divisible by 7 or 11?      | `print(sum(i for i in range(...) if ...))` |
 
 Splits (`generate_problems(seed, n, split)`):
-- `sft`: phrasings 0-2 of every family (phrasing 3 is held out from SFT, unless
-  `data.synthetic.heldout_sft_share` lets a small share of SFT problems use it).
+- `sft`: phrasings 0-2 of every family (phrasing 3 is held out from SFT).
 - `rl`: all phrasings.
 - `eval`: all phrasings (so about a quarter of it uses a phrasing the SFT model never saw; RL sees
   it on other numbers), drawn from a reserved slice of the parameter space (a hash of
@@ -22,9 +21,10 @@ Splits (`generate_problems(seed, n, split)`):
 
 `sft_demonstrations(seed, n, fail_first_share, execute=..., render=...)` turns SFT problems into
 non-reasoning demonstrations: a one-line `<reason>`, one tool call with the reference code, the real
-tool response (the code is executed), and `<answer>` with `\\boxed{}`. A share `fail_first_share`
-first makes a failing call (a misspelt name -> NameError/AttributeError, or a missing parenthesis ->
-SyntaxError), reads the error and fixes it, so that tool errors exist for GRPO-RoC to act on; with
+tool response (the code runs in the sandbox, `execute_requests`), and `<answer>` with `\\boxed{}`. A
+share `fail_first_share` first makes a failing call (a misspelt name -> NameError/AttributeError, or a
+missing parenthesis -> SyntaxError), reads the error and fixes it, so that tool errors exist for
+GRPO-RoC to act on; with
 `signposted` those open with their own reason line (`HASTY_REASON`), so the habit is one early choice
 that survives sampling at a low temperature. `direct_share` adds demonstrations that answer without
 the tool (`DIRECT_REASON`; their boxed answer is excluded from the SFT loss): the SFT policy then
@@ -99,7 +99,6 @@ class _Family:
     code: str
     sample: Callable[[random.Random], tuple[int, ...]]
     solve: Callable[..., int]
-    canonical: str = ""      # the problem restated in one fixed form (`restate` demonstrations)
 
 
 def _two_distinct(rng: random.Random) -> tuple[int, int, int]:
@@ -131,8 +130,7 @@ FAMILIES: tuple[_Family, ...] = (
              "What remainder does {0}^{1} leave on division by {2}?"),
             "print(pow({0}, {1}, {2}))",
             lambda r: (r.randint(2, 99), r.randint(20, 999), r.randint(7, 997)),
-            lambda a, b, m: pow(a, b, m),
-            "{0}^{1} mod {2}"),
+            lambda a, b, m: pow(a, b, m)),
     _Family("digitsum_pow",
             ("What is the sum of the digits of {0}^{1}?",
              "Find the digit sum of {0}^{1}.",
@@ -140,8 +138,7 @@ FAMILIES: tuple[_Family, ...] = (
              "If you write out {0}^{1} in full, what do its digits sum to?"),
             "print(sum(int(c) for c in str({0} ** {1})))",
             lambda r: (r.randint(2, 40), r.randint(8, 80)),
-            lambda a, b: sum(int(c) for c in str(a ** b)),
-            "the digit sum of {0}^{1}"),
+            lambda a, b: sum(int(c) for c in str(a ** b))),
     _Family("count_primes",
             ("How many primes are there from {0} to {1}, inclusive?",
              "Count the prime numbers between {0} and {1} inclusive.",
@@ -149,8 +146,7 @@ FAMILIES: tuple[_Family, ...] = (
              "Find the number of primes p such that {0} <= p <= {1}."),
             "print(sum(all(n % d for d in range(2, int(n ** 0.5) + 1)) for n in range({0}, {1} + 1)))",
             _prime_range,
-            lambda a, b: sum(_is_prime(n) for n in range(a, b + 1) if n % 2 or n == 2),
-            "the number of primes in [{0}, {1}]"),
+            lambda a, b: sum(_is_prime(n) for n in range(a, b + 1) if n % 2 or n == 2)),
     _Family("count_divisors",
             ("How many positive divisors does {0} have?",
              "Count the positive divisors of {0}.",
@@ -158,8 +154,7 @@ FAMILIES: tuple[_Family, ...] = (
              "How many divisors d > 0 does the number {0} have?"),
             "print(sum({0} % d == 0 for d in range(1, {0} + 1)))",
             lambda r: (r.randint(100, 99999),),
-            lambda n: _num_divisors(n),
-            "the number of divisors of {0}"),
+            lambda n: _num_divisors(n)),
     _Family("binom_mod",
             ("What is C({0}, {1}) mod {2}?",
              "Find the binomial coefficient {0} choose {1} modulo {2}.",
@@ -167,8 +162,7 @@ FAMILIES: tuple[_Family, ...] = (
              "What is the remainder of ({0} choose {1}) divided by {2}?"),
             "from math import comb; print(comb({0}, {1}) % {2})",
             _binom_params,
-            lambda n, k, m: comb(n, k) % m,
-            "C({0}, {1}) mod {2}"),
+            lambda n, k, m: comb(n, k) % m),
     _Family("factorial_mod",
             ("What is {0}! mod {1}?",
              "Find the remainder when {0} factorial is divided by {1}.",
@@ -176,8 +170,7 @@ FAMILIES: tuple[_Family, ...] = (
              "What remainder does the factorial of {0} leave on division by {1}?"),
             "from math import factorial; print(factorial({0}) % {1})",
             _fact_params,
-            lambda n, m: factorial(n) % m,
-            "{0}! mod {1}"),
+            lambda n, m: factorial(n) % m),
     _Family("sum_multiples",
             ("What is the sum of all positive integers up to {0} that are divisible by {1} or {2}?",
              "Add up every integer from 1 to {0} that is a multiple of {1} or of {2}.",
@@ -185,8 +178,7 @@ FAMILIES: tuple[_Family, ...] = (
              "Sum all integers i with 1 <= i <= {0} such that {1} divides i or {2} divides i."),
             "print(sum(i for i in range(1, {0} + 1) if i % {1} == 0 or i % {2} == 0))",
             _two_distinct,
-            lambda n, a, b: sum(i for i in range(1, n + 1) if i % a == 0 or i % b == 0),
-            "the sum of i in [1, {0}] with {1} | i or {2} | i"),
+            lambda n, a, b: sum(i for i in range(1, n + 1) if i % a == 0 or i % b == 0)),
 )
 FAMILY_BY_NAME = {f.name: f for f in FAMILIES}
 
@@ -196,12 +188,9 @@ def _reserved_for_eval(family: str, params: tuple[int, ...]) -> bool:
     return h[0] % _EVAL_SLICE == 0
 
 
-def generate_problems(seed: int, n: int, split: str, heldout_share: float = 0.0) -> list[Problem]:
+def generate_problems(seed: int, n: int, split: str) -> list[Problem]:
     """`n` distinct problems of `split` (sft, rl, eval), the same for the same (seed, n, split);
-    families round-robin, phrasing and numbers drawn from a per-split RNG. For `sft`, `heldout_share`
-    of the problems use a held-out phrasing (0: none)."""
-    if not 0.0 <= heldout_share <= 1.0:
-        raise ValueError(f"heldout_share={heldout_share} must be in [0, 1]")
+    families round-robin, phrasing and numbers drawn from a per-split RNG."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; valid: {list(SPLITS)}")
     if n < 0:
@@ -223,10 +212,7 @@ def generate_problems(seed: int, n: int, split: str, heldout_share: float = 0.0)
             continue
         misses = 0
         seen.add(key)
-        if n_phr and heldout_share and rng.random() < heldout_share:
-            phrasing = rng.randrange(n_phr, len(fam.phrasings))
-        else:
-            phrasing = rng.randrange(n_phr or len(fam.phrasings))
+        phrasing = rng.randrange(n_phr or len(fam.phrasings))
         out.append(Problem(id=f"syn-{split}-{seed}-{len(out):06d}", problem=fam.phrasings[phrasing].format(*params),
                            answer=str(fam.solve(*params)), family=fam.name, phrasing=phrasing, params=params))
     return out
@@ -242,11 +228,9 @@ _TYPOS = (("print(", "pritn("), ("pow(", "power("), ("sum(", "summ("), ("comb(",
           ("factorial(", "fact("), ("range(", "rnage("), ("str(", "string("))
 
 
-def broken_code(code: str, rng: random.Random, same_typo: bool = False) -> str:
+def broken_code(code: str, rng: random.Random) -> str:
     """A plausible failing variant of `code`: a misspelt name (NameError/ImportError) or a missing
-    closing parenthesis (SyntaxError). `same_typo`: always `print(` misspelt `pritn(` (NameError)."""
-    if same_typo:
-        return code.replace("print(", "pritn(", 1)
+    closing parenthesis (SyntaxError)."""
     typos = [(a, b) for a, b in _TYPOS if a in code]
     if typos and rng.random() < 0.75:
         a, b = rng.choice(typos)
@@ -289,14 +273,11 @@ class Demonstration:
 
 
 def execute_requests(reqs: Sequence[ExecutionRequest], sandbox_cfg) -> list[ExecutionResult]:
-    """Run `reqs` through the sandbox (`make_sandbox(sandbox_cfg).run_batch`). Until the sandbox package
-    provides `make_sandbox`, fall back to one plain `python -c` subprocess per request (no isolation:
-    only our own reference code and its deliberately broken variants run here)."""
-    try:
-        from rstar2_core.sandbox import make_sandbox
-    except ImportError:
-        return _subprocess_execute(reqs, sandbox_cfg.timeout_s)
+    """Run `reqs` through the sandbox (`make_sandbox(sandbox_cfg).run_batch`): demonstrations show the
+    tool output the agent loop would get, produced the way it would get it."""
     import asyncio
+
+    from rstar2_core.sandbox import make_sandbox
 
     async def _run() -> list[ExecutionResult]:
         async with make_sandbox(sandbox_cfg) as sb:
@@ -305,31 +286,9 @@ def execute_requests(reqs: Sequence[ExecutionRequest], sandbox_cfg) -> list[Exec
     return asyncio.run(_run())
 
 
-def _subprocess_execute(reqs: Sequence[ExecutionRequest], timeout_s: float) -> list[ExecutionResult]:
-    import os
-    import subprocess
-    import sys
-    import time
-    from concurrent.futures import ThreadPoolExecutor
-
-    def one(r: ExecutionRequest) -> ExecutionResult:
-        t0 = time.perf_counter()
-        try:
-            p = subprocess.run([sys.executable, "-c", r.code], check=False, input=r.stdin, capture_output=True, text=True,
-                               timeout=timeout_s)
-        except subprocess.TimeoutExpired as e:
-            out, err = (x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr))
-            return ExecutionResult(r.id, Status.TIMEOUT, out, err, None, time.perf_counter() - t0)
-        status = Status.OK if p.returncode == 0 else Status.ERROR
-        return ExecutionResult(r.id, status, p.stdout, p.stderr, p.returncode, time.perf_counter() - t0)
-
-    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
-        return list(pool.map(one, reqs))
-
-
-def _plan(p: Problem, fail_first: bool, rng: random.Random, same_typo: bool = False) -> list[str]:
+def _plan(p: Problem, fail_first: bool, rng: random.Random) -> list[str]:
     code = reference_code(p)
-    return [broken_code(code, rng, same_typo), code] if fail_first else [code]
+    return [broken_code(code, rng), code] if fail_first else [code]
 
 
 DIRECT_REASON = "I can answer this without the tool."
@@ -339,22 +298,19 @@ HASTY_REASON = "Let me try it quickly in Python."   # opens a failing first call
 
 def demo_options(syn) -> dict:
     """The keyword options of `sft_demonstrations` from a `data.synthetic` config section."""
-    return {"restate": syn.restate, "heldout_share": syn.heldout_sft_share,
-            "direct_share": syn.direct_answer_share, "same_typo": syn.fail_first_same_typo,
-            "direct_scored": syn.direct_answer_scored, "signposted": syn.fail_first_signposted}
+    return {"direct_share": syn.direct_answer_share, "signposted": syn.fail_first_signposted}
 
 
 def demonstration_turns(p: Problem, codes: Sequence[str], results: Sequence[ExecutionResult],
-                        render: Callable[[ExecutionResult], str], restate: bool = False,
+                        render: Callable[[ExecutionResult], str],
                         signposted: bool = False) -> tuple[tuple[str, tuple[str, ...] | None], ...]:
     """The turns of a tool demonstration of `p`: one call per code (a failing first one read and fixed
     when there are two), each followed by its rendered result, then the answer. `results[i]` is what
     running `codes[i]` gave; `signposted`: a failing first call opens with `HASTY_REASON` instead of
     `CALL_REASON`. `bench/copy_probe.py` renders its probes through this too."""
-    opening = f"\nThis asks for {FAMILY_BY_NAME[p.family].canonical.format(*p.params)}." if restate else ""
     first = HASTY_REASON if signposted and len(codes) == 2 else CALL_REASON
     turns: list[tuple[str, tuple[str, ...] | None]] = [
-        (f"{opening}\n{first}\n{REASON_CLOSE}\n{tool_call_text(codes[0])}", (render(results[0]),))]
+        (f"\n{first}\n{REASON_CLOSE}\n{tool_call_text(codes[0])}", (render(results[0]),))]
     if len(codes) == 2:
         err = (results[0].stderr.strip().splitlines() or ["error"])[-1].split(":")[0]
         turns.append((f"<reason>\nThe code raised {err}; fix it.\n{REASON_CLOSE}\n{tool_call_text(codes[1])}",
@@ -366,34 +322,30 @@ def demonstration_turns(p: Problem, codes: Sequence[str], results: Sequence[Exec
 def sft_demonstrations(seed: int, n: int, fail_first_share: float, *,
                        execute: Callable[[Sequence[ExecutionRequest]], list[ExecutionResult]],
                        render: Callable[[ExecutionResult], str],
-                       rejected: dict[str, int] | None = None, restate: bool = False,
-                       heldout_share: float = 0.0, direct_share: float = 0.0,
-                       same_typo: bool = False, direct_scored: bool = False,
+                       rejected: dict[str, int] | None = None, direct_share: float = 0.0,
                        signposted: bool = False) -> list[Demonstration]:
     """Up to `n` demonstrations over `generate_problems(seed, n, "sft")`; each tool response is the
     rendered result of actually running the code (`execute`, e.g. a sandbox's batch run; `render`,
     e.g. `chat.render_tool_result`). A demonstration is rejected (counted in `rejected[reason]`) when
     the correct call does not print the gold answer or a deliberately broken call does not fail.
-    `restate` opens the first `<reason>` with the problem in its family's canonical form;
-    `heldout_share` of the problems use the phrasing otherwise held out of SFT.
-    `fail_first_share` of them first make a failing call and fix it; `same_typo` makes every failing
-    first call the same misspelling (`pritn(`); `signposted` opens those with `HASTY_REASON`.
+    `fail_first_share` of them first make a failing call and fix it; `signposted` opens those with
+    `HASTY_REASON`.
 
     `direct_share`: *besides* the `n` tool demonstrations, direct ones that answer without calling the
     tool (as general instruction data does) make up this share of the result: round(n * s / (1 - s))
     of them, on problems of their own stream (the tool demonstrations are the same whatever the share),
     placed after the tool ones. Their boxed answer is marked `mask_answer` (excluded from the SFT loss,
-    `sft.packing.encode_conversations`) unless `direct_scored`: the model learns the route and the
-    format, not to guess numbers it cannot compute."""
+    `sft.packing.encode_conversations`): the model learns the route and the format, not to guess
+    numbers it cannot compute."""
     if not 0.0 <= fail_first_share <= 1.0:
         raise ValueError(f"fail_first_share={fail_first_share} must be in [0, 1]")
     if not 0.0 <= direct_share < 1.0:
         raise ValueError(f"direct_share={direct_share} must be in [0, 1)")
     rng = random.Random(f"rstar2-demos:{seed}")
-    problems = generate_problems(seed, n, "sft", heldout_share)
+    problems = generate_problems(seed, n, "sft")
     n_fail = round(fail_first_share * n)
     fail_ids = set(rng.sample(range(n), n_fail)) if n else set()
-    plans = [_plan(p, i in fail_ids, rng, same_typo) for i, p in enumerate(problems)]
+    plans = [_plan(p, i in fail_ids, rng) for i, p in enumerate(problems)]
     reqs = [ExecutionRequest(code=c, id=f"{p.id}:{j}") for p, codes in zip(problems, plans)
             for j, c in enumerate(codes)]
     results = {r.id: r for r in execute(reqs)}
@@ -408,12 +360,12 @@ def sft_demonstrations(seed: int, n: int, fail_first_share: float, *,
         if len(res) == 2 and not res[0].status.is_failure:
             counts["broken_call_did_not_fail"] = counts.get("broken_call_did_not_fail", 0) + 1
             continue
-        turns = demonstration_turns(p, codes, res, render, restate, signposted)
+        turns = demonstration_turns(p, codes, res, render, signposted)
         out.append(Demonstration(id=p.id, problem=p.problem, answer=p.answer, family=p.family,
                                  turns=turns, failed_first=len(res) == 2))
     n_direct = round(n * direct_share / (1.0 - direct_share)) if direct_share else 0
-    for p in generate_problems(seed + 7919, n_direct, "sft", heldout_share):   # a stream of their own
+    for p in generate_problems(seed + 7919, n_direct, "sft"):   # a stream of their own
         out.append(Demonstration(id=f"{p.id}-direct", problem=p.problem, answer=p.answer, family=p.family,
                                  turns=((f"\n{DIRECT_REASON}\n{REASON_CLOSE}\n{answer_text(p.answer)}", None),),
-                                 failed_first=False, direct=True, mask_answer=not direct_scored))
+                                 failed_first=False, direct=True, mask_answer=True))
     return out

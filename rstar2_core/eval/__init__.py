@@ -1,8 +1,11 @@
-"""Evaluation: benchmark loaders per public layout, the paper's protocol (k samples, temperature 0.6,
-tools on), metrics (avg@k, unbiased pass@k, length, tool use), reports and comparisons.
+"""Evaluation: the paper's protocol (k samples, temperature 0.6, tools on) over the benchmarks of
+`rstar2_core.data.benchmarks`, metrics (avg@k, unbiased pass@k, length, tool use), reports, paired
+comparisons of two reports and the promotion rule.
 
     from rstar2_core.eval.run import evaluate, EvalReport
-    from rstar2_core.eval.report import compare_reports, plot_history
+    from rstar2_core.eval.report import compare_reports, plot_history      # markdown diff, plots
+    from rstar2_core.eval.compare import compare_benchmark, rank_checkpoints
+    from rstar2_core.eval.promotion import decide_promotion
 
 See docs/data-and-eval.md.
 """

@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from rstar2_core import storage
 from rstar2_core.config import Config
-from rstar2_core.eval.benchmarks import Benchmark, load_benchmark, resolve_benchmarks
+from rstar2_core.data.benchmarks import Benchmark, load_benchmark, resolve_benchmarks
 from rstar2_core.eval.grading import grade_all
 from rstar2_core.eval.metrics import BenchmarkMetrics, ProblemRow, aggregate, problem_row
 
@@ -52,6 +52,10 @@ class EvalReport:
     json_url: str | None = None
     plot_urls: tuple[str, ...] = ()
     benchmark_digests: dict = field(default_factory=dict)
+
+    def pass1(self) -> dict[str, float]:
+        """{benchmark: mean pass@1 (avg@k)}."""
+        return {name: m.pass1 for name, m in self.metrics.items()}
 
     def to_json(self) -> dict:
         return {"checkpoint_url": self.checkpoint_url, "protocol": self.protocol, "out_url": self.out_url,

@@ -9,6 +9,9 @@ samples on all of its engines; `PolicySampler(engine_or_engines, chat, sandbox_c
     with PolicySampler.open(cfg, url) as s:
         groups = s.sample(["What is 2+3?"], n=4, limits=RolloutLimits(4, 384, 0.6), seed=0)
 
+`label_check_sampler(cfg)` opens the sampler curation's label check needs (`data.label_check.model`,
+else the base model), or gives None when the check is off.
+
 `groups[i]` holds the n trajectories of problem i (the rollout contract's order). The sampler owns
 one event loop for its whole life, so the engines' batching tasks, the runtime and the sandbox live on
 the same loop across calls.
@@ -17,7 +20,8 @@ the same loop across calls.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any, Self
 
 from rstar2_core.config import Config, SandboxConfig
@@ -94,3 +98,19 @@ class PolicySampler:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@contextlib.contextmanager
+def label_check_sampler(cfg: Config) -> Iterator[PolicySampler | None]:
+    """The sampler of `data.label_check`'s checking model for `curate(..., sampler=...)`, closed on exit;
+    None when the label check is off. Raises before loading anything when no model is configured."""
+    lc = cfg.data.label_check
+    if not lc.enabled:
+        yield None
+        return
+    url = lc.model or cfg.model.name_or_path
+    if not url:
+        raise ValueError("data.label_check.enabled needs a checking model: set data.label_check.model "
+                         "to a checkpoint URL (or model.name_or_path)")
+    with PolicySampler.open(cfg, url) as sampler:
+        yield sampler

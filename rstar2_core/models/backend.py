@@ -5,9 +5,7 @@ GPU); `DeepSpeedBackend` (ZeRO, `models/deepspeed_backend.py`, the production pa
 protocol. `make_backend(model, train_cfg, total_steps, warmup_steps, schedule)` picks one from
 `train_cfg.backend` (`SFTConfig` or `RLConfig`).
 
-Schedule (the paper): linear warm-up from 0 over `warmup_steps` optimizer steps, then cosine decay to
-`min_lr_ratio * lr` at `total_steps` (SFT) or constant (RL). The lr factor of step `s` (0-based, the
-step about to be taken) is `lr_factor(s, ...)`.
+Schedule: `models/schedules.py` (`lr_factor`: linear warm-up, then cosine (SFT) or constant (RL)).
 
 Precision: parameters stay in the model's dtype; on a CUDA device with bf16 support the forward runs
 under `torch.autocast(bfloat16)` (`backend.autocast()`); on CPU it is a no-op (bf16 autocast on CPU is
@@ -24,14 +22,13 @@ Usage:
 from __future__ import annotations
 
 import contextlib
-import math
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
-SCHEDULES = ("cosine", "constant")
+from rstar2_core.models.schedules import SCHEDULES, lr_factor
 
 
 @runtime_checkable
@@ -51,19 +48,6 @@ class TrainBackend(Protocol):
     def load_state_dict(self, d: dict) -> None: ...
 
     def save_hf(self, local_dir: str | Path) -> None: ...
-
-
-def lr_factor(step: int, total_steps: int, warmup_steps: int, schedule: str, min_lr_ratio: float = 0.0) -> float:
-    """Multiplier of the peak lr for optimizer step `step` (0-based)."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown lr schedule {schedule!r}; valid: {list(SCHEDULES)}")
-    if warmup_steps > 0 and step < warmup_steps:
-        return (step + 1) / warmup_steps
-    if schedule == "constant":
-        return 1.0
-    decay = max(1, total_steps - warmup_steps)
-    progress = min(1.0, (step - warmup_steps) / decay)
-    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def bf16_autocast_supported(model: nn.Module) -> bool:

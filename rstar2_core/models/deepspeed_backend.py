@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rstar2_core.models.backend import SCHEDULES, lr_factor
+from rstar2_core.models.schedules import SCHEDULES, lr_factor
 
 _DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 

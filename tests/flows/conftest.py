@@ -1,5 +1,6 @@
 """Flow tests run against Prefect's test harness (a temporary local server, once per session) with the
-core stages replaced by tests/flows/stage_doubles.py, each test in its own state folder."""
+core stage functions replaced by tests/flows/stage_doubles.py (monkeypatched into tasks/stages.py), each
+test in its own state folder."""
 
 from __future__ import annotations
 
@@ -36,12 +37,10 @@ def shared_mlflow(tmp_path_factory):
 
 @pytest.fixture
 def state(tmp_path, monkeypatch, prefect_harness, shared_mlflow, request) -> State:
-    """A fresh RSTAR2_HOME, core entry points swapped for the doubles, overrides that point at the shared
+    """A fresh RSTAR2_HOME, core stage functions swapped for the doubles, overrides that point at the shared
     MLflow DB with a registered model name of this test's own."""
     monkeypatch.setenv("RSTAR2_HOME", str(tmp_path))
     monkeypatch.delenv("RSTAR2_FAULT_INJECT", raising=False)
-    from tasks import stages
-
-    monkeypatch.setattr(stages, "ENTRY_POINTS", dict(stage_doubles.ENTRY_POINTS))
+    stage_doubles.install(monkeypatch)
     model = "rstar2-agent-" + request.node.name.removeprefix("test_")[:30].replace("_", "-")
     return State(tmp_path, FAST + [f"tracking.tracking_uri={shared_mlflow}", f"tracking.registered_model={model}"])

@@ -14,7 +14,6 @@ import stage_doubles
 from rstar2_core import storage
 from rstar2_core.config import load_config
 from tasks.run_store import RunStore
-from tasks.stages import ENTRY_POINTS as REAL_ENTRY_POINTS
 
 REGION = "eu-west-1"
 BUCKET = "rstar2-e2e"
@@ -47,11 +46,14 @@ def s3(monkeypatch):
 @pytest.mark.slow
 def test_recipe_storage_on_s3(state, s3, monkeypatch):
     from flows.full_recipe import full_recipe
+    from rstar2_core.data.curate import curate
+    from rstar2_core.models import prepare_base_model
+    from rstar2_core.sft.data import build_sft_dataset
     from tasks import stages
 
     # the real, storage-heavy stages; the doubles for the rest
-    entry = {**stage_doubles.ENTRY_POINTS, **{k: REAL_ENTRY_POINTS[k] for k in ("curate", "sft_data", "base_model")}}
-    monkeypatch.setattr(stages, "ENTRY_POINTS", entry)
+    for fn in (curate, build_sft_dataset, prepare_base_model):
+        monkeypatch.setattr(stages, fn.__name__, fn)
     overrides = state.overrides + [f"storage.root=s3://{BUCKET}/rstar2", f"storage.s3_endpoint_url={s3}",
                                    f"storage.s3_region={REGION}", "data.synthetic.n_sft=16",
                                    "data.synthetic.n_rl=16", "data.synthetic.n_eval=8", "pipeline.eval_stages=last"]

@@ -1,4 +1,5 @@
-"""The pipeline's pure helpers: retry rule, run store, naming, flattening, comparisons, resources."""
+"""The pipeline's pure helpers: retry rule, run store (stage records, EvalReports, the config snapshot),
+naming, flattening, resources."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ from rstar2_core.config import ConfigError, load_config
 from rstar2_core.faults import InjectedFault
 from rstar2_core.results import DatasetRef, StageResult
 from tasks.context import stage_label
-from tasks.evals import compare, comparison_markdown, pass1_by_benchmark
 from tasks.retry import is_infrastructure_error
 from tasks.run_store import RunStore
 from tasks.runners import placement, ray_init_kwargs, resources
@@ -58,17 +58,6 @@ def test_names_and_flattening():
     assert metric_key("eval/synthetic/pass@1") == "eval/synthetic/pass_at_1"
 
 
-def test_regression_compare():
-    rows = compare({"a": 0.5, "b": 0.5}, {"a": 0.47, "b": 0.49, "c": 0.1}, threshold=0.02)
-    status = {r["benchmark"]: r["regression"] for r in rows}
-    assert status == {"a": True, "b": False, "c": False}
-    md = comparison_markdown(rows, 0.02, "nightly")
-    assert "| a | 0.500 | 0.470 | -0.030 | REGRESSION |" in md and "| c | - | 0.100 | - | new |" in md
-    assert pass1_by_benchmark({"benchmarks": {"s": {"pass1": 0.25}}}) == {"s": 0.25}
-    with pytest.raises(ValueError, match="no per-benchmark pass@1"):
-        pass1_by_benchmark({"other": 1})
-
-
 def test_resources_and_ray_settings():
     cfg = load_config("tiny", ["cluster.resources.rl.num_cpus=2", "cluster.resources.eval.num_gpus=1"])
     assert resources(cfg, "rl") == {"num_cpus": 2.0}
@@ -92,7 +81,84 @@ def test_progress_knows_the_dag_size():
 
     # curate, sft-data, base-model, sft, 3 RL stages, 1 hard subset, 4 evaluations, register
     assert expected_tasks({"profile": "tiny"}) == 13
-    assert expected_tasks({"profile": "tiny", "overrides": ["pipeline.eval_stages=last"]}) == 10
+    # the SFT checkpoint is evaluated whatever eval_stages says: it is the promotion baseline
+    assert expected_tasks({"profile": "tiny", "overrides": ["pipeline.eval_stages=last"]}) == 11
     assert expected_tasks({"profile": "no-such-profile"}) is None
     assert _parse_params(['profile="tiny"', "k=3"], ["rl.lr=1e-5"]) == {
         "profile": "tiny", "k": 3, "overrides": ["rl.lr=1e-5"]}
+
+
+def test_eval_report_round_trips_through_the_run_store_and_pickle(tmp_path):
+    import pickle
+
+    import stage_doubles
+
+    from rstar2_core.eval.run import EvalReport
+
+    store = RunStore.for_run(tmp_path.as_uri(), "r1")
+    rep = stage_doubles.fixed_report("file:///ckpt", 0.35, ["synthetic", "aime24"], store.url("eval", "sft"))
+    store.save("eval-sft", rep)
+    back = store.load("eval-sft")
+    assert isinstance(back, EvalReport) and back == rep
+    assert back.pass1() == {"synthetic": 0.35, "aime24": 0.35}
+    assert back.rows["aime24"][6].n_correct == 4 and back.rows["aime24"][7].n_correct == 0
+    assert EvalReport.load(rep.json_url) == rep  # the report.json the registry tag points at
+    assert pickle.loads(pickle.dumps(rep)) == rep  # what Ray does between tasks
+    storage.remove(rep.json_url)
+    assert store.load("eval-sft") is None  # the report it names is gone
+
+
+def _profiles(tmp_path, monkeypatch):
+    import shutil
+
+    from rstar2_core.config import config_dir
+
+    d = tmp_path / "configs"
+    shutil.copytree(config_dir(), d)
+    monkeypatch.setenv("RSTAR2_CONFIG_DIR", str(d))
+    return d / "tiny.toml"
+
+
+def test_config_snapshot_is_written_once_and_read_back_identical(tmp_path, monkeypatch):
+    import json
+
+    from rstar2_core.config import SnapshotError, config_digest
+    from tasks.run_config import drift_notes, locate_store, read_snapshot, write_snapshot
+
+    tiny = _profiles(tmp_path, monkeypatch)
+    overrides = [f"storage.root={(tmp_path / 'art').as_uri()}", "rl.stages.0.steps=7"]
+    store = locate_store("tiny", overrides, "r1")
+    assert store.root == (tmp_path / "art").as_uri() + "/runs/r1" and read_snapshot(store) is None
+    cfg = load_config("tiny", overrides)
+    rc = write_snapshot(store, cfg, "tiny", overrides)
+    assert rc.config == cfg and rc.digest == config_digest(cfg.model_dump(mode="json"))
+    assert [s.name for s in rc.config.rl.stages] == ["rl-stage-1", "rl-stage-2", "rl-stage-3"]  # filled defaults
+    assert read_snapshot(store).config == cfg and drift_notes(read_snapshot(store), "tiny", overrides) == []
+    # written once: a second write keeps the first snapshot
+    assert write_snapshot(store, load_config("tiny", overrides + ["rl.lr=1"]), "tiny", overrides).config == cfg
+    # the profile edited on disk: the snapshot still reads the same, the drift is named field by field
+    tiny.write_text(tiny.read_text().replace("lr = 3e-4", "lr = 1e-3"))
+    again = read_snapshot(locate_store("tiny", overrides, "r1"))
+    assert again.config == cfg and again.config.rl.lr == 3e-4
+    notes = drift_notes(again, "tiny", overrides)
+    assert len(notes) == 1 and "rl.lr: 0.0003 (run) vs 0.001 (now)" in notes[0]
+    tiny.write_text(tiny.read_text().replace("k = 2", "k = 0"))  # no longer validates: still found and run
+    assert read_snapshot(locate_store("tiny", overrides, "r1")).config == cfg
+    assert "no longer validates" in drift_notes(again, "tiny", overrides)[0]
+    # a snapshot written by code that had a field this code removed: refused, the field named
+    rec = store.read_config_snapshot()
+    old = json.loads(json.dumps(rec["config"]))
+    old["eval"]["gate_pass1"] = 0.2
+    storage.write_json_atomic(store.config_url(), {**rec, "config": old, "digest": config_digest(old)})
+    with pytest.raises(SnapshotError, match=r"eval\.gate_pass1: not a field of this version of the code"):
+        read_snapshot(store)
+    # edited after writing (digest no longer matches): refused
+    storage.write_json_atomic(store.config_url(), {**rec, "config": {**rec["config"], "seed": 5}})
+    with pytest.raises(SnapshotError, match="does not match its digest"):
+        read_snapshot(store)
+    # a field the snapshot lacks (added to the code since) takes the default, and the retry says so
+    del old["eval"]["gate_pass1"], old["eval"]["comparison_confidence"]
+    storage.write_json_atomic(store.config_url(), {**rec, "config": old, "digest": config_digest(old)})
+    gap = read_snapshot(store)
+    assert gap.config.eval.comparison_confidence == 0.95
+    assert any("eval.comparison_confidence" in n for n in drift_notes(gap, "tiny", overrides))

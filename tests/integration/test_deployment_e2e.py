@@ -1,14 +1,17 @@
 """End to end through real services: scripts/services.sh starts a Prefect server and a process worker
 (as `make demo` does), prefect.yaml is deployed, and `rstar2/full-recipe` runs the tiny recipe (shrunk
-by overrides) with a fault injected in RL stage 1. The failed flow run is retried through the API
-exactly as the UI's Retry button does; the test then checks that finished stages were not recomputed,
-RL stage 1 resumed from its step checkpoint into the same MLflow run with no step lost or repeated,
+by overrides) with a fault injected in RL stage 1. Between the failure and the retry the profile on disk
+is edited (`[rl] lr`). The failed flow run is retried through the API exactly as the UI's Retry button
+does; the test then checks that finished stages were not recomputed, RL stage 1 resumed from its step
+checkpoint into the same MLflow run with no step lost or repeated, the resumed and later RL stages
+trained with the run's frozen lr (not the edited one), MLflow's params are the run's config snapshot,
 one model version was registered and MLflow holds one parent run with its nested stage runs."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import socket
 import subprocess
 from pathlib import Path
@@ -38,8 +41,11 @@ def _free_port() -> int:
 @pytest.fixture
 def services(tmp_path):
     home = tmp_path / "home"
+    profiles = tmp_path / "configs"  # the worker reads the profiles here; the test edits one mid-run
+    shutil.copytree(ROOT / "configs", profiles)
     env = {**os.environ, "RSTAR2_HOME": str(home), "RSTAR2_PREFECT_PORT": str(_free_port()),
-           "RSTAR2_NO_MLFLOW_UI": "1", "RSTAR2_FAULT_INJECT": "rl-stage-1:step=2"}
+           "RSTAR2_NO_MLFLOW_UI": "1", "RSTAR2_FAULT_INJECT": "rl-stage-1:step=2",
+           "RSTAR2_CONFIG_DIR": str(profiles)}
     env.pop("PREFECT_API_URL", None)
     subprocess.run(["bash", "scripts/services.sh", "up"], cwd=ROOT, env=env, check=True, timeout=600)
     try:
@@ -49,7 +55,7 @@ def services(tmp_path):
         subprocess.run([str(ROOT / ".venv/bin/prefect"), "--no-prompt", "deploy", "--name", "full-recipe"],
                        cwd=ROOT, env={**env, "RSTAR2_REPO": str(ROOT)}, check=True, timeout=300,
                        capture_output=True)
-        yield home, api
+        yield home, api, profiles
     finally:
         subprocess.run(["bash", "scripts/services.sh", "down"], cwd=ROOT, env=env, timeout=120, check=False)
 
@@ -63,9 +69,11 @@ def test_fault_retry_resume_through_the_deployment(services, monkeypatch):
     from tasks import tracking
     from tasks.run_store import RunStore
 
-    home, api = services
+    home, api, profiles = services
     monkeypatch.setenv("RSTAR2_HOME", str(home))
+    monkeypatch.setenv("RSTAR2_CONFIG_DIR", str(profiles))
     cfg = load_config("tiny", E2E_OVERRIDES)
+    lr = cfg.rl.lr
     with temporary_settings({PREFECT_API_URL: api}):
         fid = asyncio.run(start_run("rstar2/full-recipe", {"profile": "tiny", "overrides": E2E_OVERRIDES}))
         assert asyncio.run(watch(fid, timeout_s=900, quiet=True)) == "Failed"
@@ -75,6 +83,10 @@ def test_fault_retry_resume_through_the_deployment(services, monkeypatch):
         assert store.record("rl-stage-1") is None
         rl1_run = store.tracking_id("rl-stage-1")
         assert rl1_run is not None
+        tiny = profiles / "tiny.toml"  # edit the profile between the failure and the retry
+        assert lr == 3e-4 and "\nlr = 3e-4\n" in tiny.read_text()
+        tiny.write_text(tiny.read_text().replace("\nlr = 3e-4\n", "\nlr = 1e-3\n"))
+        assert load_config("tiny", E2E_OVERRIDES).rl.lr == 1e-3
 
         asyncio.run(retry_flow_run(fid))  # the UI's Retry
         assert asyncio.run(watch(fid, timeout_s=900, quiet=True)) == "Completed"
@@ -97,6 +109,19 @@ def test_fault_retry_resume_through_the_deployment(services, monkeypatch):
     exp = tracking.experiment_id(cfg)
     parents = c.search_runs([exp], f"tags.`prefect.flow_run_id` = '{fid}'")
     assert len(parents) == 1
+    # the retry ran the frozen config: every RL stage's optimizer ran at the first attempt's peak lr (its
+    # LR scheduler's base lr, saved in the stage's final checkpoint; stage 3 resets its optimizer, so it
+    # rebuilds it from the config it is given), params = the snapshot, the drift logged
+    from rstar2_core.rl.checkpoint import read_rl_state
+
+    for stage in ("rl-stage-1", "rl-stage-2", "rl-stage-3"):
+        sched = read_rl_state(store.load(stage).checkpoint_url)["backend"]["scheduler"]
+        assert sched["base_lrs"] == [pytest.approx(lr)], (stage, sched["base_lrs"])
+    snap = store.read_config_snapshot()
+    parent = parents[0].data
+    assert parent.params["rl.lr"] == str(lr) and parent.tags["config_digest"] == snap["digest"]
+    assert parent.params == {tracking.metric_key(k): v[:6000] for k, v in tracking.flatten(snap["config"]).items()}
+    assert "rl.lr: 0.0003 (run) vs 0.001 (now)" in parent.tags["rstar2.drift.attempt_2"]
     children = c.search_runs([exp], f"tags.mlflow.parentRunId = '{parents[0].info.run_id}'")
     assert {"curate", "sft", "rl-stage-1", "rl-stage-2", "rl-stage-3", "eval-rl-stage-3"} <= {
         r.info.run_name for r in children}

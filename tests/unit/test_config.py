@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-from rstar2_core.config import ConfigError, available_profiles, load_config
 from rstar2_cli.main import main
+from rstar2_core.config import ConfigError, available_profiles, load_config
 
 
 def test_profiles_exist():
@@ -56,3 +56,73 @@ def test_cli_config_show(capsys):
     assert tree["rl"]["stages"][1]["max_response_tokens"] == 12288
     assert main(["config", "show", "--set", "sft.lr=-1"]) == 2
     assert "sft.lr" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("profile", ["tiny", "smol", "qwen3-14b-mi300x"])
+def test_snapshot_round_trip_gives_an_identical_config(profile):
+    from rstar2_core.config import canonical_json, config_digest, config_from_snapshot
+
+    cfg = load_config(profile, ["rl.stages.1.steps=4"])
+    tree = json.loads(canonical_json(cfg.model_dump(mode="json")))  # what the run store holds
+    again = config_from_snapshot(tree, "test", config_digest(tree))
+    assert again == cfg and again.model_dump(mode="json") == cfg.model_dump(mode="json")
+    assert [s.name for s in again.rl.stages] == [s.name for s in cfg.rl.stages]
+    assert config_digest(again.model_dump(mode="json")) == config_digest(tree)
+
+
+def test_profile_storage_finds_the_store_of_a_profile_that_no_longer_validates(tmp_path, monkeypatch):
+    from rstar2_core.config import profile_storage
+
+    bad = tmp_path / "edited.toml"
+    bad.write_text('[rl]\nlr = -1\n[storage]\nroot = "s3://b/p"\ns3_region = "eu-west-1"\n')
+    root, section = profile_storage(str(bad))
+    assert root == "s3://b/p" and section.s3_region == "eu-west-1"
+    with pytest.raises(ConfigError, match="rl.lr"):
+        load_config(str(bad))
+    monkeypatch.setenv("RSTAR2_HOME", str(tmp_path / "home"))
+    assert profile_storage("tiny")[0] == (tmp_path / "home" / "artifacts").resolve().as_uri()
+    with pytest.raises(ConfigError, match=r"storage\.s3_regoin: unknown field"):
+        profile_storage("tiny", ["storage.s3_regoin=x"])
+
+
+def test_cli_config_show_run_prints_the_snapshot(tmp_path, capsys):
+    from tasks.run_config import write_snapshot
+    from tasks.run_store import RunStore
+
+    root = (tmp_path / "art").as_uri()
+    cfg = load_config("tiny", ["rl.lr=2e-4"])
+    rc = write_snapshot(RunStore.for_run(root, "abc"), cfg, "tiny", ["rl.lr=2e-4"])
+    assert main(["config", "show", "--run", "abc", "--storage-root", root]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["digest"] == rc.digest and shown["config"]["rl"]["lr"] == 2e-4 and shown["overrides"] == ["rl.lr=2e-4"]
+    assert main(["config", "show", "--run", "nope", "--storage-root", root]) == 2
+    assert "no config snapshot" in capsys.readouterr().err
+    assert main(["config", "show", "--run", "abc", "--storage-root", root, "--set", "rl.lr=1"]) == 2
+
+
+def test_registry_keys_in_the_config_match_the_registries():
+    """Each `Literal` of a registry-backed field lists exactly the registry's keys (the config cannot
+    import the registries: rl/, data/ and models/ import the config)."""
+    from typing import get_args
+
+    from rstar2_cli.eval import _FILE_LAYOUTS
+    from rstar2_core.config import BenchmarkConfig, GRPOConfig, RolloutConfig, SFTConfig, SourceConfig
+    from rstar2_core.data.benchmarks import LAYOUT_FIELDS as BENCH_FIELDS
+    from rstar2_core.data.benchmarks import LOADERS
+    from rstar2_core.data.sources import ADAPTERS
+    from rstar2_core.data.sources import LAYOUT_FIELDS as SOURCE_FIELDS
+    from rstar2_core.models.schedules import SCHEDULES
+    from rstar2_core.rl import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, RESAMPLERS
+    from rstar2_core.rollout.scheduler import SCHEDULERS
+
+    def keys(model, field):
+        return set(get_args(model.model_fields[field].annotation))
+
+    assert keys(GRPOConfig, "advantage_estimator") == set(ADVANTAGE_ESTIMATORS)
+    assert keys(GRPOConfig, "policy_loss") == set(POLICY_LOSSES)
+    assert keys(GRPOConfig, "resample") == set(RESAMPLERS)
+    assert keys(SourceConfig, "layout") == set(ADAPTERS) == set(SOURCE_FIELDS)
+    assert keys(BenchmarkConfig, "layout") == set(LOADERS) | {"synthetic"} == set(BENCH_FIELDS)
+    assert sorted(LOADERS) == _FILE_LAYOUTS
+    assert keys(SFTConfig, "schedule") == set(SCHEDULES)
+    assert keys(RolloutConfig, "scheduler") == set(SCHEDULERS)

@@ -40,16 +40,8 @@ SAME = ("rollout/", "usage/tokens_", "usage/sandbox_calls", "usage/trained_share
 
 
 @pytest.fixture(scope="module")
-def toy(tmp_path_factory):
-    from rstar2_core.rl.toy import build_toy_policy
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        ckpt, data, _ = build_toy_policy(tmp_path_factory.mktemp("toy_ray"))
-    finally:
-        torch.set_num_threads(n)
-    return ckpt, data
+def toy(toy_policy):
+    return toy_policy[0], toy_policy[1]
 
 
 def _run(cfg, toy, out, **kw):

@@ -62,7 +62,7 @@ class SumEngine:
 
 def test_split_by_weight_balances_and_lets_a_rank_go_empty():
     trajs = _trajectories(7)
-    w = lambda t: float(sum(t.loss_mask))  # noqa: E731
+    w = lambda t: float(sum(t.loss_mask))
     parts = split_by_weight(trajs, 2, w)
     assert sorted(i for p in parts for i in p) == list(range(7)) and all(parts)
     loads = [sum(w(trajs[i]) for i in p) for p in parts]
@@ -165,8 +165,8 @@ def test_two_shards_match_one_torch_step_even_or_not_and_sync_to_engines(ray_her
 
             got = ray.get(weights_ref)
             assert size > 0 and set(got) == set(want)
-            for k in want:
-                torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5)
+            for k, v in want.items():
+                torch.testing.assert_close(got[k], v, rtol=1e-4, atol=1e-5)
             rep = rt.sync_weights()  # object_store: rank 0's ref goes to the engines
             assert rep.bytes == size and rep.mode == "object_store"
             total = float(sum(float(v.double().sum()) for v in want.values()))

@@ -117,8 +117,14 @@ def test_label_check_keeps_problems_with_enough_agreement(tmp_path):
         label_check(cands, sampler, exact_grader, k=2, min_agree=3, limits=None, seed=0)
 
 
-def test_label_check_without_a_model_fails_before_work(tmp_path):
+def test_label_check_without_a_sampler_or_a_model_fails_before_work(tmp_path):
+    from rstar2_core.eval.sampler import label_check_sampler
+
     cfg = fixture_config(label_check={"enabled": True})
-    with pytest.raises(ValueError, match="data.label_check.model"):
-        curate(cfg, str(tmp_path / "out"), progress=False)
+    with pytest.raises(ValueError, match="needs a sampler of the checking model"):
+        curate(cfg, str(tmp_path / "out"), progress=False)  # curation never loads a model itself
+    with pytest.raises(ValueError, match="data.label_check.model"), label_check_sampler(cfg):
+        pass
     assert not (tmp_path / "out").exists()
+    with label_check_sampler(fixture_config()) as off:
+        assert off is None

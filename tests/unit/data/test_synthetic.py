@@ -58,18 +58,6 @@ def test_eval_split_is_held_out():
         generate_problems(0, 1, "test")
 
 
-def test_heldout_sft_share_lets_a_few_sft_problems_use_the_heldout_phrasing():
-    plain = generate_problems(0, 2000, "sft")
-    mixed = generate_problems(0, 2000, "sft", heldout_share=0.05)
-    share = sum(p.phrasing >= SFT_PHRASINGS for p in mixed) / len(mixed)
-    assert 0.03 < share < 0.07
-    assert plain == generate_problems(0, 2000, "sft", heldout_share=0.0)     # 0 leaves the default stream alone
-    ev = generate_problems(0, 350, "eval")                                    # the eval split is still disjoint
-    assert not {(p.family, p.params) for p in ev} & {(p.family, p.params) for p in mixed}
-    with pytest.raises(ValueError, match="heldout_share"):
-        generate_problems(0, 1, "sft", heldout_share=1.5)
-
-
 def test_broken_code_fails_when_run():
     import random
 
@@ -104,14 +92,12 @@ def test_demonstrations_use_real_tool_output_and_render():
 
 def test_direct_answer_demonstrations_come_on_top_of_the_same_tool_demonstrations():
     plain = sft_demonstrations(0, 40, 0.5, execute=_execute, render=render_tool_result)
-    demos = sft_demonstrations(0, 40, 0.5, execute=_execute, render=render_tool_result, direct_share=0.2,
-                               same_typo=True)
+    demos = sft_demonstrations(0, 40, 0.5, execute=_execute, render=render_tool_result, direct_share=0.2)
     direct = [d for d in demos if d.direct]
     assert len(demos) == 50 and len(direct) == 10 and all(d.direct for d in demos[40:])
     assert sum(d.failed_first for d in demos) == 20 and not any(d.failed_first for d in direct)
-    plain_typo = sft_demonstrations(0, 40, 0.5, execute=_execute, render=render_tool_result, same_typo=True)
     untimed = lambda ds: re.sub(r"execution time: [0-9.]+ s", "", repr(ds))
-    assert untimed(demos[:40]) == untimed(plain_typo)          # the share does not change the tool demonstrations
+    assert untimed(demos[:40]) == untimed(plain)          # the share does not change the tool demonstrations
     assert not {d.id for d in direct} & {d.id for d in demos[:40]}
     chat = ChatFormat(bootstrap_tokenizer())
     for d in direct:
@@ -119,13 +105,7 @@ def test_direct_answer_demonstrations_come_on_top_of_the_same_tool_demonstration
         assert extract_answer(d.turns[0][0]) == d.answer and d.mask_answer and d.to_json()["mask_answer"]
         _, mask = chat.render_trajectory(d.problem, d.turn_lists())
         assert 0 < sum(mask) < len(mask)
-    for d in demos:                                   # the same misspelling every time, and it fails
-        if d.failed_first:
-            assert "pritn(" in d.turns[0][0] and "NameError" in d.turns[0][1][0]
-    assert not any(d.direct for d in plain) and sum(d.failed_first for d in plain) == 20
-    scored = sft_demonstrations(0, 8, 0.0, execute=_execute, render=render_tool_result, direct_share=0.5,
-                                direct_scored=True)
-    assert sum(d.direct for d in scored) == 8 and not any(d.mask_answer for d in scored)
+    assert not any(d.direct or d.mask_answer for d in plain) and sum(d.failed_first for d in plain) == 20
     for bad in (2.0, 1.0, -0.1):
         with pytest.raises(ValueError, match="direct_share"):
             sft_demonstrations(0, 4, 0.0, execute=_execute, render=render_tool_result, direct_share=bad)
@@ -154,15 +134,3 @@ def test_wrong_reference_output_is_rejected_and_counted():
     rejected: dict[str, int] = {}
     demos = sft_demonstrations(0, 7, 0.0, execute=off_by_one, render=render_tool_result, rejected=rejected)
     assert demos == [] and rejected == {"reference_code_wrong": 7}
-
-
-def test_restate_opens_with_the_canonical_form_carrying_the_problems_numbers():
-    plain = sft_demonstrations(0, 7, 0.0, execute=_execute, render=render_tool_result)
-    restated = sft_demonstrations(0, 7, 0.0, execute=_execute, render=render_tool_result, restate=True)
-    assert len({f.canonical for f in FAMILIES}) == len(FAMILIES) and all(f.canonical for f in FAMILIES)
-    for p, r, prob in zip(plain, restated, generate_problems(0, 7, "sft")):
-        first = r.turns[0][0]
-        assert first.startswith("\nThis asks for ") and not p.turns[0][0].startswith("\nThis asks")
-        stated = re.findall(r"\d+", first.split("\n")[1])
-        assert [s for s in stated if s != "1" or 1 in prob.params] == [str(x) for x in prob.params], (p.problem, stated)
-        assert r.turns[1:] == p.turns[1:] and first.endswith(p.turns[0][0].split("\n", 1)[1][-60:])

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 
 from rstar2_core.config import BenchmarkConfig, load_config
+from rstar2_core.data.benchmarks import benchmark_from_url, gpqa_choices, load_benchmark, resolve_benchmarks
 from rstar2_core.data.sources import SourceLayoutError
-from rstar2_core.eval.benchmarks import benchmark_from_url, gpqa_choices, load_benchmark, resolve_benchmarks
 from rstar2_core.eval.grading import choice_letter, grade_all, grade_choice
 
 FIX = Path(__file__).resolve().parents[2] / "fixtures"

@@ -7,8 +7,8 @@ import pytest
 from eval_fakes import ScriptedSampler, exact_grader
 
 from rstar2_cli.main import main
-from tasks.modelref import ModelRefError, resolve_model_ref
 from rstar2_core.config import config_dir
+from tasks.modelref import ModelRefError, resolve_model_ref
 
 FIX = Path(__file__).resolve().parents[2] / "fixtures"
 
@@ -81,7 +81,7 @@ def test_eval_fails_before_compute_on_bad_model_or_bench(tmp_path, capsys):
 
 def test_eval_compare_cli(tmp_path, capsys):
     from rstar2_core.config import load_config
-    from rstar2_core.eval.benchmarks import load_benchmark
+    from rstar2_core.data.benchmarks import load_benchmark
     from rstar2_core.eval.run import evaluate
 
     cfg = load_config("tiny", ["data.synthetic.n_eval=8", "eval.benchmarks.0.limit=8"])

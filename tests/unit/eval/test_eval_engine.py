@@ -4,7 +4,7 @@ import pytest
 from eval_fakes import KnownAccuracyEngine, build_tokenizer
 
 from rstar2_core.config import load_config
-from rstar2_core.eval.benchmarks import load_benchmark
+from rstar2_core.data.benchmarks import load_benchmark
 from rstar2_core.eval.run import evaluate
 from rstar2_core.eval.sampler import PolicySampler
 

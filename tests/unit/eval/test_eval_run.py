@@ -6,7 +6,7 @@ from eval_fakes import ScriptedSampler, exact_grader
 
 from rstar2_core import storage
 from rstar2_core.config import load_config
-from rstar2_core.eval.benchmarks import benchmark_from_url, load_benchmark
+from rstar2_core.data.benchmarks import benchmark_from_url, load_benchmark
 from rstar2_core.eval.report import compare_reports, plot_history
 from rstar2_core.eval.run import EvalReport, evaluate
 

@@ -26,7 +26,8 @@ runpy.run_path("bench/gpu_check.py", run_name="__main__")
 
 @pytest.mark.slow
 def test_gpu_check_cpu_smoke():
-    proc = subprocess.run([sys.executable, "-c", RUNNER], cwd=ROOT, capture_output=True, text=True, timeout=800)
+    proc = subprocess.run([sys.executable, "-c", RUNNER], cwd=ROOT, capture_output=True, text=True, timeout=800,
+                          check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["device"] == "cpu" and out["peak_source"] == "measured matmul" and out["peak_tflops"] > 0

@@ -63,7 +63,7 @@ def _params(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in m.named_parameters()}
 
 
-KW = dict(lr=1e-2, total_steps=10, warmup_steps=2, schedule="cosine", weight_decay=0.01, grad_clip=0.5)
+KW = {"lr": 1e-2, "total_steps": 10, "warmup_steps": 2, "schedule": "cosine", "weight_decay": 0.01, "grad_clip": 0.5}
 
 
 def test_missing_dist_env_names_the_variables(monkeypatch):

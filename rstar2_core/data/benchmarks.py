@@ -1,5 +1,8 @@
 """Evaluation benchmarks: one loader per public layout, from any fsspec URL (JSONL or parquet).
 
+They live with the data sources (they read the same files with the same field helpers) so that both
+evaluation and curation's decontamination can load them without data/ importing eval/.
+
 Layouts (`BenchmarkConfig.layout`):
 
 - `aime` (AIME 2024 / 2025 exports: `id|ID`, `problem|Problem|question`, `answer|Answer`),
