@@ -60,11 +60,13 @@ def run_arm(cfg, url: str, problems, args, label: str) -> dict:
     from vs_trl import TimingGrader
 
     from rstar2_core.chat import ChatFormat
+    from rstar2_core.cluster import open_runtime
     from rstar2_core.models.io import load_tokenizer
     from rstar2_core.rl.stage import engine_seq_len, step_seed
     from rstar2_core.rl.step import rl_step
+    from rstar2_core.rl.trainer import RL_STEP
     from rstar2_core.rollout.types import RolloutLimits
-    from rstar2_core.runtime import TrainerSpec, open_runtime
+    from rstar2_core.runtime import TrainerSpec
 
     chat = ChatFormat(load_tokenizer(url), with_tools=True)
     pad = chat.tokenizer.pad_token_id if chat.tokenizer.pad_token_id is not None else chat.tokenizer.eos_token_id
@@ -74,7 +76,7 @@ def run_arm(cfg, url: str, problems, args, label: str) -> dict:
     async def loop() -> float:
         t0 = time.perf_counter()
         async with open_runtime(cfg, policy_url=url, max_model_len=engine_seq_len(chat, problems, args.tokens),
-                                grader=False, trainer=TrainerSpec("rl", args.steps, 0, "constant")) as rt:
+                                grader=False, trainer=TrainerSpec("rl", args.steps, 0, "constant", RL_STEP)) as rt:
             start = time.perf_counter() - t0
             rt.grader = TimingGrader()
             for step in range(args.steps):

@@ -74,9 +74,11 @@ def ours_config(args):
 def run_ours(cfg, url, tok, problems, args) -> list[float]:
     """Our RL steps: `rl.step.rl_step` on the local runtime (the code the RL stage runs)."""
     from rstar2_core.chat import ChatFormat
+    from rstar2_core.cluster import open_runtime
     from rstar2_core.rl.step import rl_step
+    from rstar2_core.rl.trainer import RL_STEP
     from rstar2_core.rollout.types import RolloutLimits
-    from rstar2_core.runtime import TrainerSpec, open_runtime
+    from rstar2_core.runtime import TrainerSpec
 
     cfg = ours_config(args)
     chat = ChatFormat(tok, with_tools=True)
@@ -87,7 +89,7 @@ def run_ours(cfg, url, tok, problems, args) -> list[float]:
 
     async def loop():
         async with open_runtime(cfg, policy_url=url, max_model_len=seq, grader=False,
-                                trainer=TrainerSpec("rl", args.steps, 0, "constant")) as rt:
+                                trainer=TrainerSpec("rl", args.steps, 0, "constant", RL_STEP)) as rt:
             rt.grader = TimingGrader()
             for step in range(args.steps):
                 batch = problems[step * args.prompts:(step + 1) * args.prompts]

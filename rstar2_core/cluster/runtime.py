@@ -19,7 +19,8 @@ Weight sync (`rollout.weight_sync`, cluster/weight_sync.py): `object_store` (ran
 engine actor 0, `kill-trainer` trainer rank 1 (rank 0 with one rank), `engine-errors` makes engine
 actor 0 fail every request.
 
-    async with RayRuntime(cfg, policy_url=url, max_model_len=n, trainer=TrainerSpec("rl", 510, 20, "constant")) as rt:
+    async with RayRuntime(cfg, policy_url=url, max_model_len=n, trainer=TrainerSpec("rl", 510, 20, "constant",
+                                                                                   RL_STEP)) as rt:
         ...
 """
 
@@ -99,11 +100,9 @@ class RayRuntime:
                 section = getattr(cfg, trainer.section)
                 opts = backend_options(section, cfg.model, total_steps=trainer.total_steps,
                                        warmup_steps=trainer.warmup_steps, schedule=trainer.schedule)
-                pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None \
-                    else self.tokenizer.eos_token_id
                 self.trainer = TrainerGroup(self.group, self.layout,
                                             model_factory or partial(load_policy, policy_url, cfg.model.dtype),
-                                            opts, pad_id=pad, threads=threads)
+                                            opts, trainer.step, threads=threads)
             if engines:
                 spec = None if engine_factory else EngineSpec.from_config(cfg, policy_url, max_model_len, "cpu")
                 self.engines = start_engines(self.group, self.layout, spec, threads=threads, factory=engine_factory)

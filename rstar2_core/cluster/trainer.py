@@ -1,17 +1,18 @@
 """Trainer shards as Ray actors: the data-parallel DeepSpeed ranks of the policy, one per trainer slot
 of the layout, behind the `PolicyTrainer` protocol (rstar2_core/runtime/protocol.py).
 
-- `TrainerShardActor(rank, world, model_factory, backend_options, pad_id, threads)`: a Ray actor;
+- `TrainerShardActor(rank, world, model_factory, backend_options, step, threads)`: a Ray actor;
   `init(master_addr, port)` joins the process group (gloo on CPU, nccl/rccl on GPUs; Ray has set the
   visible device, so LOCAL_RANK is 0 inside the actor), loads the policy onto the shard's device and
   builds the `DeepSpeedBackend`. Under ZeRO-3 the model is built inside `deepspeed.zero.Init` (through
   transformers' `HfDeepSpeedConfig`), so no GPU ever holds the whole model.
 - `TrainerGroup`: spawns the shards in an `ActorGroup` (placement from the layout), initialises them
   together (the rendezvous blocks until every rank has joined), and runs each optimizer step on all
-  ranks: the step's trajectories (RL) or packed rows (SFT) are split by token count
-  (runtime/sharding.py), every rank runs the same number of micro-batches (zero-weight padding passes
-  where it has fewer), each rank's loss is the global token mean's share times the world size (DeepSpeed
-  averages gradients over ranks), so the step's gradient is exactly that of the whole batch's token mean.
+  ranks with the stage's step body (`TrainerStep`: rl.trainer.RL_STEP, sft.step.SFT_STEP): the step's
+  items ((trajectory, advantage) pairs or packed rows) are split by token count (runtime/sharding.py),
+  every rank runs the same number of micro-batches (zero-weight padding passes where it has fewer), each
+  rank's loss is the global token mean's share times the world size (DeepSpeed averages gradients over
+  ranks), so the step's gradient is exactly that of the whole batch's token mean.
 
 Checkpoints: `save(staging_url)` has every rank take part (ZeRO-3 gathers the 16-bit weights to rank
 0, which writes the HF folder) and each rank write its own optimizer partition
@@ -19,8 +20,8 @@ Checkpoints: `save(staging_url)` has every rank take part (ZeRO-3 gathers the 16
 back and refuses another world size. Weight sync: `weights_ref()` (object store) and the vLLM
 transfer calls in cluster/weight_sync.py.
 
-    trainers = TrainerGroup(group, layout, model_factory, backend_options(cfg.rl, cfg.model, ...), pad_id=0)
-    metrics = trainers.rl_update(trajectories, advantages, pad_id=pad_id, micro_batch_size=8, ...)
+    trainers = TrainerGroup(group, layout, model_factory, backend_options(cfg.rl, cfg.model, ...), RL_STEP)
+    metrics = trainers.step(list(zip(trajectories, advantages)), micro_batch_size=8, pad_id=pad_id, ...)
 """
 
 from __future__ import annotations
@@ -35,20 +36,18 @@ import ray
 
 from rstar2_core.cluster.layout import ClusterLayout
 from rstar2_core.cluster.placement import ActorGroup, bundle_strategy
-from rstar2_core.runtime.protocol import merge_sft_metrics
+from rstar2_core.runtime.protocol import TrainerStep
 from rstar2_core.runtime.sharding import micro_batches_per_rank, split_by_weight
-
-_RL_MEANS = ("actor/pg_loss", "actor/pg_clipfrac", "actor/ratio_mean", "actor/ppo_kl", "actor/engine_logprob_gap")
 
 
 class TrainerShardActor:
     """One data-parallel rank (see the module docstring)."""
 
     def __init__(self, rank: int, world: int, model_factory: Callable[[], Any], backend_options: dict,
-                 pad_id: int = 0, threads: int = 0):
+                 step: TrainerStep, threads: int = 0):
         self.rank, self.world = rank, world
         self.model_factory, self.backend_options = model_factory, dict(backend_options)
-        self.pad_id, self.threads = pad_id, threads
+        self.step_body, self.threads = step, threads
         self.backend = None
         self.busy_s = 0.0
 
@@ -75,7 +74,6 @@ class TrainerShardActor:
             from rstar2_core.models.deepspeed_backend import init_single_process_distributed
 
             init_single_process_distributed("nccl" if device == "cuda" else "gloo")   # zero.Init needs the group
-
             ds = deepspeed_config(zero_stage=3, grad_clip=self.backend_options["grad_clip"], bf16=device == "cuda",
                                   micro_batch_size=self.backend_options.get("micro_batch_size", 1),
                                   world_size=self.world)
@@ -85,21 +83,13 @@ class TrainerShardActor:
         self.backend = DeepSpeedBackend(model, **self.backend_options)
         return os.getpid()
 
-    def rl_update(self, trajectories: list, advantages: list[float], kwargs: dict) -> dict:
-        from rstar2_core.rl.trainer import rl_update
-
+    def update(self, items: list, kwargs: dict) -> dict:
+        """This rank's share of one optimizer step (the stage's `TrainerStep.update`)."""
         t0 = time.perf_counter()
-        m = rl_update(self.backend, trajectories, advantages, **kwargs)
-        dt = time.perf_counter() - t0
-        self.busy_s += dt
-        return {**m, "actor/busy_s": dt}
-
-    def sft_update(self, rows: list, kwargs: dict) -> dict:
-        from rstar2_core.sft.step import sft_update
-
-        m = sft_update(self.backend, rows, pad_id=self.pad_id, **kwargs)
-        self.busy_s += m["sft/busy_s"]
-        return m
+        try:
+            return self.step_body.update(self.backend, items, **kwargs)
+        finally:
+            self.busy_s += time.perf_counter() - t0
 
     def weights_ref(self) -> list:
         """[ObjectRef of the full state dict (CPU), bytes] on rank 0, [] elsewhere; collective under ZeRO-3."""
@@ -151,35 +141,29 @@ class TrainerShardActor:
         return os.getpid()
 
 
-def rl_weight(t: Any) -> float:
-    return float(sum(t.loss_mask))
-
-
-def sft_weight(row: Any) -> float:
-    from rstar2_core.sft.step import label_tokens
-
-    return float(label_tokens(row))
-
-
 class TrainerGroup:
     """The trainer shards of a layout, in an `ActorGroup`; a `PolicyTrainer` (see the module docstring)."""
 
     def __init__(self, group: ActorGroup, layout: ClusterLayout, model_factory: Callable[[], Any],
-                 backend_options: dict, pad_id: int = 0, threads: int = 0):
-        self.group, self.world = group, len(layout.trainer_shards)
+                 backend_options: dict, step: TrainerStep, threads: int = 0):
+        self.group, self.world, self.step_body = group, len(layout.trainer_shards), step
         self.names = []
         for s in layout.trainer_shards:
             name = f"trainer-{s.rank}"
             opts = {"num_cpus": 1 if s.bundle_index >= 0 else 0, "num_gpus": s.gpu_fraction,
                     **bundle_strategy(group.pg(s.node), s.bundle_index)}
-            group.spawn(name, TrainerShardActor, s.rank, self.world, model_factory, backend_options, pad_id,
+            group.spawn(name, TrainerShardActor, s.rank, self.world, model_factory, backend_options, step,
                         threads, **opts)
             self.names.append(name)
         addr, port = group.get(self.actor(0).address.remote(), self.names[0])
         self.pids = group.get([self.actor(r).init.remote(addr, port) for r in range(self.world)], self.names)
-        self.busy = [0.0] * self.world
 
     world_size = property(lambda self: self.world)
+
+    @property
+    def busy(self) -> list[float]:
+        """Each rank's cumulative seconds in its step bodies."""
+        return self.all("busy_seconds")
 
     def actor(self, rank: int):
         return self.group.actors[self.names[rank]]
@@ -187,37 +171,21 @@ class TrainerGroup:
     def all(self, method: str, *args: Any) -> list:
         return self.group.get([getattr(self.actor(r), method).remote(*args) for r in range(self.world)], self.names)
 
-    def rl_update(self, trajectories: Sequence[Any], advantages: Sequence[float], *, split: list[list[int]] | None = None,
-                  **kwargs: Any) -> dict[str, float]:
-        """One optimizer step over all ranks; `actor/...` metrics (token-weighted over ranks; grad norm and
-        lr are global). `split` forces which trajectory indices go to which rank (tests)."""
-        parts = split if split is not None else split_by_weight(trajectories, self.world, rl_weight)
-        tokens = [sum(rl_weight(trajectories[i]) for i in p) for p in parts]
+    def step(self, items: Sequence[Any], *, micro_batch_size: int, split: list[list[int]] | None = None,
+             **kwargs: Any) -> dict[str, float]:
+        """One optimizer step over all ranks (see the module docstring); `split` forces which item indices
+        go to which rank (tests)."""
+        body = self.step_body
+        parts = split if split is not None else split_by_weight(items, self.world, body.weight)
+        tokens = [sum(body.weight(items[i]) for i in p) for p in parts]
         total = sum(tokens)
         if total == 0:
-            return {"actor/skipped": 1.0, "actor/tokens": 0.0}
-        n_mb = micro_batches_per_rank(parts, kwargs.get("micro_batch_size", 8))
-        kw = {**kwargs, "total_tokens": total, "num_micro_batches": n_mb, "loss_scale": float(self.world)}
-        refs = [self.actor(r).rl_update.remote([trajectories[i] for i in p], [float(advantages[i]) for i in p], kw)
-                for r, p in enumerate(parts)]
-        results = self.group.get(refs, self.names)
-        for r, m in enumerate(results):
-            self.busy[r] += m["actor/busy_s"]
-        out = {k: sum(m[k] * t for m, t in zip(results, tokens)) / total for k in _RL_MEANS if k in results[0]}
-        out.update({"actor/grad_norm": results[0]["actor/grad_norm"], "actor/lr": results[0]["actor/lr"],
-                    "actor/tokens": float(total), "actor/skipped": 0.0, "actor/micro_batches": float(n_mb)})
-        return out
-
-    def sft_update(self, rows: Sequence[Any], *, micro_batch_size: int) -> dict[str, float]:
-        parts = split_by_weight(rows, self.world, sft_weight)
-        total = int(sum(sft_weight(r) for r in rows))
-        kw = {"micro_batch_size": micro_batch_size, "total_label_tokens": total,
+            return body.merge([], [])
+        kw = {**kwargs, "micro_batch_size": micro_batch_size, "total_tokens": total,
               "num_micro_batches": micro_batches_per_rank(parts, micro_batch_size), "loss_scale": float(self.world)}
-        results = self.group.get([self.actor(r).sft_update.remote([rows[i] for i in p], kw)
+        results = self.group.get([self.actor(r).update.remote([items[i] for i in p], kw)
                                   for r, p in enumerate(parts)], self.names)
-        for r, m in enumerate(results):
-            self.busy[r] += m["sft/busy_s"]
-        return merge_sft_metrics(results)
+        return body.merge(results, tokens)
 
     def weights_ref(self) -> tuple[Any, int]:
         """(ObjectRef of the full state dict, bytes), produced by rank 0 after a collective gather."""

@@ -24,6 +24,7 @@ import sys
 from tqdm import tqdm
 
 from rstar2_core import storage
+from rstar2_core.cluster import open_runtime
 from rstar2_core.config import Config
 from rstar2_core.models.io import load_tokenizer
 from rstar2_core.results import DatasetRef
@@ -32,7 +33,6 @@ from rstar2_core.rl.groups import is_infra_failed
 from rstar2_core.rl.stage import engine_seq_len, step_seed
 from rstar2_core.rl.step import grade_groups
 from rstar2_core.rollout.types import RolloutLimits
-from rstar2_core.runtime import open_runtime
 
 
 def _parquet_bytes(rows: list[dict]) -> bytes:

@@ -43,6 +43,7 @@ import torch
 from tqdm import tqdm
 
 from rstar2_core import storage
+from rstar2_core.cluster import open_runtime
 from rstar2_core.config import Config
 from rstar2_core.faults import maybe_inject_fault
 from rstar2_core.models.io import load_tokenizer, read_meta
@@ -59,8 +60,9 @@ from rstar2_core.rl.checkpoint import (
 )
 from rstar2_core.rl.data import RLProblem, batch_indices, load_problems
 from rstar2_core.rl.step import rl_step
+from rstar2_core.rl.trainer import RL_STEP
 from rstar2_core.rollout.types import RolloutLimits
-from rstar2_core.runtime import TrainerSpec, open_runtime
+from rstar2_core.runtime import TrainerSpec
 from rstar2_core.runtime.checkpoint import publish_policy_checkpoint
 from rstar2_core.runtime.usage import accumulate
 
@@ -120,7 +122,7 @@ async def _run(cfg: Config, stage_index: int, init_url: str, data_url: str, out_
     tok = chat.tokenizer
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     limits = RolloutLimits.from_config(cfg.rollout, stage.max_turns, stage.max_response_tokens, rl.temperature)
-    spec = TrainerSpec("rl", total_steps, rl.warmup_steps, "constant")
+    spec = TrainerSpec("rl", total_steps, rl.warmup_steps, "constant", RL_STEP)
     start_step, cursor, run_id, last_metrics, totals = 0, 0, tracking_run_id, {}, {}
     async with open_runtime(cfg, policy_url=policy, trainer=spec,
                             max_model_len=engine_seq_len(chat, problems, stage.max_response_tokens)) as rt:

@@ -122,10 +122,9 @@ async def rl_step(rt: Any, chat: Any, batch: Sequence[RLProblem], *, cfg: Any, l
             "repeats, check the engines, the sandbox pool size (sandbox.workers) and eval.grader_timeout_s")
     sb = build_step_batch(groups, grades.rewards, grpo, seed)
     if sb.trajectories:
-        actor = rt.trainer.rl_update(sb.trajectories, sb.advantages, pad_id=pad_id, temperature=rl.temperature,
-                                     micro_batch_size=rl.micro_batch_size, clip_low=grpo.clip_low,
-                                     clip_high=grpo.clip_high, loss_key=grpo.policy_loss,
-                                     old_logprobs=rl.old_logprobs)
+        actor = rt.trainer.step(list(zip(sb.trajectories, sb.advantages)), micro_batch_size=rl.micro_batch_size,
+                                pad_id=pad_id, temperature=rl.temperature, clip_low=grpo.clip_low,
+                                clip_high=grpo.clip_high, loss_key=grpo.policy_loss, old_logprobs=rl.old_logprobs)
     else:
         actor = {"actor/skipped": 1.0, "actor/tokens": 0.0}
     stepped = not actor.get("actor/skipped")

@@ -37,6 +37,7 @@ import torch
 
 from rstar2_core.rl.loss import get_policy_loss
 from rstar2_core.rollout.types import Trajectory
+from rstar2_core.runtime.protocol import TrainerStep
 
 OLD_LOGPROB_SOURCES = ("recompute", "engine")
 
@@ -194,3 +195,33 @@ def rl_update(backend, trajectories: Sequence[Trajectory], advantages: Sequence[
     if recompute:
         metrics["actor/engine_logprob_gap"] = gap_sum / per
     return metrics
+
+
+_RANK_MEANS = ("actor/pg_loss", "actor/pg_clipfrac", "actor/ratio_mean", "actor/ppo_kl", "actor/engine_logprob_gap")
+
+
+def rank_update(backend, items: Sequence[tuple[Trajectory, float]], **kwargs) -> dict[str, float]:
+    """`rl_update` on one rank's share of the step: `items` are (trajectory, advantage) pairs."""
+    return rl_update(backend, [t for t, _ in items], [float(a) for _, a in items], **kwargs)
+
+
+def item_tokens(item: tuple[Trajectory, float]) -> float:
+    """Sampled tokens of a (trajectory, advantage) pair: what it trains on."""
+    return float(sum(item[0].loss_mask))
+
+
+def merge_rank_metrics(per_rank: Sequence[dict[str, float]], tokens: Sequence[float]) -> dict[str, float]:
+    """The step's `actor/...` metrics from every rank's: token-weighted means, the (global) grad norm and
+    lr of rank 0, the step's token count."""
+    total = float(sum(tokens))
+    if not per_rank or total == 0:
+        return {"actor/skipped": 1.0, "actor/tokens": 0.0}
+    out = {k: sum(m[k] * t for m, t in zip(per_rank, tokens)) / total for k in _RANK_MEANS if k in per_rank[0]}
+    out.update({"actor/grad_norm": per_rank[0]["actor/grad_norm"], "actor/lr": per_rank[0]["actor/lr"],
+                "actor/tokens": total, "actor/skipped": 0.0,
+                "actor/micro_batches": per_rank[0].get("actor/micro_batches", 1.0)})
+    return out
+
+
+RL_STEP = TrainerStep(rank_update, item_tokens, merge_rank_metrics)
+"""The RL optimizer step as the runtime's trainer runs it on every rank (runtime.protocol.TrainerStep)."""

@@ -4,8 +4,8 @@
   device (`cuda` when present, else `cpu`); HF engines decode on their own threads, a vLLM engine
   runs its own workers (tensor parallelism included);
 - trainer: `LocalTrainer` (torch, or single-process DeepSpeed);
-- sandbox: `LocalSandbox` (forked templates on this host) or, with `sandbox.backend = "ray"`, the
-  Ray actor pool across the cluster's nodes;
+- sandbox: `LocalSandbox` (forked templates on this host), or what `sandbox_factory` opens (with
+  `sandbox.backend = "ray"`, `cluster.open_runtime` passes the Ray actor pool across the nodes);
 - grader: a `GraderPool` of worker processes;
 - weight sync: `state_dict` (engines load the trainer's tensors in process) or `checkpoint` (engines
   reload the checkpoint the step just published).
@@ -18,6 +18,7 @@ to kill) with the message to use the Ray runtime.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any, Self
 
 from rstar2_core.runtime.engines import EngineSpec, FailingEngine, build_engine, engine_busy_seconds
@@ -39,7 +40,7 @@ class LocalRuntime:
 
     def __init__(self, cfg: Any, *, policy_url: str, max_model_len: int | None = None,
                  trainer: TrainerSpec | None = None, engines: bool = True, sandbox: bool = True,
-                 grader: bool = True):
+                 grader: bool = True, sandbox_factory: Callable[[Any], Any] | None = None):
         from rstar2_core.config.runtime_rules import resolved_weight_sync
         from rstar2_core.models.io import load_tokenizer
 
@@ -52,13 +53,12 @@ class LocalRuntime:
         self.sandbox = None
         self.grader = None
         self._want_sandbox, self._want_grader = sandbox, grader
+        self._sandbox_factory = sandbox_factory or _local_sandbox
         try:
             if trainer is not None:
                 from rstar2_core.runtime.local_trainer import LocalTrainer
 
-                pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None \
-                    else self.tokenizer.eos_token_id
-                self.trainer = LocalTrainer(cfg, policy_url, trainer, self.device, pad)
+                self.trainer = LocalTrainer(cfg, policy_url, trainer, self.device)
             if engines:
                 self.engines = [build_engine(EngineSpec.from_config(cfg, policy_url, max_model_len, self.device, i))
                                 for i in range(cfg.rollout.num_engines)]
@@ -69,7 +69,7 @@ class LocalRuntime:
     async def __aenter__(self) -> Self:
         try:
             if self._want_sandbox:
-                self.sandbox = _open_sandbox(self.cfg.sandbox)
+                self.sandbox = self._sandbox_factory(self.cfg.sandbox)
                 await self.sandbox.__aenter__()
             if self._want_grader:
                 from rstar2_core.reward import GraderPool
@@ -138,12 +138,7 @@ class LocalRuntime:
             t.close()
 
 
-def _open_sandbox(sandbox_cfg: Any):
-    """The sandbox of `sandbox.backend`: forked templates here, or the Ray actor pool across the cluster."""
-    if sandbox_cfg.backend == "ray":
-        from rstar2_core.cluster.sandbox_pool import RaySandboxPool
-
-        return RaySandboxPool(sandbox_cfg)
+def _local_sandbox(sandbox_cfg: Any):
     from rstar2_core.sandbox import LocalSandbox
 
     return LocalSandbox(sandbox_cfg)

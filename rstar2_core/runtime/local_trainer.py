@@ -1,8 +1,8 @@
 """The local runtime's trainer: one `TrainBackend` (torch, or DeepSpeed with world size 1) in this process.
 
-It implements `PolicyTrainer` with the same step bodies the Ray trainer shards run
-(`rl.trainer.rl_update`, `sft.step.sft_update`) and the same checkpoint layout (HF weights +
-`trainer/rank-00000.pt`), so a local and a Ray run of the same config take the same steps.
+It implements `PolicyTrainer` with the step body the stage hands it (`TrainerSpec.step`: rl.trainer.RL_STEP,
+sft.step.SFT_STEP), the same one the Ray trainer shards run, and the same checkpoint layout (HF weights
++ `trainer/rank-00000.pt`), so a local and a Ray run of the same config take the same steps.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 from rstar2_core import storage
 from rstar2_core.models.backend import make_backend
 from rstar2_core.models.io import load_model_and_tokenizer
-from rstar2_core.runtime.protocol import TrainerSpec, merge_sft_metrics
+from rstar2_core.runtime.protocol import TrainerSpec
 from rstar2_core.runtime.trainer_state import read_rank_state, write_rank_state
 
 
@@ -36,7 +36,7 @@ class LocalTrainer:
 
     world_size = 1
 
-    def __init__(self, cfg: Any, policy_url: str, spec: TrainerSpec, device: str, pad_id: int):
+    def __init__(self, cfg: Any, policy_url: str, spec: TrainerSpec, device: str):
         section = getattr(cfg, spec.section)
         if cfg.model.dtype != "float32" and device == "cpu" and section.backend == "deepspeed":
             raise ValueError(f"{spec.section}.backend = \"deepspeed\" trains model.dtype = \"{cfg.model.dtype}\" on GPUs "
@@ -45,7 +45,7 @@ class LocalTrainer:
         if section.backend == "deepspeed":
             ensure_single_process_env()
         self.backend = make_backend(model, section, spec.total_steps, spec.warmup_steps, spec.schedule, cfg.model)
-        self.pad_id = pad_id
+        self.spec = spec
         self.busy_s = 0.0
 
     @property
@@ -56,21 +56,14 @@ class LocalTrainer:
     def current_lr(self) -> float:
         return float(getattr(self.backend, "current_lr", float("nan")))
 
-    def rl_update(self, trajectories: Sequence[Any], advantages: Sequence[float], **kwargs: Any) -> dict[str, float]:
-        from rstar2_core.rl.trainer import rl_update
-
+    def step(self, items: Sequence[Any], *, micro_batch_size: int, **kwargs: Any) -> dict[str, float]:
+        step = self.spec.step
         t0 = time.perf_counter()
         try:
-            return rl_update(self.backend, trajectories, advantages, **kwargs)
+            m = step.update(self.backend, items, micro_batch_size=micro_batch_size, **kwargs)
         finally:
             self.busy_s += time.perf_counter() - t0
-
-    def sft_update(self, rows: Sequence[Any], *, micro_batch_size: int) -> dict[str, float]:
-        from rstar2_core.sft.step import sft_update
-
-        m = sft_update(self.backend, rows, micro_batch_size=micro_batch_size, pad_id=self.pad_id)
-        self.busy_s += m["sft/busy_s"]
-        return merge_sft_metrics([m])
+        return step.merge([m], [sum(step.weight(x) for x in items)])
 
     def reset_optimizer(self) -> None:
         self.backend.reset_optimizer()

@@ -1,14 +1,16 @@
 """The runtime seam: what a stage needs (engines, sandbox, grader, trainer, weight sync) behind one protocol.
 
-    async with open_runtime(cfg, policy_url=url, max_model_len=n, trainer=TrainerSpec("rl", 510, 20, "constant")) as rt:
+    async with open_runtime(cfg, policy_url=url, max_model_len=n, trainer=TrainerSpec("rl", 510, 20, "constant",
+                                                                                      RL_STEP)) as rt:
         groups = await rollout_groups(rt.engines, rt.sandbox, chat, problems, n=32, limits=limits)
-        metrics = rt.trainer.rl_update(kept, advantages, pad_id=pad, ...)
+        metrics = rt.trainer.step(list(zip(kept, advantages)), micro_batch_size=8, pad_id=pad, ...)
         report = rt.sync_weights()
 
-Two implementations, chosen by `cluster.runtime` (rstar2_core/runtime/__init__.py `open_runtime`):
-`LocalRuntime` (runtime/local.py: everything in the stage's process) and `RayRuntime`
-(rstar2_core/cluster/runtime.py: engine actors, DeepSpeed trainer-shard actors and the sandbox pool on
-the layout's placement groups). Stage code (rl/step.py, rl/stage.py, rl/hard_subset.py, sft/train.py,
+Two implementations, chosen by `cluster.runtime` (`rstar2_core.cluster.open_runtime`): `LocalRuntime`
+(runtime/local.py: everything in the stage's process) and `RayRuntime` (rstar2_core/cluster/runtime.py:
+engine actors, DeepSpeed trainer-shard actors and the sandbox pool on the layout's placement groups).
+The stage hands the runtime the body of its optimizer step (`TrainerSpec.step`, a `TrainerStep`), so
+this package and cluster/ sit below the stages in the import layers and never import them. Stage code (rl/step.py, rl/stage.py, rl/hard_subset.py, sft/train.py,
 eval/sampler.py, data/label_check.py) only sees this protocol, so the same step runs on one CPU or 64 GPUs.
 
 A runtime opened without a `TrainerSpec` has no trainer (evaluation, hard subset, label check); one
@@ -17,21 +19,37 @@ opened with `engines=False` has no engines (SFT).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from rstar2_core.rollout.types import Engine, Trajectory
+from rstar2_core.rollout.types import Engine
+
+
+@dataclass(frozen=True)
+class TrainerStep:
+    """The body of one optimizer step, as every trainer rank runs it, handed to the runtime by the stage
+    (rl.trainer.RL_STEP, sft.step.SFT_STEP), so the runtime and its actors need not import the stages:
+
+    - `update(backend, items, *, total_tokens, num_micro_batches, loss_scale, **kwargs) -> metrics`: one
+      rank's forward/backward passes over its `items` and the optimizer step;
+    - `weight(item) -> float`: the tokens an item trains on (how items are balanced over ranks);
+    - `merge(per_rank_metrics, per_rank_weights) -> metrics`: the step's metrics from every rank's."""
+
+    update: Callable[..., dict[str, float]]
+    weight: Callable[[Any], float]
+    merge: Callable[[Sequence[dict[str, float]], Sequence[float]], dict[str, float]]
 
 
 @dataclass(frozen=True)
 class TrainerSpec:
-    """What the trainer optimises: the config section (`rl` or `sft`) and its schedule length."""
+    """What the trainer optimises: the config section (`rl` or `sft`), its schedule length, and the step body."""
 
     section: Literal["rl", "sft"]
     total_steps: int
     warmup_steps: int
     schedule: Literal["cosine", "constant"]
+    step: TrainerStep
 
 
 @dataclass(frozen=True)
@@ -65,13 +83,9 @@ class PolicyTrainer(Protocol):
 
     world_size: int
 
-    def rl_update(self, trajectories: Sequence[Trajectory], advantages: Sequence[float], **kwargs: Any
-                  ) -> dict[str, float]:
-        """One optimizer step (rl.trainer.rl_update semantics over all ranks); `actor/...` metrics."""
-        ...
-
-    def sft_update(self, rows: Sequence[Any], *, micro_batch_size: int) -> dict[str, float]:
-        """One optimizer step on packed SFT rows; `sft/loss`, `sft/grad_norm`, `sft/lr`, ..."""
+    def step(self, items: Sequence[Any], *, micro_batch_size: int, **kwargs: Any) -> dict[str, float]:
+        """One optimizer step on `items` (RL: (trajectory, advantage) pairs; SFT: packed rows) with the
+        spec's `TrainerStep` on every rank: items split by weight, equal micro-batch counts, merged metrics."""
         ...
 
     def reset_optimizer(self) -> None: ...
@@ -109,11 +123,3 @@ class StageRuntime(Protocol):
 
     async def aclose(self) -> None: ...
 
-
-def merge_sft_metrics(per_rank: Sequence[dict[str, float]]) -> dict[str, float]:
-    """One SFT step's metrics from each rank's `sft.step.sft_update` sums: the batch's token-mean loss,
-    its label and real token counts, and the (global) grad norm and lr of rank 0."""
-    labels = sum(m["sft/label_tokens"] for m in per_rank)
-    return {"sft/loss": sum(m["sft/loss_sum"] for m in per_rank) / max(1.0, labels),
-            "sft/label_tokens": labels, "sft/real_tokens": sum(m["sft/real_tokens"] for m in per_rank),
-            "sft/grad_norm": per_rank[0]["sft/grad_norm"], "sft/lr": per_rank[0]["sft/lr"]}

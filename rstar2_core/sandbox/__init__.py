@@ -1,8 +1,9 @@
 """The Python tool: an isolated, high-throughput execution service (docs/sandbox.md).
 
-`make_sandbox(cfg.sandbox)` returns the local service (`backend = "local"`) or the Ray actor pool
-(`backend = "ray"`); both have `await run(req)`, `await run_batch(reqs)`, `run_sync(req)`, `close()`
-and work as async context managers.
+`make_sandbox(cfg.sandbox)` returns the local service; it has `await run(req)`, `await run_batch(reqs)`,
+`run_sync(req)`, `close()` and works as an async context manager. The Ray actor pool
+(`sandbox.backend = "ray"`, rstar2_core/cluster/sandbox_pool.py) has the same API and is opened by the
+stage's runtime (`rstar2_core.cluster.open_runtime`), which sits above this package.
 """
 
 from __future__ import annotations
@@ -17,12 +18,10 @@ __all__ = ["ExecutionRequest", "ExecutionResult", "LocalSandbox", "Sandbox", "Sa
            "make_sandbox"]
 
 
-def make_sandbox(cfg: SandboxConfig):
-    """The sandbox `cfg.backend` names. The Ray pool needs `ray.init()` (or a cluster address) first."""
-    if cfg.backend == "local":
-        return LocalSandbox(cfg)
-    if cfg.backend == "ray":
-        from rstar2_core.cluster.sandbox_pool import RaySandboxPool
-
-        return RaySandboxPool(cfg)
-    raise ValueError(f"unknown sandbox backend {cfg.backend!r}; valid: 'local', 'ray'")
+def make_sandbox(cfg: SandboxConfig) -> LocalSandbox:
+    """The local sandbox service of `cfg` (`backend = "local"`)."""
+    if cfg.backend != "local":
+        raise ValueError(f"make_sandbox builds the local service; sandbox.backend = {cfg.backend!r} is opened by the "
+                         "stage's runtime (rstar2_core.cluster.open_runtime) or directly as "
+                         "rstar2_core.cluster.sandbox_pool.RaySandboxPool(cfg)")
+    return LocalSandbox(cfg)

@@ -1,7 +1,7 @@
 """One SFT optimizer step on packed rows: `sft_update(backend, rows, ...)`, the body every trainer runs.
 
 The local trainer calls it on the whole batch; each Ray trainer shard calls it on its share, with the
-batch's label-token count (`total_label_tokens`) so that the loss is the token mean over the whole
+batch's label-token count (`total_tokens`) so that the loss is the token mean over the whole
 batch, the micro-batch count every rank runs (`num_micro_batches`, zero-weight `padding_row` passes
 fill up: every rank must issue the same collectives, runtime/sharding.py) and `loss_scale` = the world
 size (DeepSpeed averages gradients over ranks).
@@ -13,11 +13,11 @@ batch's token mean.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 import torch
 
+from rstar2_core.runtime.protocol import TrainerStep
 from rstar2_core.sft.packing import IGNORE, PackedRow, collate
 
 
@@ -32,20 +32,20 @@ def label_tokens(row: PackedRow) -> int:
 
 
 def sft_update(backend, rows: Sequence[PackedRow], *, micro_batch_size: int, pad_id: int,
-               total_label_tokens: int | None = None, num_micro_batches: int | None = None,
+               total_tokens: int | None = None, num_micro_batches: int | None = None,
                loss_scale: float = 1.0) -> dict[str, float]:
-    """Forward/backward over `rows` in micro-batches, then one `backend.step()`. Returns this rank's
-    `sft/loss_sum` (summed token losses), `sft/label_tokens`, `sft/real_tokens`, `sft/grad_norm`,
-    `sft/lr` (the lr of this step) and `sft/busy_s`."""
+    """Forward/backward over `rows` in micro-batches, then one `backend.step()`. `total_tokens`: the
+    batch's label tokens over all ranks (default: these rows'). Returns this rank's `sft/loss_sum`
+    (summed token losses), `sft/label_tokens`, `sft/real_tokens`, `sft/grad_norm`, `sft/lr` (the lr of
+    this step)."""
     from rstar2_core.sft.train import masked_token_loss
 
-    t0 = time.perf_counter()
     model = backend.model
     p0 = next(model.parameters())
     device = p0.device
     mask_dtype = torch.bfloat16 if getattr(backend, "use_autocast", False) else p0.dtype
     local = sum(label_tokens(r) for r in rows)
-    total = local if total_label_tokens is None else int(total_label_tokens)
+    total = local if total_tokens is None else int(total_tokens)
     chunks = [list(rows[i:i + micro_batch_size]) for i in range(0, len(rows), micro_batch_size)]
     need = num_micro_batches if num_micro_batches is not None else max(1, len(chunks))
     if need < len(chunks):
@@ -66,4 +66,21 @@ def sft_update(backend, rows: Sequence[PackedRow], *, micro_batch_size: int, pad
     grad_norm = backend.step()
     return {"sft/loss_sum": loss_sum, "sft/label_tokens": float(local),
             "sft/real_tokens": float(sum(r.n_real for r in rows)), "sft/grad_norm": float(grad_norm),
-            "sft/lr": lr, "sft/busy_s": time.perf_counter() - t0}
+            "sft/lr": lr}
+
+
+def merge_rank_metrics(per_rank: Sequence[dict[str, float]], tokens: Sequence[float]) -> dict[str, float]:
+    """One SFT step's metrics from each rank's `sft_update` sums: the batch's token-mean loss, its label and
+    real token counts, and the (global) grad norm and lr of rank 0."""
+    labels = sum(m["sft/label_tokens"] for m in per_rank)
+    return {"sft/loss": sum(m["sft/loss_sum"] for m in per_rank) / max(1.0, labels),
+            "sft/label_tokens": labels, "sft/real_tokens": sum(m["sft/real_tokens"] for m in per_rank),
+            "sft/grad_norm": per_rank[0]["sft/grad_norm"], "sft/lr": per_rank[0]["sft/lr"]}
+
+
+def _row_tokens(row: PackedRow) -> float:
+    return float(label_tokens(row))
+
+
+SFT_STEP = TrainerStep(sft_update, _row_tokens, merge_rank_metrics)
+"""The SFT optimizer step as the runtime's trainer runs it on every rank (runtime.protocol.TrainerStep)."""

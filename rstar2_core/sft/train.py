@@ -36,14 +36,16 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from rstar2_core import storage
+from rstar2_core.cluster import open_runtime
 from rstar2_core.config import Config
 from rstar2_core.faults import maybe_inject_fault
 from rstar2_core.models.io import latest_complete, load_tokenizer, read_extra, read_meta
 from rstar2_core.results import StageResult
-from rstar2_core.runtime import TrainerSpec, open_runtime
+from rstar2_core.runtime import TrainerSpec
 from rstar2_core.runtime.checkpoint import publish_policy_checkpoint
 from rstar2_core.sft.data import read_sft_rows
 from rstar2_core.sft.packing import IGNORE, PackedRow, encode_conversations, epoch_rows
+from rstar2_core.sft.step import SFT_STEP
 
 STAGE = "sft"
 STATE_FILE = "trainer_state.pt"
@@ -105,7 +107,7 @@ async def _run_sft(cfg: Config, base_model_url: str, sft_data_url: str, out_url:
     rows = epoch_rows(docs, sc.epochs, sc.seed, sc.max_seq_len, pad_id, sc.pack)
     total_steps = _batches(rows, sc.batch_size)
     warmup = round(sc.warmup_ratio * total_steps)
-    spec = TrainerSpec("sft", total_steps, warmup, sc.schedule)
+    spec = TrainerSpec("sft", total_steps, warmup, sc.schedule, SFT_STEP)
     n_label = sum(sum(m) for _, m in docs)
     metrics: dict[str, float] = {}
     async with open_runtime(cfg, policy_url=last or base_model_url, trainer=spec, engines=False, sandbox=False,
@@ -124,7 +126,7 @@ async def _run_sft(cfg: Config, base_model_url: str, sft_data_url: str, out_url:
                 await rt.inject_fault(kind)
             t0 = time.perf_counter()
             batch_rows = rows[step * sc.batch_size:(step + 1) * sc.batch_size]
-            m = rt.trainer.sft_update(batch_rows, micro_batch_size=sc.micro_batch_size)
+            m = rt.trainer.step(batch_rows, micro_batch_size=sc.micro_batch_size, pad_id=pad_id)
             dt = time.perf_counter() - t0
             metrics = {"sft/loss": m["sft/loss"], "sft/lr": m["sft/lr"], "sft/grad_norm": m["sft/grad_norm"],
                        "sft/tokens_per_s": m["sft/real_tokens"] / dt, "sft/epoch": (step + 1) / total_steps * sc.epochs}

@@ -137,7 +137,7 @@ def test_two_shards_match_one_torch_step_even_or_not_and_sync_to_engines(ray_her
     from rstar2_core.cluster.placement import kill_and_wait
     from rstar2_core.cluster.runtime import RayRuntime
     from rstar2_core.models.backend import TorchBackend
-    from rstar2_core.rl.trainer import rl_update
+    from rstar2_core.rl.trainer import RL_STEP, rl_update
     from rstar2_core.rollout.types import SamplingParams
     from rstar2_core.runtime import TrainerSpec
 
@@ -149,13 +149,13 @@ def test_two_shards_match_one_torch_step_even_or_not_and_sync_to_engines(ray_her
     ref2_m = rl_update(ref, trajs, adv, pad_id=0, micro_batch_size=2)   # the reference's second step
 
     async def run():
-        async with RayRuntime(cfg, policy_url="unused", trainer=TrainerSpec("rl", 10, 0, "constant"), grader=False,
+        async with RayRuntime(cfg, policy_url="unused", trainer=TrainerSpec("rl", 10, 0, "constant", RL_STEP), grader=False,
                               model_factory=tiny_model, engine_factory=lambda i: SumEngine,
                               sandbox_factory=FakeSandbox, tokenizer=_Tok()) as rt:
             sandbox = rt.sandbox
             assert [(pg.id, i, c) for pg, i, c in sandbox.placements] == [(rt.group.pgs[0].id, 0, 1)]
             assert len(set(rt.trainer.pids)) == 2 and rt.trainer.world_size == 2
-            m = rt.trainer.rl_update(trajs, adv, pad_id=0, micro_batch_size=2)
+            m = rt.trainer.step(list(zip(trajs, adv)), pad_id=0, micro_batch_size=2)
             assert m["actor/grad_norm"] == pytest.approx(ref_m["actor/grad_norm"], rel=1e-4)
             assert m["actor/grad_norm"] > 0.05  # clipping was active
             assert m["actor/pg_loss"] == pytest.approx(ref_m["actor/pg_loss"], rel=1e-4, abs=1e-6)
@@ -173,7 +173,7 @@ def test_two_shards_match_one_torch_step_even_or_not_and_sync_to_engines(ray_her
             out = await rt.engines[0].generate([1], SamplingParams(max_new_tokens=1))
             assert out.token_ids[0] == pytest.approx(int(total * 1000) % 10_000, abs=1)
             # second step, forced uneven: rank 0 gets 5 trajectories (3 micro-batches), rank 1 gets 1 (pads 2)
-            m2 = rt.trainer.rl_update(trajs, adv, pad_id=0, micro_batch_size=2, split=[[0, 1, 2, 3, 4], [5]])
+            m2 = rt.trainer.step(list(zip(trajs, adv)), pad_id=0, micro_batch_size=2, split=[[0, 1, 2, 3, 4], [5]])
             assert m2["actor/micro_batches"] == 3
             assert m2["actor/grad_norm"] == pytest.approx(ref2_m["actor/grad_norm"], rel=1e-4)
             assert m2["actor/pg_loss"] == pytest.approx(ref2_m["actor/pg_loss"], rel=1e-4, abs=1e-6)
@@ -183,7 +183,7 @@ def test_two_shards_match_one_torch_step_even_or_not_and_sync_to_engines(ray_her
             pids = rt.trainer.pids
             kill_and_wait(rt.trainer.actor(1))
             with pytest.raises(ActorFailure, match="trainer-1"):
-                rt.trainer.rl_update(trajs, adv, pad_id=0, micro_batch_size=2)
+                rt.trainer.step(list(zip(trajs, adv)), pad_id=0, micro_batch_size=2)
             assert rt.group.actors == {} and rt.group.pgs == []
             return pids, sandbox
 
@@ -217,19 +217,21 @@ def test_sft_on_two_shards_equals_one_process(ray_here):
     import ray
 
     from rstar2_core.cluster.runtime import RayRuntime
-    from rstar2_core.models.backend import TorchBackend
+    from rstar2_core.models.backend import TorchBackend, backend_options
     from rstar2_core.runtime import TrainerSpec
-    from rstar2_core.sft.step import sft_update
+    from rstar2_core.sft.step import SFT_STEP, sft_update
 
     cfg = _ray_cfg(2)
+    _SFT_TORCH = cfg.sft.model_copy(update={"backend": "torch"})   # the same optimizer settings, one process
     rows = _packed_rows(4)
-    ref = TorchBackend(tiny_model(), lr=1e-2, total_steps=10, warmup_steps=0, schedule="constant", grad_clip=1.0)
+    ref = TorchBackend(tiny_model(), **backend_options(_SFT_TORCH, cfg.model, total_steps=10, warmup_steps=0,
+                                                       schedule="constant"))
     ref_m = sft_update(ref, rows, micro_batch_size=1, pad_id=0)
 
     async def run():
-        async with RayRuntime(cfg, policy_url="unused", trainer=TrainerSpec("sft", 10, 0, "constant"), engines=False,
+        async with RayRuntime(cfg, policy_url="unused", trainer=TrainerSpec("sft", 10, 0, "constant", SFT_STEP), engines=False,
                               sandbox=False, grader=False, model_factory=tiny_model, tokenizer=_Tok()) as rt:
-            m = rt.trainer.sft_update(rows, micro_batch_size=1)
+            m = rt.trainer.step(rows, micro_batch_size=1, pad_id=0)
             return m, ray.get(rt.trainer.weights_ref()[0])
 
     m, got = asyncio.run(run())
