@@ -88,6 +88,7 @@ class RayRuntime:
         self.trainer: TrainerGroup | None = None
         self.sandbox = None
         self.grader = None
+        self._grader_pool = None
         self.group: ActorGroup | None = None
         self._want_grader = grader
         try:
@@ -121,7 +122,7 @@ class RayRuntime:
             if self._want_grader:
                 from rstar2_core.reward import GraderPool
 
-                self.grader = GraderPool(timeout_s=self.cfg.eval.grader_timeout_s).__enter__()
+                self.grader = self._grader_pool = GraderPool(timeout_s=self.cfg.eval.grader_timeout_s).__enter__()
         except BaseException:
             await self.aclose()
             raise
@@ -172,8 +173,8 @@ class RayRuntime:
             if self.sandbox is not None:
                 sb, self.sandbox = self.sandbox, None
                 sb.close()
-            if self.grader is not None:
-                g, self.grader = self.grader, None
+            if self._grader_pool is not None:     # the pool this runtime opened (callers may swap `grader`)
+                g, self._grader_pool, self.grader = self._grader_pool, None, None
                 g.__exit__(None, None, None)
             if self.group is not None:
                 self.group.shutdown()

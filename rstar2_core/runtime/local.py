@@ -52,6 +52,7 @@ class LocalRuntime:
         self.trainer = None
         self.sandbox = None
         self.grader = None
+        self._grader_pool = None
         self._want_sandbox, self._want_grader = sandbox, grader
         self._sandbox_factory = sandbox_factory or _local_sandbox
         try:
@@ -74,7 +75,7 @@ class LocalRuntime:
             if self._want_grader:
                 from rstar2_core.reward import GraderPool
 
-                self.grader = GraderPool(timeout_s=self.cfg.eval.grader_timeout_s).__enter__()
+                self.grader = self._grader_pool = GraderPool(timeout_s=self.cfg.eval.grader_timeout_s).__enter__()
         except BaseException:
             await self.aclose()
             raise
@@ -130,8 +131,8 @@ class LocalRuntime:
         self._close_sync()
 
     def _close_sync(self) -> None:
-        if self.grader is not None:
-            g, self.grader = self.grader, None
+        if self._grader_pool is not None:     # the pool this runtime opened (callers may swap `grader`)
+            g, self._grader_pool, self.grader = self._grader_pool, None, None
             g.__exit__(None, None, None)
         if self.trainer is not None:
             t, self.trainer = self.trainer, None
