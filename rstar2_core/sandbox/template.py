@@ -126,12 +126,14 @@ class Template:
         iso.libc.prctl(iso.PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         if os.getppid() != self.s["parent_pid"]:
             os._exit(1)
-        feats = iso.setup_isolation(self.s["network"], self.s.get("namespaces", True), self.s["workdir"],
-                                self.s.get("scratch_mb", 0))
+        # The host's /proc, kept open for the template's own needs: the minimal root has none.
+        self.procfd = os.open("/proc", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        feats = iso.setup_isolation(self.s, self.procfd)
+        self._setup_calls(feats)
         for name in ("ast", "io", "linecache", "traceback", "types"):  # what _run_program needs
             importlib.import_module(name)
         loaded, missing = [], []
-        for name in self.s["preload"]:
+        for name in self.s["preload"]:   # inside the minimal root: a file missing there shows up here
             try:
                 importlib.import_module(name)
                 loaded.append(name)
@@ -141,7 +143,7 @@ class Template:
         self.devnull = os.open(os.devnull, os.O_RDONLY)
         gc.collect()
         gc.freeze()  # keep the collector from touching (and so copying) the template's pages in children
-        self.feats, self.as_base = feats, iso.vm_size_bytes()
+        self.feats, self.as_base = feats, iso.vm_size_bytes(self.procfd)
         self.uids = None
         if feats["uid_drop"]:
             self.uids = [int(self.s["uid_base"]) + i for i in range(int(self.s["slots"]))]
@@ -150,6 +152,47 @@ class Template:
         self.sel.register(self.ctrl_in, selectors.EVENT_READ, "ctrl")
         self._send({"hello": True, "kind": self.s["kind"], "pid": os.getpid(), "features": feats,
                     "preloaded": loaded, "missing": missing, "vm_mb": self.as_base >> 20})
+
+    def _setup_calls(self, f: dict) -> None:
+        """Decide, by probing, what each call's own set-up does (see sbx_child.run_child)."""
+        confined = f["minimal_root"] is not None
+        bpf = self.s.get("seccomp_bpf") if self.s.get("confine") else None
+        prog = iso.seccomp_program(bytes.fromhex(bpf)) if bpf else None
+        tmp_mb = max(1, int(self.s.get("scratch_mb", 0)) // max(1, int(self.s["slots"])))
+        tmp_opts = f"size={tmp_mb}m,nr_inodes=16384,mode=700".encode()
+        self.home_net, self.slot_net = -1, {}
+        if confined and f["netns"]:
+            self.home_net = os.open("thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC, dir_fd=self.procfd)
+            self.slot_net[0] = iso.new_netns(self.procfd, self.home_net)
+        bits = iso.probe_call_setup(f, tmp_opts if confined else None, self.slot_net.get(0, -1), prog)
+        f["private_tmp"] = bool(bits & iso.PROBE_TMP)
+        f["own_proc"] = bool(bits & iso.PROBE_PROC)
+        f["netns_per_slot"] = bool(bits & iso.PROBE_NETNS)
+        f["seccomp"] = bool(bits & iso.PROBE_SECCOMP)
+        if confined and not f["private_tmp"]:
+            raise RuntimeError("the minimal root is up but a call cannot mount its own /tmp")
+        if f["private_tmp"]:
+            f["tmp_mb"] = tmp_mb
+        if prog is not None and not f["seccomp"]:
+            f["notes"].append("the seccomp filter could not be installed in a call")
+        try:
+            iso.drop_bounding_set()
+            f["caps_dropped"] = True
+        except OSError as e:   # without CAP_SETPCAP there is nothing in the bounding set to fear
+            f["caps_dropped"] = not f["root"] and not f["userns"]
+            f["notes"].append(f"capability bounding set kept: {e}")
+        self.call_conf = {"tmp_opts": tmp_opts if f["private_tmp"] else None, "proc": f["own_proc"],
+                          "unshare_ns": not f["pidns"], "prog": prog if f["seccomp"] else None}
+
+    def _netns_for(self, slot: int) -> int:
+        """The network namespace of call slot `slot` (made on first use): concurrent calls never
+        share one, so not their abstract Unix sockets either; a call's sockets die with the call."""
+        if not self.feats["netns_per_slot"]:
+            return -1
+        fd = self.slot_net.get(slot)
+        if fd is None:
+            fd = self.slot_net[slot] = iso.new_netns(self.procfd, self.home_net)
+        return fd
 
     # -- messages
     def _send(self, msg: dict) -> None:
@@ -198,7 +241,8 @@ class Template:
     def _spawn(self, req: dict) -> None:
         slot = self.free_slots.pop()
         self.seq += 1
-        call = _Call(req, slot, os.path.join(self.s["workdir"], f"{self.s['kind']}{os.getpid()}-{self.seq}"))
+        cwd = "/tmp" if self.call_conf["tmp_opts"] else os.path.join(self.s["workdir"], f"{self.s['kind']}{os.getpid()}-{self.seq}")
+        call = _Call(req, slot, cwd)
         made: list[int] = []
         try:
             in_r, in_w = os.pipe() if call.stdin else (self.devnull, -1)
@@ -210,14 +254,16 @@ class Template:
             call.t0 = time.monotonic()
             call.deadline = call.t0 + float(req["timeout_s"])
             uid = self.uids[slot] if self.uids else None
-            pid = iso.clone_newpid() if self.feats["pidns"] else os.fork()
+            netfd = self._netns_for(slot)
+            newns = iso.CLONE_NEWNS if self.call_conf["tmp_opts"] else 0
+            pid = iso.clone_newpid(newns) if self.feats["pidns"] else os.fork()
         except OSError:
             for fd in made:
                 os.close(fd)
             self.free_slots.append(slot)
             raise
         if pid == 0:
-            child.run_child(req, call.cwd, uid, (in_r, out_w, err_w), self.as_base, self.feats["keep_read_cap"])
+            child.run_child(req, call.cwd, uid, (in_r, out_w, err_w), self.as_base, self.call_conf, netfd)
         for fd in (in_r, out_w, err_w):
             if fd != self.devnull:
                 os.close(fd)
@@ -354,10 +400,11 @@ class Template:
             status = "error"
         del self.calls[call.pid]
         self.free_slots.append(call.slot)
-        try:
-            os.rmdir(call.cwd)   # the common case: the program left its directory empty
-        except OSError:
-            shutil.rmtree(call.cwd, ignore_errors=True)
+        if not self.call_conf["tmp_opts"]:   # a private /tmp went away with the call's mount namespace
+            try:
+                os.rmdir(call.cwd)   # the common case: the program left its directory empty
+            except OSError:
+                shutil.rmtree(call.cwd, ignore_errors=True)
         self._send({"cid": req["cid"], "status": status, "stdout": stdout, "stderr": stderr,
                     "exit_code": exit_code, "duration_s": time.monotonic() - call.t0, "truncated": truncated})
 

@@ -1,6 +1,7 @@
 """OS primitives of the sandbox runtime, used inside the template process (standard library only):
-unshare/clone into namespaces, capabilities, the scratch tmpfs, and `setup_isolation`, which finds out
-what this host permits. Loaded by template.py from this directory (not as part of rstar2_core)."""
+namespaces, capabilities, the seccomp program, and `setup_isolation`, which finds out what this host
+permits and sets the template up accordingly. Loaded by template.py from this directory (not as part
+of rstar2_core)."""
 
 from __future__ import annotations
 
@@ -9,21 +10,33 @@ import os
 import signal
 import sys
 
+import sbx_rootfs
+
 CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x20000, 0x10000000, 0x20000000, 0x40000000
-PR_SET_PDEATHSIG, PR_SET_KEEPCAPS, PR_SET_NO_NEW_PRIVS = 1, 8, 38
-MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 2, 4, 1 << 14, 1 << 18
-CAP_DAC_READ_SEARCH = 2
+PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_SECCOMP, PR_SET_NO_NEW_PRIVS = 1, 24, 22, 38
+SECCOMP_MODE_FILTER = 2
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 1 << 14, 1 << 18
 CAP_V3 = 0x20080522
 SYS_CLONE = 56 if os.uname().machine == "x86_64" else 220  # aarch64: 220
+# Bits of the start-up probe child's exit status: what a call's own set-up could do on this host.
+PROBE_TMP, PROBE_PROC, PROBE_NETNS, PROBE_SECCOMP = 1, 2, 4, 8
 
 libc = ctypes.CDLL(None, use_errno=True)
 plibc = ctypes.PyDLL(None, use_errno=True)   # keeps the GIL across clone(), like os.fork()
 
 
-def unshare(flags: int) -> None:
-    if libc.unshare(flags) != 0:
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
         e = ctypes.get_errno()
-        raise OSError(e, os.strerror(e))
+        raise OSError(e, f"{what}: {os.strerror(e)}")
+
+
+def unshare(flags: int) -> None:
+    _check(libc.unshare(flags), "unshare")
+
+
+def setns(fd: int, nstype: int) -> None:
+    _check(libc.setns(fd, nstype), "setns")
 
 
 class CapHeader(ctypes.Structure):
@@ -34,12 +47,161 @@ class CapData(ctypes.Structure):
     _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
 
 
-def set_caps(mask: int) -> None:
-    """Set effective = permitted = `mask` (capabilities 0-31), inheritable none."""
-    data = (CapData * 2)(CapData(mask, mask, 0), CapData(0, 0, 0))
-    if libc.capset(ctypes.byref(CapHeader(CAP_V3, 0)), data) != 0:
+_NO_CAPS = (CapData * 2)(CapData(0, 0, 0), CapData(0, 0, 0))
+_CAP_HEADER = CapHeader(CAP_V3, 0)
+
+
+def drop_caps() -> None:
+    """Effective, permitted and inheritable capabilities all empty (ambient follows inheritable)."""
+    _check(libc.capset(ctypes.byref(_CAP_HEADER), _NO_CAPS), "capset")
+
+
+def drop_bounding_set() -> None:
+    """Empty the capability bounding set, so no exec can ever grant a capability. The template calls
+    this once (it keeps its own effective capabilities and never execs); its children inherit it."""
+    cap = 0
+    while libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) == 0:
+        cap += 1
+    if cap == 0:
         e = ctypes.get_errno()
-        raise OSError(e, f"capset: {os.strerror(e)}")
+        raise OSError(e, f"PR_CAPBSET_DROP: {os.strerror(e)}")
+
+
+class SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
+
+
+class SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_uint16), ("filter", ctypes.POINTER(SockFilter))]
+
+
+def seccomp_program(bpf: bytes) -> SockFprog:
+    """The `struct sock_fprog` for a compiled BPF program, built once in the template."""
+    n = len(bpf) // ctypes.sizeof(SockFilter)
+    insns = (SockFilter * n).from_buffer_copy(bpf)
+    prog = SockFprog(n, ctypes.cast(insns, ctypes.POINTER(SockFilter)))
+    prog._insns = insns   # keep the instructions alive with the program
+    return prog
+
+
+def load_seccomp(prog: SockFprog) -> None:
+    """Install the filter on this process (needs no_new_privs or CAP_SYS_ADMIN); inherited by every
+    process it starts."""
+    _check(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0), "seccomp")
+
+
+def clone_newpid(extra: int = 0) -> int:
+    """fork() into a new PID namespace (the child is its PID 1), plus the namespaces in `extra`.
+    Python's fork hooks run around it."""
+    ctypes.pythonapi.PyOS_BeforeFork()
+    pid = plibc.syscall(SYS_CLONE, CLONE_NEWPID | extra | signal.SIGCHLD, 0, 0, 0, 0)
+    if pid == 0:
+        ctypes.pythonapi.PyOS_AfterFork_Child()
+        return 0
+    err = ctypes.get_errno()
+    ctypes.pythonapi.PyOS_AfterFork_Parent()
+    if pid < 0:
+        raise OSError(err, os.strerror(err))
+    return pid
+
+
+def mount(src: bytes | None, target: bytes, fstype: bytes | None, flags: int, data: bytes | None = None) -> None:
+    _check(libc.mount(src, target, fstype, flags, data), f"mount {target!r}")
+
+
+def mount_call_dirs(tmp_opts: bytes, proc: bool) -> None:
+    """In a call's own mount namespace: a fresh tmpfs on /tmp (also /dev/shm, cwd, HOME) and, when
+    the call has its own PID namespace, a procfs that shows only that namespace."""
+    mount(b"tmp", b"/tmp", b"tmpfs", MS_NOSUID | MS_NODEV, tmp_opts)
+    if proc:
+        mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+
+
+# ------------------------------------------------------------------------------------ host set-up
+def mount_scratch(workdir: str, size_mb: int) -> None:
+    """Unconfined templates: a size-limited tmpfs over `workdir` (in a private mount namespace) for the
+    calls' directories (rmdir on this host's disk cost ~4 ms per call, on tmpfs ~5 us)."""
+    unshare(CLONE_NEWNS)
+    mount(None, b"/", None, MS_REC | MS_PRIVATE)
+    mount(b"rstar2-scratch", workdir.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, f"size={int(size_mb)}m,mode=711".encode())
+
+
+def confine_template(workdir: str, binds: list[str], masks: list[str]) -> int:
+    """A private mount namespace whose root is the minimal root built on `workdir` (sbx_rootfs.py).
+    Returns the number of mounts in it."""
+    unshare(CLONE_NEWNS)
+    mount(None, b"/", None, MS_REC | MS_PRIVATE)
+    n = sbx_rootfs.build(workdir, binds, masks)
+    sbx_rootfs.pivot(workdir)
+    return n
+
+
+def setup_isolation(s: dict, procfd: int) -> dict:
+    """Enter a network namespace (and a user namespace when not root), build the minimal root or the
+    scratch tmpfs, probe PID namespaces. `s`: the template's settings; `procfd`: the host's /proc."""
+    network, workdir = s["network"], s["workdir"]
+    f = {"root": os.geteuid() == 0, "userns": False, "netns": False, "pidns": False, "uid_drop": False,
+         "scratch_tmpfs": False, "minimal_root": None, "root_mounts": 0, "private_tmp": False,
+         "own_proc": False, "netns_per_slot": False, "seccomp": False, "caps_dropped": False, "notes": []}
+    uid, gid = os.getuid(), os.getgid()
+    if not s.get("namespaces", True):
+        f["notes"].append("namespaces disabled by configuration (sandbox.namespaces = false)")
+        f["uid_drop"] = f["root"]
+        _note_hidden_interpreter(f)
+        return f
+    if network == "isolated":
+        try:
+            unshare(CLONE_NEWNET)
+            f["netns"] = True
+        except OSError as e:
+            f["notes"].append(f"unshare(CLONE_NEWNET): {e.strerror}")
+    if not f["root"]:
+        try:  # an unprivileged user namespace gives us the capabilities for the other namespaces
+            unshare(CLONE_NEWUSER | (CLONE_NEWNET if network == "isolated" and not f["netns"] else 0))
+            with open("/proc/self/setgroups", "w") as fh:
+                fh.write("deny")
+            with open("/proc/self/uid_map", "w") as fh:
+                fh.write(f"0 {uid} 1")
+            with open("/proc/self/gid_map", "w") as fh:
+                fh.write(f"0 {gid} 1")
+            f["userns"] = True
+            f["netns"] = f["netns"] or network == "isolated"
+        except OSError as e:
+            f["notes"].append(f"unshare(CLONE_NEWUSER): {e.strerror}")
+    if s.get("confine") and s.get("root_plan"):
+        try:
+            f["root_mounts"] = confine_template(workdir, s["root_plan"]["binds"], s["root_plan"]["masks"])
+            f["minimal_root"] = "pivot_root"
+        except OSError as e:
+            f["notes"].append(f"minimal root: {e}; calls see the host's file system")
+    if not f["minimal_root"] and s.get("scratch_mb"):
+        try:
+            mount_scratch(workdir, s["scratch_mb"])
+            f["scratch_tmpfs"] = True
+        except OSError as e:
+            f["notes"].append(f"scratch tmpfs: {e.strerror or e}; call directories stay on the host's disk")
+    try:
+        pid = clone_newpid()
+        if pid == 0:
+            os._exit(0 if os.getpid() == 1 else 1)
+        _, st = os.waitpid(pid, 0)
+        f["pidns"] = os.WIFEXITED(st) and os.WEXITSTATUS(st) == 0
+    except OSError as e:
+        f["notes"].append(f"clone(CLONE_NEWPID): {e.strerror}")
+    f["uid_drop"] = f["root"] and not f["userns"]
+    _note_hidden_interpreter(f)
+    return f
+
+
+def _note_hidden_interpreter(f: dict) -> None:
+    """Without a minimal root, calls under their own uid read the host's files as that uid: an
+    interpreter installed where other users cannot enter (e.g. under /root) then loses every module
+    the template did not preload. The capability that would hide this is not kept (it reads any file)."""
+    if f["uid_drop"] and not f["minimal_root"]:
+        hidden = sorted({p for p in sys.path if p and not world_readable_path(p)})
+        if hidden:
+            f["notes"].append(f"interpreter paths not readable by the calls' uids ({hidden[0]}...) and no minimal "
+                              "root to expose them: calls can import only the modules the template preloaded")
 
 
 def world_readable_path(path: str) -> bool:
@@ -57,94 +219,62 @@ def world_readable_path(path: str) -> bool:
         p = parent
 
 
-def clone_newpid() -> int:
-    """fork() into a new PID namespace (the child is its PID 1). Python's fork hooks run around it."""
-    ctypes.pythonapi.PyOS_BeforeFork()
-    pid = plibc.syscall(SYS_CLONE, CLONE_NEWPID | signal.SIGCHLD, 0, 0, 0, 0)
-    if pid == 0:
-        ctypes.pythonapi.PyOS_AfterFork_Child()
-        return 0
-    err = ctypes.get_errno()
-    ctypes.pythonapi.PyOS_AfterFork_Parent()
-    if pid < 0:
-        raise OSError(err, os.strerror(err))
-    return pid
-
-
-# ------------------------------------------------------------------------------------ host set-up
-def mount_scratch(workdir: str, size_mb: int) -> None:
-    """A private mount namespace with a size-limited tmpfs over `workdir` for the calls' directories:
-    rmdir on the host's disk cost ~4 ms per call here (ext4 mounted with `discard`), on tmpfs ~5 us,
-    and the size limit bounds what all calls of this template can write there at once."""
-    unshare(CLONE_NEWNS)
-    for args in ((None, b"/", None, MS_REC | MS_PRIVATE, None),
-                 (b"rstar2-scratch", workdir.encode(), b"tmpfs", MS_NOSUID | MS_NODEV,
-                  f"size={int(size_mb)}m,mode=711".encode())):
-        if libc.mount(*args) != 0:
-            e = ctypes.get_errno()
-            raise OSError(e, f"mount {args[1]!r}: {os.strerror(e)}")
-
-
-def setup_isolation(network: str, namespaces: bool = True, workdir: str = "", scratch_mb: int = 0) -> dict:
-    """Enter a network namespace (and a user namespace when not root), mount the scratch tmpfs,
-    probe PID namespaces."""
-    f = {"root": os.geteuid() == 0, "userns": False, "netns": False, "pidns": False, "uid_drop": False,
-         "scratch_tmpfs": False, "notes": []}
-    uid, gid = os.getuid(), os.getgid()
-    if not namespaces:
-        f["notes"].append("namespaces disabled by configuration (sandbox.namespaces = false)")
-        f["uid_drop"] = f["root"]
-        f["keep_read_cap"] = f["uid_drop"] and any(p and not world_readable_path(p) for p in sys.path)
-        return f
-    if network == "isolated":
-        try:
-            unshare(CLONE_NEWNET)
-            f["netns"] = True
-        except OSError as e:
-            f["notes"].append(f"unshare(CLONE_NEWNET): {e.strerror}")
-    if not f["root"]:
-        try:  # an unprivileged user namespace gives us the capabilities for netns and pidns
-            unshare(CLONE_NEWUSER | (CLONE_NEWNET if network == "isolated" and not f["netns"] else 0))
-            with open("/proc/self/setgroups", "w") as fh:
-                fh.write("deny")
-            with open("/proc/self/uid_map", "w") as fh:
-                fh.write(f"0 {uid} 1")
-            with open("/proc/self/gid_map", "w") as fh:
-                fh.write(f"0 {gid} 1")
-            f["userns"] = True
-            f["netns"] = f["netns"] or network == "isolated"
-        except OSError as e:
-            f["notes"].append(f"unshare(CLONE_NEWUSER): {e.strerror}")
-    if workdir and scratch_mb:
-        try:
-            mount_scratch(workdir, scratch_mb)
-            f["scratch_tmpfs"] = True
-        except OSError as e:
-            f["notes"].append(f"scratch tmpfs: {e.strerror or e}; call directories stay on the host's disk")
+def probe_call_setup(f: dict, tmp_opts: bytes | None, netns_fd: int, prog: SockFprog | None) -> int:
+    """Run one child through a call's set-up (sbx_child.py does the same per call): its own /tmp
+    (when `tmp_opts`) and /proc, its slot's network namespace, the seccomp filter. Returns which
+    steps worked (PROBE_* bits)."""
     try:
-        pid = clone_newpid()
-        if pid == 0:
-            os._exit(0 if os.getpid() == 1 else 1)
-        _, st = os.waitpid(pid, 0)
-        f["pidns"] = os.WIFEXITED(st) and os.WEXITSTATUS(st) == 0
-    except OSError as e:
-        f["notes"].append(f"clone(CLONE_NEWPID): {e.strerror}")
-    f["uid_drop"] = f["root"] and not f["userns"]
-    # An interpreter installed where other users cannot enter (e.g. under /root) would make every
-    # import fail after the uid drop: then calls keep CAP_DAC_READ_SEARCH (read-only access) only.
-    hidden = sorted({p for p in sys.path if p and not world_readable_path(p)})
-    f["keep_read_cap"] = f["uid_drop"] and bool(hidden)
-    if f["keep_read_cap"]:
-        f["notes"].append(f"interpreter paths not readable by other users ({hidden[0]}...): calls keep "
-                          "CAP_DAC_READ_SEARCH (may read any file, write none of the service's)")
-    return f
+        pid = clone_newpid(CLONE_NEWNS if tmp_opts else 0) if f["pidns"] else os.fork()
+    except OSError:
+        return 0
+    if pid == 0:
+        ok = 0
+        try:
+            if tmp_opts:
+                if not f["pidns"]:
+                    unshare(CLONE_NEWNS)
+                mount(b"tmp", b"/tmp", b"tmpfs", MS_NOSUID | MS_NODEV, tmp_opts)
+                ok |= PROBE_TMP
+                if f["pidns"]:
+                    mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+                    ok |= PROBE_PROC
+        except OSError:
+            pass
+        if netns_fd >= 0:
+            try:
+                setns(netns_fd, CLONE_NEWNET)
+                ok |= PROBE_NETNS
+            except OSError:
+                pass
+        if prog is not None:
+            try:
+                libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+                load_seccomp(prog)
+                ok |= PROBE_SECCOMP
+            except OSError:
+                pass
+        os._exit(ok)
+    _, st = os.waitpid(pid, 0)
+    return os.WEXITSTATUS(st) if os.WIFEXITED(st) else 0
 
 
-def vm_size_bytes() -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith("VmSize:"):
-                return int(line.split()[1]) * 1024
+def new_netns(procfd: int, home_fd: int) -> int:
+    """A fresh network namespace (no interfaces up) for one call slot: returns an fd to it; the
+    template itself goes back to its own (`home_fd`)."""
+    unshare(CLONE_NEWNET)
+    try:
+        return os.open("thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC, dir_fd=procfd)
+    finally:
+        setns(home_fd, CLONE_NEWNET)
+
+
+def vm_size_bytes(procfd: int) -> int:
+    fd = os.open("self/status", os.O_RDONLY | os.O_CLOEXEC, dir_fd=procfd)
+    try:
+        text = os.read(fd, 1 << 16).decode()
+    finally:
+        os.close(fd)
+    for line in text.splitlines():
+        if line.startswith("VmSize:"):
+            return int(line.split()[1]) * 1024
     return 0
-
-
