@@ -11,7 +11,11 @@ The plan is computed once per service and handed to every template:
   site-packages, so neither the project's editable install nor its `.pth` finder;
 - the shared libraries all of that loads: the closure over DT_NEEDED of the binary and of every
   extension module above, resolved as the dynamic loader would (RPATH/RUNPATH with $ORIGIN, then the
-  system directories).
+  system directories). A library found through RPATH/RUNPATH is bound as a file; one found in a
+  system library directory binds that directory (e.g. /usr/lib/x86_64-linux-gnu: system libraries
+  only, no data): each mount is copied into, and torn down with, every call's mount namespace, and
+  here the ~47 single files cost ~0.1 ms more per call in the template and ~0.2 ms more per teardown
+  than one directory (docs/sandbox.md).
 
 Trade-off: a package a program imports that is not in the plan fails with ModuleNotFoundError (name it
 in `heavy_modules` to allow it); a library an extension module opens with dlopen() by a name that is not
@@ -77,9 +81,14 @@ def plan_root(modules: tuple[str, ...]) -> RootPlan:
                 elves += [os.path.join(dirpath, f) for f in files if ".so" in f]
         elif ".so" in top:
             elves.append(top)
-    paths.update(_library_closure(elves, notes))
+    found, system_dirs = _library_closure(elves, notes)
+    paths.update(found)
+    paths.update(system_dirs)
     dirs = {p for p in paths if os.path.isdir(p) and not os.path.islink(p)}
-    binds = sorted(p for p in paths if os.path.lexists(p) and not _under(p, dirs))
+    # a path through symlinks into a bound directory stays: the root gets those symlinks (/lib64/ld-linux...)
+    binds = [p for p in paths if os.path.lexists(p) and not _under(p, dirs)]
+    # directories first: a file whose real path lies in a bound directory is then seen through it
+    binds.sort(key=lambda p: (not (os.path.isdir(p) and not os.path.islink(p)), p))
     return RootPlan(tuple(binds), tuple(masks), tuple(sorted(dists)), tuple(notes))
 
 
@@ -129,10 +138,12 @@ def _allowed_distributions(modules: list[str], notes: list[str]) -> tuple[set[st
 
 
 # ------------------------------------------------------------------------------ shared libraries
-def _library_closure(files: list[str], notes: list[str]) -> set[str]:
-    """Every library the ELF objects in `files` load, transitively (the paths the loader opens)."""
+def _library_closure(files: list[str], notes: list[str]) -> tuple[set[str], set[str]]:
+    """Every library the ELF objects in `files` load, transitively: (the RPATH/RUNPATH-resolved files and
+    the program interpreter, the system library directories that hold the others)."""
     dirs = _system_dirs()
     out: set[str] = set()
+    used_dirs: set[str] = set()
     todo = list(files)
     seen: set[str] = set()
     missing: set[str] = set()
@@ -152,19 +163,23 @@ def _library_closure(files: list[str], notes: list[str]) -> set[str]:
         origin = os.path.dirname(real)
         search = [s.replace("$ORIGIN", origin).replace("${ORIGIN}", origin) for s in search]
         for name in needed:
-            hit = name if "/" in name else next(
-                (os.path.join(d, name) for d in [*search, *dirs] if os.path.exists(os.path.join(d, name))), None)
-            if hit is None:
+            where = name if "/" in name else next(
+                (d for d in [*search, *dirs] if os.path.exists(os.path.join(d, name))), None)
+            if where is None:
                 missing.add(name)
                 continue
-            out.add(os.path.normpath(hit))
+            hit = where if "/" in name else os.path.join(where, name)
+            if "/" not in name and where not in search:
+                used_dirs.add(os.path.realpath(where))
+            else:
+                out.add(os.path.normpath(hit))
             todo.append(hit)
     # The loader also reuses a library already loaded under that name (its SONAME): a dependency of a
     # bundled library that only its loader's RUNPATH finds.
     missing -= {os.path.basename(p) for p in seen}
     if missing:
         notes.append("libraries not found (calls that load them fail): " + ", ".join(sorted(missing)))
-    return out
+    return out, used_dirs
 
 
 def _system_dirs() -> list[str]:

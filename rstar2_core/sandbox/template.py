@@ -61,6 +61,7 @@ class _Call:
         "err",
         "exited",
         "kill_reason",
+        "nsfd",
         "open_fds",
         "out",
         "pid",
@@ -79,6 +80,7 @@ class _Call:
         self.out, self.err = _Capture(req), _Capture(req)
         self.stdin = req["stdin"].encode("utf-8", "surrogatepass")  # lone surrogates reach the program as U+FFFD
         self.kill_reason: str | None = None
+        self.nsfd = -1   # the call's own mount namespace, when it has one
         self.exited = False
         self.open_fds: set[int] = set()
 
@@ -164,7 +166,12 @@ class Template:
         if confined and f["netns"]:
             self.home_net = os.open("thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC, dir_fd=self.procfd)
             self.slot_net[0] = iso.new_netns(self.procfd, self.home_net)
-        bits = iso.probe_call_setup(f, tmp_opts if confined else None, self.slot_net.get(0, -1), prog)
+        self.home_mnt, self.reaper = -1, None
+        if confined:
+            self.home_mnt = os.open("thread-self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC, dir_fd=self.procfd)
+            self.reaper = iso.start_reaper()
+        bits = iso.probe_call_setup(f, tmp_opts if confined else None, self.slot_net.get(0, -1), prog,
+                                    self.procfd, self.home_mnt)
         f["private_tmp"] = bool(bits & iso.PROBE_TMP)
         f["own_proc"] = bool(bits & iso.PROBE_PROC)
         f["netns_per_slot"] = bool(bits & iso.PROBE_NETNS)
@@ -182,7 +189,7 @@ class Template:
             f["caps_dropped"] = not f["root"] and not f["userns"]
             f["notes"].append(f"capability bounding set kept: {e}")
         self.call_conf = {"tmp_opts": tmp_opts if f["private_tmp"] else None, "proc": f["own_proc"],
-                          "unshare_ns": not f["pidns"], "prog": prog if f["seccomp"] else None}
+                          "prog": prog if f["seccomp"] else None}
 
     def _netns_for(self, slot: int) -> int:
         """The network namespace of call slot `slot` (made on first use): concurrent calls never
@@ -255,15 +262,19 @@ class Template:
             call.deadline = call.t0 + float(req["timeout_s"])
             uid = self.uids[slot] if self.uids else None
             netfd = self._netns_for(slot)
-            newns = iso.CLONE_NEWNS if self.call_conf["tmp_opts"] else 0
-            pid = iso.clone_newpid(newns) if self.feats["pidns"] else os.fork()
+            if self.call_conf["tmp_opts"]:   # the child is cloned into the call's own mount namespace
+                call.nsfd = iso.enter_call_mount_ns(self.procfd)
+            pid = iso.clone_newpid() if self.feats["pidns"] else os.fork()
         except OSError:
             for fd in made:
                 os.close(fd)
+            self._leave_call_ns(call)
             self.free_slots.append(slot)
             raise
         if pid == 0:
             child.run_child(req, call.cwd, uid, (in_r, out_w, err_w), self.as_base, self.call_conf, netfd)
+        if call.nsfd >= 0:
+            iso.setns(self.home_mnt, iso.CLONE_NEWNS)
         for fd in (in_r, out_w, err_w):
             if fd != self.devnull:
                 os.close(fd)
@@ -281,6 +292,12 @@ class Template:
             self.fd_owner[in_w] = (call, "in")
             call.open_fds.add(in_w)
             self._write_stdin(call)
+
+    def _leave_call_ns(self, call: _Call) -> None:
+        if call.nsfd >= 0:
+            iso.setns(self.home_mnt, iso.CLONE_NEWNS)
+            os.close(call.nsfd)
+            call.nsfd = -1
 
     def _write_stdin(self, call: _Call) -> None:
         fd = call.stdin_fd
@@ -400,6 +417,9 @@ class Template:
             status = "error"
         del self.calls[call.pid]
         self.free_slots.append(call.slot)
+        if call.nsfd >= 0:   # its /tmp and /proc go with the namespace, torn down by the reaper
+            iso.hand_over(self.reaper, call.nsfd)
+            call.nsfd = -1
         if not self.call_conf["tmp_opts"]:   # a private /tmp went away with the call's mount namespace
             try:
                 os.rmdir(call.cwd)   # the common case: the program left its directory empty

@@ -60,8 +60,8 @@ def make_child_stdio() -> tuple:
 def run_child(req: dict, cwd: str, uid: int | None, fds: tuple[int, int, int], as_base: int, conf: dict,
               netfd: int) -> None:
     """Runs in the fresh child: isolate, then run the program. Never returns. `conf`: the template's
-    per-call set-up (`tmp_opts`: mount a private /tmp, `proc`: and a /proc, `unshare_ns`: make the
-    mount namespace here, `prog`: the seccomp program); `netfd`: this slot's network namespace or -1."""
+    per-call set-up (`tmp_opts`: mount a private /tmp in the call's own mount namespace, `proc`: and a
+    /proc, `prog`: the seccomp program); `netfd`: this slot's network namespace or -1."""
     try:
         iso.libc.prctl(iso.PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         os.setsid()
@@ -71,8 +71,6 @@ def run_child(req: dict, cwd: str, uid: int | None, fds: tuple[int, int, int], a
             iso.setns(netfd, iso.CLONE_NEWNET)
         os.closerange(3, 1 << 20)   # the template's fds (its host /proc included) stay with it
         if conf["tmp_opts"] is not None:
-            if conf["unshare_ns"]:
-                iso.unshare(iso.CLONE_NEWNS)
             owner = b",uid=%d,gid=%d" % (uid, uid) if uid is not None else b""
             iso.mount_call_dirs(conf["tmp_opts"] + owner, conf["proc"])
         else:
