@@ -4,20 +4,29 @@ tool call and supervises it (limits, output caps, timeout, clean-up).
 Run only by `rstar2_core.sandbox.service` as `python -I template.py '<json settings>'` (isolated mode:
 no PYTHON* variables, no script directory on sys.path, so this package's `types.py` cannot shadow the
 standard library inside the user's program). Standard library only; never import `rstar2_core` here,
-so the user's program does not find the trainer's modules already loaded. Its two helpers live in
-`runtime/` (`sbx_isolation.py`: namespaces, capabilities, host probing; `sbx_child.py`: the child
-side of a call) and are imported from there by file location.
+so the user's program does not find the trainer's modules already loaded. Its helpers live in
+`runtime/` (`sbx_isolation.py`: namespaces, capabilities, seccomp, host probing; `sbx_rootfs.py`:
+the minimal root; `sbx_child.py`: the child side of a call) and are imported from there by file
+location.
+
+At start (runtime/sbx_isolation.py, sbx_rootfs.py): a network namespace, a mount namespace whose root
+is the minimal read-only root of the service's plan (pivot_root), an empty capability bounding set;
+then the preloads, imported inside that root; a reaper process that tears down the calls' mount
+namespaces; one probe child that finds out which per-call steps this host allows.
 
 Per call (see docs/sandbox.md for what is and is not isolated):
 - a fresh child from `clone(CLONE_NEWPID)`: the program is PID 1 of its own PID namespace, so when it
   exits or is killed the kernel kills every process it started, double-forked daemons included;
   without PID namespaces (host forbids them) it gets its own session and the group is killed;
+- its own mount namespace (made by the template just before the clone, handed to the reaper after)
+  with a fresh tmpfs on /tmp (cwd, HOME, /dev/shm) and a procfs of its PID namespace; where there is
+  none, a fresh private working directory removed afterwards;
 - its own uid from this template's pool when the service runs as root (so RLIMIT_NPROC is per call,
   and it cannot signal or write anything of the service's), rlimits AS/CPU/NPROC/FSIZE/CORE/NOFILE,
-  a fresh private working directory removed afterwards, a scrubbed environment, and PR_SET_PDEATHSIG
+  no capabilities, no_new_privs, the seccomp filter, a scrubbed environment, and PR_SET_PDEATHSIG
   so it dies with the template;
-- the template's network namespace (made once at start, no interfaces up; an unprivileged uid cannot
-  bring loopback up), so there is no network;
+- its slot's network namespace (made on the slot's first call, no interfaces up; an unprivileged uid
+  cannot bring loopback up): no network, and no abstract Unix socket shared with a concurrent call;
 - stdout/stderr read incrementally: the first bytes are kept, the rest counted and thrown away;
   a flood beyond `drain_bytes` gets the tree killed (status output_limit).
 
@@ -45,7 +54,7 @@ import sys
 import time
 
 _RUNTIME = os.path.join(os.path.dirname(os.path.abspath(__file__)), "runtime")
-sys.path.insert(0, _RUNTIME)   # only while importing our two helpers (names no program would use)
+sys.path.insert(0, _RUNTIME)   # only while importing our helpers (names no program would use)
 import sbx_child as child
 import sbx_isolation as iso
 
@@ -131,7 +140,8 @@ class Template:
         # The host's /proc, kept open for the template's own needs: the minimal root has none.
         self.procfd = os.open("/proc", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         feats = iso.setup_isolation(self.s, self.procfd)
-        self._setup_calls(feats)
+        self.cs = iso.prepare_calls(feats, self.s, self.procfd)
+        self.call_conf = self.cs.conf
         for name in ("ast", "io", "linecache", "traceback", "types"):  # what _run_program needs
             importlib.import_module(name)
         loaded, missing = [], []
@@ -155,50 +165,14 @@ class Template:
         self._send({"hello": True, "kind": self.s["kind"], "pid": os.getpid(), "features": feats,
                     "preloaded": loaded, "missing": missing, "vm_mb": self.as_base >> 20})
 
-    def _setup_calls(self, f: dict) -> None:
-        """Decide, by probing, what each call's own set-up does (see sbx_child.run_child)."""
-        confined = f["minimal_root"] is not None
-        bpf = self.s.get("seccomp_bpf") if self.s.get("confine") else None
-        prog = iso.seccomp_program(bytes.fromhex(bpf)) if bpf else None
-        tmp_mb = max(1, int(self.s.get("scratch_mb", 0)) // max(1, int(self.s["slots"])))
-        tmp_opts = f"size={tmp_mb}m,nr_inodes=16384,mode=700".encode()
-        self.home_net, self.slot_net = -1, {}
-        if confined and f["netns"]:
-            self.home_net = os.open("thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC, dir_fd=self.procfd)
-            self.slot_net[0] = iso.new_netns(self.procfd, self.home_net)
-        self.home_mnt, self.reaper = -1, None
-        if confined:
-            self.home_mnt = os.open("thread-self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC, dir_fd=self.procfd)
-            self.reaper = iso.start_reaper()
-        bits = iso.probe_call_setup(f, tmp_opts if confined else None, self.slot_net.get(0, -1), prog,
-                                    self.procfd, self.home_mnt)
-        f["private_tmp"] = bool(bits & iso.PROBE_TMP)
-        f["own_proc"] = bool(bits & iso.PROBE_PROC)
-        f["netns_per_slot"] = bool(bits & iso.PROBE_NETNS)
-        f["seccomp"] = bool(bits & iso.PROBE_SECCOMP)
-        if confined and not f["private_tmp"]:
-            raise RuntimeError("the minimal root is up but a call cannot mount its own /tmp")
-        if f["private_tmp"]:
-            f["tmp_mb"] = tmp_mb
-        if prog is not None and not f["seccomp"]:
-            f["notes"].append("the seccomp filter could not be installed in a call")
-        try:
-            iso.drop_bounding_set()
-            f["caps_dropped"] = True
-        except OSError as e:   # without CAP_SETPCAP there is nothing in the bounding set to fear
-            f["caps_dropped"] = not f["root"] and not f["userns"]
-            f["notes"].append(f"capability bounding set kept: {e}")
-        self.call_conf = {"tmp_opts": tmp_opts if f["private_tmp"] else None, "proc": f["own_proc"],
-                          "prog": prog if f["seccomp"] else None}
-
     def _netns_for(self, slot: int) -> int:
         """The network namespace of call slot `slot` (made on first use): concurrent calls never
         share one, so not their abstract Unix sockets either; a call's sockets die with the call."""
         if not self.feats["netns_per_slot"]:
             return -1
-        fd = self.slot_net.get(slot)
+        fd = self.cs.slot_net.get(slot)
         if fd is None:
-            fd = self.slot_net[slot] = iso.new_netns(self.procfd, self.home_net)
+            fd = self.cs.slot_net[slot] = iso.new_netns(self.procfd, self.cs.home_net)
         return fd
 
     # -- messages
@@ -274,7 +248,7 @@ class Template:
         if pid == 0:
             child.run_child(req, call.cwd, uid, (in_r, out_w, err_w), self.as_base, self.call_conf, netfd)
         if call.nsfd >= 0:
-            iso.setns(self.home_mnt, iso.CLONE_NEWNS)
+            iso.setns(self.cs.home_mnt, iso.CLONE_NEWNS)
         for fd in (in_r, out_w, err_w):
             if fd != self.devnull:
                 os.close(fd)
@@ -295,7 +269,7 @@ class Template:
 
     def _leave_call_ns(self, call: _Call) -> None:
         if call.nsfd >= 0:
-            iso.setns(self.home_mnt, iso.CLONE_NEWNS)
+            iso.setns(self.cs.home_mnt, iso.CLONE_NEWNS)
             os.close(call.nsfd)
             call.nsfd = -1
 
@@ -418,7 +392,7 @@ class Template:
         del self.calls[call.pid]
         self.free_slots.append(call.slot)
         if call.nsfd >= 0:   # its /tmp and /proc go with the namespace, torn down by the reaper
-            iso.hand_over(self.reaper, call.nsfd)
+            iso.hand_over(self.cs.reaper, call.nsfd)
             call.nsfd = -1
         if not self.call_conf["tmp_opts"]:   # a private /tmp went away with the call's mount namespace
             try:

@@ -151,12 +151,13 @@ def setup_isolation(s: dict, procfd: int) -> dict:
         f["uid_drop"] = f["root"]
         _note_hidden_interpreter(f)
         return f
+    netns_error = ""
     if network == "isolated":
         try:
             unshare(CLONE_NEWNET)
             f["netns"] = True
         except OSError as e:
-            f["notes"].append(f"unshare(CLONE_NEWNET): {e.strerror}")
+            netns_error = f"unshare(CLONE_NEWNET): {e.strerror}"
     if not f["root"]:
         try:  # an unprivileged user namespace gives us the capabilities for the other namespaces
             unshare(CLONE_NEWUSER | (CLONE_NEWNET if network == "isolated" and not f["netns"] else 0))
@@ -170,6 +171,10 @@ def setup_isolation(s: dict, procfd: int) -> dict:
             f["netns"] = f["netns"] or network == "isolated"
         except OSError as e:
             f["notes"].append(f"unshare(CLONE_NEWUSER): {e.strerror}")
+    if network == "isolated" and not f["netns"]:
+        f["notes"].append(netns_error)
+    elif network != "isolated":
+        f["notes"].append("network = host: calls share the host's network namespace")
     if s.get("confine") and s.get("root_plan"):
         try:
             f["root_mounts"] = confine_template(workdir, s["root_plan"]["binds"], s["root_plan"]["masks"])
@@ -219,6 +224,56 @@ def world_readable_path(path: str) -> bool:
         if parent == p:
             return True
         p = parent
+
+
+class CallSetup:
+    """What the template does for each call: `conf` for sbx_child.run_child, the template's own
+    network and mount namespaces (fds), the slots' network namespaces, the reaper's socket."""
+
+    def __init__(self):
+        self.conf: dict = {"tmp_opts": None, "proc": False, "prog": None}
+        self.home_net, self.home_mnt = -1, -1
+        self.slot_net: dict[int, int] = {}
+        self.reaper: socket.socket | None = None
+
+
+def prepare_calls(f: dict, s: dict, procfd: int) -> CallSetup:
+    """Decide, by probing, what each call's own set-up does (the template's `_spawn`, sbx_child.py),
+    and record it in `f` (the features the template reports)."""
+    cs = CallSetup()
+    confined = f["minimal_root"] is not None
+    bpf = s.get("seccomp_bpf") if s.get("confine") else None
+    prog = seccomp_program(bytes.fromhex(bpf)) if bpf else None
+    tmp_mb = max(1, int(s.get("scratch_mb", 0)) // max(1, int(s["slots"])))
+    tmp_opts = f"size={tmp_mb}m,nr_inodes=16384,mode=700".encode()
+    if confined and f["netns"]:
+        cs.home_net = os.open("thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC, dir_fd=procfd)
+        cs.slot_net[0] = new_netns(procfd, cs.home_net)
+    if confined:
+        cs.home_mnt = os.open("thread-self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC, dir_fd=procfd)
+        cs.reaper = start_reaper()
+    bits = probe_call_setup(f, tmp_opts if confined else None, cs.slot_net.get(0, -1), prog, procfd, cs.home_mnt)
+    f["private_tmp"] = bool(bits & PROBE_TMP)
+    f["own_proc"] = bool(bits & PROBE_PROC)
+    f["netns_per_slot"] = bool(bits & PROBE_NETNS)
+    f["seccomp"] = bool(bits & PROBE_SECCOMP)
+    if confined and not f["private_tmp"]:
+        raise RuntimeError("the minimal root is up but a call cannot mount its own /tmp")
+    if f["private_tmp"]:
+        f["tmp_mb"] = tmp_mb
+        if f["pidns"] and not f["own_proc"]:   # e.g. a user namespace: no procfs where none is visible
+            f["notes"].append("a call cannot mount its own /proc here: /proc is empty in calls")
+    if prog is not None and not f["seccomp"]:
+        f["notes"].append("the seccomp filter could not be installed in a call")
+    try:
+        drop_bounding_set()
+        f["caps_dropped"] = True
+    except OSError as e:   # without CAP_SETPCAP (not root, no user namespace) the set grants nothing
+        f["caps_dropped"] = not f["root"] and not f["userns"]
+        f["notes"].append(f"capability bounding set kept: {e}")
+    cs.conf = {"tmp_opts": tmp_opts if f["private_tmp"] else None, "proc": f["own_proc"],
+               "prog": prog if f["seccomp"] else None}
+    return cs
 
 
 def probe_call_setup(f: dict, tmp_opts: bytes | None, netns_fd: int, prog: SockFprog | None, procfd: int,
