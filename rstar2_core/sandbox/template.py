@@ -131,6 +131,7 @@ class Template:
         self.pending: collections.deque[dict] = collections.deque()  # waiting for a free slot
         self.stopping = False
         self.seq = 0
+        self.dead_ns: list[int] = []   # mount namespaces of finished calls, for the reaper
 
     # -- start
     def start(self) -> None:
@@ -392,7 +393,7 @@ class Template:
         del self.calls[call.pid]
         self.free_slots.append(call.slot)
         if call.nsfd >= 0:   # its /tmp and /proc go with the namespace, torn down by the reaper
-            iso.hand_over(self.cs.reaper, call.nsfd)
+            self.dead_ns.append(call.nsfd)
             call.nsfd = -1
         if not self.call_conf["tmp_opts"]:   # a private /tmp went away with the call's mount namespace
             try:
@@ -428,6 +429,9 @@ class Template:
                     else:
                         left = call.deadline - now
                         timeout = left if timeout is None else min(timeout, left)
+            while self.dead_ns:   # one message per loop turn: fewer wake-ups of the reaper
+                iso.hand_over(self.cs.reaper, self.dead_ns[:iso.MAX_HANDOVER])
+                del self.dead_ns[:iso.MAX_HANDOVER]
             try:
                 events = self.sel.select(timeout)
             except InterruptedError:

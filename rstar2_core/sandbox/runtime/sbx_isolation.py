@@ -20,6 +20,7 @@ SECCOMP_MODE_FILTER = 2
 MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 1 << 14, 1 << 18
 CAP_V3 = 0x20080522
 SYS_CLONE = 56 if os.uname().machine == "x86_64" else 220  # aarch64: 220
+MAX_HANDOVER = 64   # namespace fds per message to the reaper
 # Bits of the start-up probe child's exit status: what a call's own set-up could do on this host.
 PROBE_TMP, PROBE_PROC, PROBE_NETNS, PROBE_SECCOMP = 1, 2, 4, 8
 
@@ -342,7 +343,7 @@ def start_reaper() -> socket.socket:
             os.closerange(0, theirs.fileno())
             os.closerange(theirs.fileno() + 1, 1 << 20)
             while True:
-                msg, anc, _, _ = theirs.recvmsg(1, socket.CMSG_SPACE(4 * 8))
+                msg, anc, _, _ = theirs.recvmsg(1, socket.CMSG_SPACE(4 * MAX_HANDOVER))
                 if not msg:
                     break
                 for level, kind, data in anc:
@@ -356,14 +357,16 @@ def start_reaper() -> socket.socket:
     return ours
 
 
-def hand_over(reaper: socket.socket | None, fd: int) -> None:
-    """Give the reaper `fd` to close; where it cannot take it now, the close (and any teardown) is ours."""
+def hand_over(reaper: socket.socket | None, fds: list[int]) -> None:
+    """Give the reaper `fds` to close (one message); where it cannot take them now, the closes (and
+    the teardowns) are ours."""
     if reaper is not None:
         try:
-            reaper.sendmsg([b"x"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+            reaper.sendmsg([b"x"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
         except OSError:
             pass
-    os.close(fd)
+    for fd in fds:
+        os.close(fd)
 
 
 def new_netns(procfd: int, home_fd: int) -> int:

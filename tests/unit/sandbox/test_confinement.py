@@ -173,6 +173,36 @@ def test_forbidden_system_calls_are_refused(sb):
                                          ("ptrace(TRACEME)", "unshare(NEWUSER)", "keyctl(JOIN)", "io_uring_setup", "mount")], r.stdout
 
 
+def test_every_refused_system_call_fails_with_eperm(sb):
+    require(sb, "seccomp")
+    sc = pytest.importorskip("pyseccomp")
+    from rstar2_core.sandbox.syscalls import REFUSED
+
+    arch = sc.system_arch()
+    numbers = {n: sc.resolve_syscall(arch, n) for n in REFUSED if sc.resolve_syscall(arch, n) >= 0}
+    # zero arguments: harmless where a call is not refused (EFAULT, EINVAL, EPERM without capabilities)
+    code = ("import ctypes, errno\nlibc = ctypes.CDLL(None, use_errno=True)\nbad = []\n"
+            f"for name, nr in {numbers!r}.items():\n"
+            "    if libc.syscall(nr, 0, 0, 0, 0, 0, 0) != -1 or ctypes.get_errno() != errno.EPERM:\n"
+            "        bad.append((name, ctypes.get_errno()))\n"
+            f"clone3 = libc.syscall({sc.resolve_syscall(arch, 'clone3')}, 0, 0)\n"
+            "bad += [] if clone3 == -1 and ctypes.get_errno() == errno.ENOSYS else [('clone3', ctypes.get_errno())]\n"
+            f"userns = libc.syscall({sc.resolve_syscall(arch, 'clone')}, 0x10000000 | 0x200, 0, 0, 0, 0)\n"
+            "bad += [] if userns == -1 and ctypes.get_errno() == errno.EPERM else [('clone(NEWUSER)', ctypes.get_errno())]\n"
+            "print(bad)")
+    r = run(sb, code)
+    assert r.status is Status.OK and r.stdout == "[]\n", (r.stdout, r.stderr)
+    assert len(numbers) >= 50
+
+
+def test_a_system_call_of_another_abi_kills_the_call(sb):
+    require(sb, "seccomp")
+    if os.uname().machine != "x86_64":
+        pytest.skip("x32 is an x86_64 ABI")
+    r = run(sb, "import ctypes\nctypes.CDLL(None).syscall(0x40000000 | 39)\nprint('survived')")  # x32 getpid
+    assert r.status is Status.KILLED and r.exit_code == -31 and r.stdout == "", r   # SIGSYS
+
+
 def test_abstract_unix_sockets_are_not_shared_between_concurrent_calls(make_cfg):
     name = f"rstar2-abs-{uuid.uuid4().hex[:8]}"
     server = (f"import socket, time\ns = socket.socket(socket.AF_UNIX)\ns.bind('\\0{name}')\ns.listen(1)\n"
