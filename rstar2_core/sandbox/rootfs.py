@@ -35,6 +35,7 @@ import sys
 import sysconfig
 from dataclasses import dataclass
 
+COPY_MAX_BYTES = 512 << 10   # a bind mount costs ~7 us per call (copied and torn down with its namespace)
 _SYSTEM_DIRS = ("/lib/{triplet}", "/usr/lib/{triplet}", "/lib64", "/usr/lib64", "/lib", "/usr/lib")
 _REQ_NAME = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
 
@@ -43,15 +44,17 @@ _REQ_NAME = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
 class RootPlan:
     """`binds`: host paths (files or directories) made visible at the same path; `masks`: directories
     inside a bound one replaced by an empty directory; `packages`: the allowed distributions;
-    `notes`: what could not be resolved."""
+    `notes`: what could not be resolved; `copies`: small files and directories (metadata, the
+    interpreter's 20 KiB binary) copied into the root instead of bound, one mount fewer each."""
 
     binds: tuple[str, ...]
     masks: tuple[str, ...]
     packages: tuple[str, ...]
     notes: tuple[str, ...]
+    copies: tuple[str, ...] = ()
 
     def to_settings(self) -> dict:
-        return {"binds": list(self.binds), "masks": list(self.masks)}
+        return {"binds": list(self.binds), "masks": list(self.masks), "copies": list(self.copies)}
 
 
 @functools.lru_cache(maxsize=8)
@@ -89,7 +92,15 @@ def plan_root(modules: tuple[str, ...]) -> RootPlan:
     binds = [p for p in paths if os.path.lexists(p) and not _under(p, dirs)]
     # directories first: a file whose real path lies in a bound directory is then seen through it
     binds.sort(key=lambda p: (not (os.path.isdir(p) and not os.path.islink(p)), p))
-    return RootPlan(tuple(binds), tuple(masks), tuple(sorted(dists)), tuple(notes))
+    copies = [p for p in binds if not os.path.islink(p) and _tree_size(p) <= COPY_MAX_BYTES]
+    binds = [p for p in binds if p not in copies]
+    return RootPlan(tuple(binds), tuple(masks), tuple(sorted(dists)), tuple(notes), tuple(copies))
+
+
+def _tree_size(path: str) -> int:
+    if not os.path.isdir(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
 
 
 def _under(path: str, dirs: set[str]) -> bool:

@@ -132,6 +132,7 @@ class Template:
         self.stopping = False
         self.seq = 0
         self.dead_ns: list[int] = []   # mount namespaces of finished calls, for the reaper
+        self.spare_ns = -1             # one made ahead while idle, for the next call
 
     # -- start
     def start(self) -> None:
@@ -238,7 +239,11 @@ class Template:
             uid = self.uids[slot] if self.uids else None
             netfd = self._netns_for(slot)
             if self.call_conf["tmp_opts"]:   # the child is cloned into the call's own mount namespace
-                call.nsfd = iso.enter_call_mount_ns(self.procfd)
+                if self.spare_ns >= 0:
+                    call.nsfd, self.spare_ns = self.spare_ns, -1
+                    iso.setns(call.nsfd, iso.CLONE_NEWNS)
+                else:
+                    call.nsfd = iso.enter_call_mount_ns(self.procfd)
             pid = iso.clone_newpid() if self.feats["pidns"] else os.fork()
         except OSError:
             for fd in made:
@@ -432,6 +437,8 @@ class Template:
             while self.dead_ns:   # one message per loop turn: fewer wake-ups of the reaper
                 iso.hand_over(self.cs.reaper, self.dead_ns[:iso.MAX_HANDOVER])
                 del self.dead_ns[:iso.MAX_HANDOVER]
+            if self.spare_ns < 0 and self.call_conf["tmp_opts"] and not self.pending and self.free_slots:
+                self.spare_ns = iso.make_mount_ns(self.procfd, self.cs.home_mnt)
             try:
                 events = self.sel.select(timeout)
             except InterruptedError:

@@ -129,12 +129,12 @@ def mount_scratch(workdir: str, size_mb: int) -> None:
     mount(b"rstar2-scratch", workdir.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, f"size={int(size_mb)}m,mode=711".encode())
 
 
-def confine_template(workdir: str, binds: list[str], masks: list[str]) -> int:
+def confine_template(workdir: str, binds: list[str], masks: list[str], copies: list[str]) -> int:
     """A private mount namespace whose root is the minimal root built on `workdir` (sbx_rootfs.py).
     Returns the number of mounts in it."""
     unshare(CLONE_NEWNS)
     mount(None, b"/", None, MS_REC | MS_PRIVATE)
-    n = sbx_rootfs.build(workdir, binds, masks)
+    n = sbx_rootfs.build(workdir, binds, masks, copies)
     sbx_rootfs.pivot(workdir)
     return n
 
@@ -178,7 +178,8 @@ def setup_isolation(s: dict, procfd: int) -> dict:
         f["notes"].append("network = host: calls share the host's network namespace")
     if s.get("confine") and s.get("root_plan"):
         try:
-            f["root_mounts"] = confine_template(workdir, s["root_plan"]["binds"], s["root_plan"]["masks"])
+            plan = s["root_plan"]
+            f["root_mounts"] = confine_template(workdir, plan["binds"], plan["masks"], plan.get("copies", []))
             f["minimal_root"] = "pivot_root"
         except OSError as e:
             f["notes"].append(f"minimal root: {e}; calls see the host's file system")
@@ -330,6 +331,14 @@ def enter_call_mount_ns(procfd: int) -> int:
     this loaded VM) happens in the reaper, not in the call's exit path (`start_reaper`)."""
     unshare(CLONE_NEWNS)
     return os.open("thread-self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC, dir_fd=procfd)
+
+
+def make_mount_ns(procfd: int, home_mnt: int) -> int:
+    """A fresh copy of the template's mount namespace, made ahead of the call that will use it (when
+    the template is idle); the template stays in its own."""
+    fd = enter_call_mount_ns(procfd)
+    setns(home_mnt, CLONE_NEWNS)
+    return fd
 
 
 def start_reaper() -> socket.socket:

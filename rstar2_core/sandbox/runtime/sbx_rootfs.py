@@ -1,7 +1,8 @@
 """The calls' minimal root, built once per template in its own mount namespace (standard library only;
 loaded by template.py): a small tmpfs holding
 - the host paths of the service's plan (rstar2_core/sandbox/rootfs.py), each bind-mounted read-only
-  (nosuid, nodev) at its own path, with the symlinks on the way there recreated as symlinks;
+  (nosuid, nodev) at its own path, or copied where small, with the symlinks on the way there
+  recreated as symlinks;
 - `/dev` with null, zero, random, urandom (device nodes, or binds of the host's where mknod is not
   allowed), `/dev/shm` -> `/tmp`, `/dev/fd` and `/dev/std*` -> `/proc/self/fd`;
 - empty `/proc` and `/tmp`, on which each call mounts its own procfs and tmpfs (sbx_child.py);
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import stat
 
 libc = ctypes.CDLL(None, use_errno=True)
@@ -43,17 +45,19 @@ def bind_readonly(src: str, target: str) -> None:
     mount(None, target, None, flags)
 
 
-def build(new_root: str, binds: list[str], masks: list[str]) -> int:
-    """Mount the root's tmpfs on `new_root` and fill it (see the module docstring). Returns the
-    number of mounts made (each is copied into every call's mount namespace)."""
-    mount("rstar2-root", new_root, "tmpfs", MS_NOSUID, "size=1m,nr_inodes=4096,mode=755")
-    bound: set[str] = set()
+def build(new_root: str, binds: list[str], masks: list[str], copies: list[str] = ()) -> int:
+    """Mount the root's tmpfs on `new_root` and fill it (see the module docstring): `binds` are
+    bind-mounted, `copies` (small) copied. Returns the number of mounts made (each is copied into,
+    and torn down with, every call's mount namespace)."""
+    mount("rstar2-root", new_root, "tmpfs", MS_NOSUID, "size=8m,nr_inodes=8192,mode=755")
+    done: set[str] = set()   # host paths already visible in the root
+    for path in copies:
+        _expose(new_root, path, done, copy=True)
+    mounts = len(masks)
     for path in binds:
-        _expose(new_root, path, bound)
+        mounts += _expose(new_root, path, done)
     for path in masks:
-        if os.path.isdir(new_root + path):
-            mount("rstar2-mask", new_root + path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "size=4k,mode=555")
-            bound.add(path)
+        mount("rstar2-mask", new_root + path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "size=4k,mode=555")
     os.mkdir(f"{new_root}/dev", 0o755)
     for name, (major, minor) in DEVICES.items():
         node = f"{new_root}/dev/{name}"
@@ -63,12 +67,12 @@ def build(new_root: str, binds: list[str], masks: list[str]) -> int:
         except PermissionError:   # a user namespace may not make device nodes: bind the host's
             open(node, "w").close()
             mount(f"/dev/{name}", node, None, MS_BIND)
-            bound.add(node)
+            mounts += 1
     for name, target in DEV_LINKS.items():
         os.symlink(target, f"{new_root}/dev/{name}")
     for d in ("proc", "tmp"):
         os.mkdir(f"{new_root}/{d}", 0o755)
-    return 1 + len(bound)
+    return 1 + mounts
 
 
 def pivot(new_root: str) -> None:
@@ -87,15 +91,16 @@ def pivot(new_root: str) -> None:
     mount(None, "/", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID)
 
 
-def _expose(root: str, path: str, bound: set[str]) -> None:
-    """Make host `path` appear at the same path under `root`."""
+def _expose(root: str, path: str, done: set[str], copy: bool = False) -> int:
+    """Make host `path` appear at the same path under `root` (bound, or copied when `copy`); returns
+    the number of mounts made (0 or 1)."""
     parts = path.strip("/").split("/")
     cur = "/"
     hops = 0
     while parts:
         host = os.path.join(cur, parts.pop(0))
-        if host in bound:
-            return   # already visible through a bind
+        if host in done:
+            return 0   # already visible (bound or copied, itself or a directory above it)
         inside = root + host
         st = os.lstat(host)
         if stat.S_ISLNK(st.st_mode):
@@ -113,9 +118,17 @@ def _expose(root: str, path: str, bound: set[str]) -> None:
                 os.mkdir(inside, 0o755)
             cur = host
             continue
+        done.add(host)
+        if copy:
+            if stat.S_ISDIR(st.st_mode):
+                shutil.copytree(host, inside, symlinks=True)
+            else:
+                shutil.copy2(host, inside)
+            return 0
         if stat.S_ISDIR(st.st_mode):
             os.mkdir(inside, 0o755)
         else:
             open(inside, "w").close()
         bind_readonly(host, inside)
-        bound.add(host)
+        return 1
+    return 0
