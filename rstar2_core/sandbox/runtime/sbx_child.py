@@ -1,6 +1,6 @@
-"""The child side of one tool call, run in the fresh process the template cloned: isolate (its own
-/tmp and /proc, its slot's network namespace, rlimits, uid, no capabilities, no_new_privs, the seccomp
-filter, environment, stdio), then run the program as __main__ and print the repr of a last
+"""The child side of one tool call, run in the fresh process the template cloned (it inherits the
+template's seccomp filter): isolate (its own /tmp and /proc, its slot's network namespace, rlimits,
+uid, no capabilities, no_new_privs, environment, stdio), then run the program as __main__ and print the repr of a last
 expression, as a notebook would. Standard library only; loaded by template.py."""
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def run_child(req: dict, cwd: str, uid: int | None, fds: tuple[int, int, int], a
               netfd: int) -> None:
     """Runs in the fresh child: isolate, then run the program. Never returns. `conf`: the template's
     per-call set-up (`tmp_opts`: mount a private /tmp in the call's own mount namespace, `proc`: and a
-    /proc, `prog`: the seccomp program); `netfd`: this slot's network namespace or -1."""
+    /proc); `netfd`: this slot's network namespace or -1."""
     try:
         iso.libc.prctl(iso.PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         os.setsid()
@@ -91,9 +91,7 @@ def run_child(req: dict, cwd: str, uid: int | None, fds: tuple[int, int, int], a
             os.setuid(uid)
             iso.libc.prctl(iso.PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # a uid change cleared it
         iso.drop_caps()
-        iso.libc.prctl(iso.PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-        if conf["prog"] is not None:
-            iso.load_seccomp(conf["prog"])
+        iso.libc.prctl(iso.PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)   # the seccomp filter came with the fork
         os.environ.clear()
         os.environ.update(CHILD_ENV, HOME=cwd, TMPDIR=cwd, PWD=cwd)
         sys.stdin, sys.stdout, sys.stderr = _CHILD_STDIO

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import array
 import ctypes
+import errno
 import os
 import signal
 import socket
@@ -89,7 +90,7 @@ def seccomp_program(bpf: bytes) -> SockFprog:
 
 def load_seccomp(prog: SockFprog) -> None:
     """Install the filter on this process (needs no_new_privs or CAP_SYS_ADMIN); inherited by every
-    process it starts."""
+    process it starts, at no cost per fork."""
     _check(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0), "seccomp")
 
 
@@ -254,7 +255,21 @@ def prepare_calls(f: dict, s: dict, procfd: int) -> CallSetup:
     if confined:
         cs.home_mnt = os.open("thread-self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC, dir_fd=procfd)
         cs.reaper = start_reaper()
-    bits = probe_call_setup(f, tmp_opts if confined else None, cs.slot_net.get(0, -1), prog, procfd, cs.home_mnt)
+    try:
+        drop_bounding_set()
+        f["caps_dropped"] = True
+    except OSError as e:   # without CAP_SETPCAP (not root, no user namespace) the set grants nothing
+        f["caps_dropped"] = not f["root"] and not f["userns"]
+        f["notes"].append(f"capability bounding set kept: {e}")
+    if prog is not None:   # on the template itself: every call inherits it (syscalls.py)
+        try:
+            libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+            load_seccomp(prog)
+        except OSError as e:
+            f["notes"].append(f"the seccomp filter could not be installed: {e}")
+            prog = None
+    bits = probe_call_setup(f, tmp_opts if confined else None, cs.slot_net.get(0, -1), prog is not None, procfd,
+                            cs.home_mnt)
     f["private_tmp"] = bool(bits & PROBE_TMP)
     f["own_proc"] = bool(bits & PROBE_PROC)
     f["netns_per_slot"] = bool(bits & PROBE_NETNS)
@@ -266,23 +281,17 @@ def prepare_calls(f: dict, s: dict, procfd: int) -> CallSetup:
         if f["pidns"] and not f["own_proc"]:   # e.g. a user namespace: no procfs where none is visible
             f["notes"].append("a call cannot mount its own /proc here: /proc is empty in calls")
     if prog is not None and not f["seccomp"]:
-        f["notes"].append("the seccomp filter could not be installed in a call")
-    try:
-        drop_bounding_set()
-        f["caps_dropped"] = True
-    except OSError as e:   # without CAP_SETPCAP (not root, no user namespace) the set grants nothing
-        f["caps_dropped"] = not f["root"] and not f["userns"]
-        f["notes"].append(f"capability bounding set kept: {e}")
-    cs.conf = {"tmp_opts": tmp_opts if f["private_tmp"] else None, "proc": f["own_proc"],
-               "prog": prog if f["seccomp"] else None}
+        f["notes"].append("the seccomp filter is installed but a call's refused system call went through")
+    cs.conf = {"tmp_opts": tmp_opts if f["private_tmp"] else None, "proc": f["own_proc"]}
     return cs
 
 
-def probe_call_setup(f: dict, tmp_opts: bytes | None, netns_fd: int, prog: SockFprog | None, procfd: int,
+def probe_call_setup(f: dict, tmp_opts: bytes | None, netns_fd: int, filtered: bool, procfd: int,
                      home_mnt: int) -> int:
     """Run one child through a call's set-up (the template's `_spawn` and sbx_child.py do the same per
     call): its own mount namespace with /tmp (when `tmp_opts`) and /proc, its slot's network
-    namespace, the seccomp filter. Returns which steps worked (PROBE_* bits)."""
+    namespace; and, when the template is `filtered`, whether a refused system call is refused in the
+    child. Returns which steps worked (PROBE_* bits)."""
     nsfd = -1
     try:
         if tmp_opts:
@@ -307,13 +316,8 @@ def probe_call_setup(f: dict, tmp_opts: bytes | None, netns_fd: int, prog: SockF
                 ok |= PROBE_NETNS
             except OSError:
                 pass
-        if prog is not None:
-            try:
-                libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-                load_seccomp(prog)
-                ok |= PROBE_SECCOMP
-            except OSError:
-                pass
+        if filtered and libc.ptrace(0, 0, 0, 0) == -1 and ctypes.get_errno() == errno.EPERM:  # PTRACE_TRACEME
+            ok |= PROBE_SECCOMP
         os._exit(ok)
     if nsfd >= 0:
         setns(home_mnt, CLONE_NEWNS)

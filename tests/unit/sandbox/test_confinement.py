@@ -187,8 +187,16 @@ def test_every_refused_system_call_fails_with_eperm(sb):
             "        bad.append((name, ctypes.get_errno()))\n"
             f"clone3 = libc.syscall({sc.resolve_syscall(arch, 'clone3')}, 0, 0)\n"
             "bad += [] if clone3 == -1 and ctypes.get_errno() == errno.ENOSYS else [('clone3', ctypes.get_errno())]\n"
-            f"userns = libc.syscall({sc.resolve_syscall(arch, 'clone')}, 0x10000000 | 0x200, 0, 0, 0, 0)\n"
-            "bad += [] if userns == -1 and ctypes.get_errno() == errno.EPERM else [('clone(NEWUSER)', ctypes.get_errno())]\n"
+            # the forms of CONDITIONAL the filter refuses, and one it lets through to the kernel (no capability)
+            f"forms = {{'clone(NEWUSER)': ({sc.resolve_syscall(arch, 'clone')}, 0x10000000 | 0x200, 0),\n"
+            f"         'mount(flags 0)': ({sc.resolve_syscall(arch, 'mount')}, 0, 0),\n"
+            f"         'unshare(NEWUSER)': ({sc.resolve_syscall(arch, 'unshare')}, 0x10000000, 0),\n"
+            f"         'unshare(NEWNS)': ({sc.resolve_syscall(arch, 'unshare')}, 0x20000, 0),\n"
+            f"         'setns(any type)': ({sc.resolve_syscall(arch, 'setns')}, 0, 0),\n"
+            f"         'setns(NEWUSER)': ({sc.resolve_syscall(arch, 'setns')}, 0, 0x10000000)}}\n"
+            "for name, (nr, a, b) in forms.items():\n"
+            "    if libc.syscall(nr, a, b, 0, 0, 0, 0) != -1 or ctypes.get_errno() != errno.EPERM:\n"
+            "        bad.append((name, ctypes.get_errno()))\n"
             "print(bad)")
     r = run(sb, code)
     assert r.status is Status.OK and r.stdout == "[]\n", (r.stdout, r.stderr)
