@@ -19,8 +19,10 @@ Run:  python bench/sandbox.py [--quick] [--json] [--workers N]
 last line: {"ours": {"A": {"1": {"calls_per_s", "p50_ms", "p99_ms"}, "64": ..., "256": ...}, "B": ..., "C": ...},
 "unconfined": {"A": ..., "B": ...}, "naive": {...}, "ratio_A": .., "ratio_B": .., "confinement_cost_A": ..,
 "confinement_cost_B": .., "C_all_answered": .., "service_alive": .., ...}
-with ratio_X = ours/naive calls per second on workload X at concurrency 64, and confinement_cost_X =
-1 - ours/unconfined calls per second on X, over the three concurrencies together (target <= 0.10).
+with ratio_X = ours/naive calls per second on workload X at concurrency 64, confinement_cost_X =
+1 - ours/unconfined calls per second on X, over the three concurrencies together (target <= 0.10), and
+confinement_cpu_cost_X the same from the services' CPU time per call (`cpu_ms_per_call`: templates,
+their calls and helpers), which other jobs on a shared machine disturb less than calls/s.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -107,6 +111,21 @@ async def drive_abba(calls: dict, codes: list[str], conc: int) -> dict[str, tupl
     return {k: (_figures(lats, walls, len(codes), st), st) for k, (lats, walls, st) in parts.items()}
 
 
+def service_cpu_s(sb: LocalSandbox) -> float:
+    """CPU seconds the service's templates used so far: their own, their finished calls', and their
+    helpers' (the reaper). Less sensitive to other jobs on the machine than calls/s."""
+    total = 0.0
+    for ts in sb._d.templates.values():
+        for t in ts:
+            p = psutil.Process(t.proc.pid)
+            c = p.cpu_times()
+            total += c.user + c.system + c.children_user + c.children_system
+            for helper in p.children():
+                h = helper.cpu_times()
+                total += h.user + h.system
+    return total
+
+
 def ours_caller(sb: LocalSandbox):
     async def call(code: str) -> str:
         return (await sb.run(ExecutionRequest(code=code))).status.value
@@ -162,6 +181,7 @@ def main() -> int:
         for w in "ABC":
             for who in ("ours", "unconfined"):
                 out[who][w], out["statuses"][who][w] = {}, {}
+            cpu0 = {"ours": service_cpu_s(sb), "unconfined": service_cpu_s(sb_u)}
             for c in CONCURRENCY:
                 if w == "C":
                     runs = {"ours": asyncio.run(drive(ours_caller(sb_c), workload(w, n_ours[w]), c))}
@@ -171,6 +191,11 @@ def main() -> int:
                 for who, (fig, st) in runs.items():
                     out[who][w][str(c)], out["statuses"][who][w][str(c)] = fig, dict(st)
                     progress(who, w, c, fig)
+            if w != "C":
+                time.sleep(0.5)   # the reaper's last teardowns
+                for who, box in (("ours", sb), ("unconfined", sb_u)):
+                    out[who][w]["cpu_ms_per_call"] = round(
+                        1e3 * (service_cpu_s(box) - cpu0[who]) / (n_ours[w] * len(CONCURRENCY)), 3)
         del out["unconfined"]["C"], out["statuses"]["unconfined"]["C"]
         alive = sb_c.run_sync(ExecutionRequest(code=TRIVIAL)).status is Status.OK
         restarted = pids != {t.proc.pid for ts in sb_c._d.templates.values() for t in ts}
@@ -190,6 +215,8 @@ def main() -> int:
         out[f"ratio_{w}"] = round(out["ours"][w]["64"]["calls_per_s"] / out["naive"][w]["64"]["calls_per_s"], 2)
         wall = {who: sum(out[who][w][str(c)]["wall_s"] for c in CONCURRENCY) for who in ("ours", "unconfined")}
         out[f"confinement_cost_{w}"] = round(1 - wall["unconfined"] / wall["ours"], 3)
+        cpu = {who: out[who][w]["cpu_ms_per_call"] for who in ("ours", "unconfined")}
+        out[f"confinement_cpu_cost_{w}"] = round(1 - cpu["unconfined"] / cpu["ours"], 3)
     c_counts = out["statuses"]["ours"]["C"]
     out["C_all_answered"] = all(sum(v.values()) == n_ours["C"] and "internal" not in v for v in c_counts.values())
     out["service_alive"] = alive
@@ -199,7 +226,8 @@ def main() -> int:
     out["timeout_s"] = timeouts
     a1, a256 = out["ours"]["A"]["1"], out["ours"]["A"]["256"]
     print(f"\nratio_A {out['ratio_A']} (target >= 5), ratio_B {out['ratio_B']} (target >= 20), "
-          f"confinement cost A {out['confinement_cost_A']:.1%} B {out['confinement_cost_B']:.1%} (target <= 10%), "
+          f"confinement cost A {out['confinement_cost_A']:.1%} B {out['confinement_cost_B']:.1%} (target <= 10%; "
+          f"in CPU per call A {out['confinement_cpu_cost_A']:.1%} B {out['confinement_cpu_cost_B']:.1%}), "
           f"A p50 at c=1 {a1['p50_ms']} ms (target <= 5), A p99 at c=256 {a256['p99_ms']} ms (target <= 500), "
           f"C all answered {out['C_all_answered']}, service alive {alive}; {out['machine']}")
     if args.json:
