@@ -249,3 +249,12 @@ def test_missing_properties_are_logged_at_start(make_cfg, caplog):
     for prop in ("minimal_root", "private_tmp", "own_proc", "pid_namespace", "no_network", "private_abstract_sockets"):
         assert prop in warning, warning
     assert "seccomp (" not in warning   # the filter needs no namespace: still installed
+
+
+def test_scratch_zero_is_refused_when_calls_are_confined(make_cfg):
+    from rstar2_core.sandbox import SandboxError
+
+    with pytest.raises(SandboxError, match="scratch_mb"):
+        LocalSandbox(make_cfg(preload=["math"], scratch_mb=0)).start()
+    with LocalSandbox(make_cfg(preload=["math"], scratch_mb=0), confine=False) as box:   # host temp dirs
+        assert run(box, "print(6 * 7)").stdout == "42\n"
