@@ -10,9 +10,10 @@ the minimal root; `sbx_child.py`: the child side of a call) and are imported fro
 location.
 
 At start (runtime/sbx_isolation.py, sbx_rootfs.py): a network namespace, a mount namespace whose root
-is the minimal read-only root of the service's plan (pivot_root), an empty capability bounding set;
-then the preloads, imported inside that root; a reaper process that tears down the calls' mount
-namespaces; one probe child that finds out which per-call steps this host allows.
+is the minimal read-only root of the service's plan (pivot_root), a reaper process that tears down
+the calls' mount namespaces, an empty capability bounding set, the seccomp filter (on the template
+itself: calls inherit it), one probe child that finds out which per-call steps this host allows;
+then the preloads, imported inside that root.
 
 Per call (see docs/sandbox.md for what is and is not isolated):
 - a fresh child from `clone(CLONE_NEWPID)`: the program is PID 1 of its own PID namespace, so when it
@@ -23,8 +24,8 @@ Per call (see docs/sandbox.md for what is and is not isolated):
   none, a fresh private working directory removed afterwards;
 - its own uid from this template's pool when the service runs as root (so RLIMIT_NPROC is per call,
   and it cannot signal or write anything of the service's), rlimits AS/CPU/NPROC/FSIZE/CORE/NOFILE,
-  no capabilities, no_new_privs, the seccomp filter, a scrubbed environment, and PR_SET_PDEATHSIG
-  so it dies with the template;
+  no capabilities, no_new_privs, the inherited seccomp filter, a scrubbed environment, and
+  PR_SET_PDEATHSIG so it dies with the template;
 - its slot's network namespace (made on the slot's first call, no interfaces up; an unprivileged uid
   cannot bring loopback up): no network, and no abstract Unix socket shared with a concurrent call;
 - stdout/stderr read incrementally: the first bytes are kept, the rest counted and thrown away;
@@ -224,7 +225,8 @@ class Template:
     def _spawn(self, req: dict) -> None:
         slot = self.free_slots.pop()
         self.seq += 1
-        cwd = "/tmp" if self.call_conf["tmp_opts"] else os.path.join(self.s["workdir"], f"{self.s['kind']}{os.getpid()}-{self.seq}")
+        cwd = ("/tmp" if self.call_conf["tmp_opts"]
+               else os.path.join(self.s["workdir"], f"{self.s['kind']}{os.getpid()}-{self.seq}"))
         call = _Call(req, slot, cwd)
         made: list[int] = []
         try:

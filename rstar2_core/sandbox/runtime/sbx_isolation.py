@@ -94,11 +94,10 @@ def load_seccomp(prog: SockFprog) -> None:
     _check(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0), "seccomp")
 
 
-def clone_newpid(extra: int = 0) -> int:
-    """fork() into a new PID namespace (the child is its PID 1), plus the namespaces in `extra`.
-    Python's fork hooks run around it."""
+def clone_newpid() -> int:
+    """fork() into a new PID namespace (the child is its PID 1). Python's fork hooks run around it."""
     ctypes.pythonapi.PyOS_BeforeFork()
-    pid = plibc.syscall(SYS_CLONE, CLONE_NEWPID | extra | signal.SIGCHLD, 0, 0, 0, 0)
+    pid = plibc.syscall(SYS_CLONE, CLONE_NEWPID | signal.SIGCHLD, 0, 0, 0, 0)
     if pid == 0:
         ctypes.pythonapi.PyOS_AfterFork_Child()
         return 0
@@ -113,12 +112,16 @@ def mount(src: bytes | None, target: bytes, fstype: bytes | None, flags: int, da
     _check(libc.mount(src, target, fstype, flags, data), f"mount {target!r}")
 
 
+# The seccomp filter lets mount() through with exactly these flags (syscalls.CALL_MOUNT_FLAGS).
+TMP_FLAGS, PROC_FLAGS = MS_NOSUID | MS_NODEV, MS_NOSUID | MS_NODEV | MS_NOEXEC
+
+
 def mount_call_dirs(tmp_opts: bytes, proc: bool) -> None:
     """In a call's own mount namespace (`enter_call_mount_ns`): a fresh tmpfs on /tmp (also /dev/shm,
     cwd, HOME) and, when the call has its own PID namespace, a procfs that shows only that namespace."""
-    mount(b"tmp", b"/tmp", b"tmpfs", MS_NOSUID | MS_NODEV, tmp_opts)
+    mount(b"tmp", b"/tmp", b"tmpfs", TMP_FLAGS, tmp_opts)
     if proc:
-        mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        mount(b"proc", b"/proc", b"proc", PROC_FLAGS)
 
 
 # ------------------------------------------------------------------------------------ host set-up
@@ -234,7 +237,7 @@ class CallSetup:
     network and mount namespaces (fds), the slots' network namespaces, the reaper's socket."""
 
     def __init__(self):
-        self.conf: dict = {"tmp_opts": None, "proc": False, "prog": None}
+        self.conf: dict = {"tmp_opts": None, "proc": False}
         self.home_net, self.home_mnt = -1, -1
         self.slot_net: dict[int, int] = {}
         self.reaper: socket.socket | None = None
@@ -303,10 +306,10 @@ def probe_call_setup(f: dict, tmp_opts: bytes | None, netns_fd: int, filtered: b
         ok = 0
         try:
             if tmp_opts:
-                mount(b"tmp", b"/tmp", b"tmpfs", MS_NOSUID | MS_NODEV, tmp_opts)
+                mount(b"tmp", b"/tmp", b"tmpfs", TMP_FLAGS, tmp_opts)
                 ok |= PROBE_TMP
                 if f["pidns"]:
-                    mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+                    mount(b"proc", b"/proc", b"proc", PROC_FLAGS)
                     ok |= PROBE_PROC
         except OSError:
             pass
