@@ -62,6 +62,7 @@ import sbx_isolation as iso
 sys.path.remove(_RUNTIME)
 
 READ_CHUNK = 65536
+MAX_DEAD_NS = 1024   # finished calls' mount namespaces (their /tmp in RAM) waiting for the reaper
 
 # ------------------------------------------------------------------------------- the parent side
 class _Call:
@@ -437,8 +438,12 @@ class Template:
                         left = call.deadline - now
                         timeout = left if timeout is None else min(timeout, left)
             while self.dead_ns:   # one message per loop turn: fewer wake-ups of the reaper
-                iso.hand_over(self.cs.reaper, self.dead_ns[:iso.MAX_HANDOVER])
-                del self.dead_ns[:iso.MAX_HANDOVER]
+                if iso.hand_over(self.cs.reaper, self.dead_ns[:iso.MAX_HANDOVER]):
+                    del self.dead_ns[:iso.MAX_HANDOVER]
+                elif len(self.dead_ns) > MAX_DEAD_NS:   # the reaper is far behind: tear down here
+                    os.close(self.dead_ns.pop(0))
+                else:
+                    break   # retried on the next loop turn
             if self.spare_ns < 0 and self.call_conf["tmp_opts"] and not self.pending and self.free_slots:
                 self.spare_ns = iso.make_mount_ns(self.procfd, self.cs.home_mnt)
             try:

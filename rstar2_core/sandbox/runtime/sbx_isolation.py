@@ -22,6 +22,7 @@ MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 1 << 14, 1 << 18
 CAP_V3 = 0x20080522
 SYS_CLONE = 56 if os.uname().machine == "x86_64" else 220  # aarch64: 220
 MAX_HANDOVER = 64   # namespace fds per message to the reaper
+REAPER_THREADS = 4
 # Bits of the start-up probe child's exit status: what a call's own set-up could do on this host.
 PROBE_TMP, PROBE_PROC, PROBE_NETNS, PROBE_SECCOMP = 1, 2, 4, 8
 
@@ -349,23 +350,18 @@ def make_mount_ns(procfd: int, home_mnt: int) -> int:
 
 
 def start_reaper() -> socket.socket:
-    """A helper process that closes the namespace fds it is sent (SCM_RIGHTS), one by one; returns
-    the template's (non-blocking) end. It dies with the template."""
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    """A helper process that closes the namespace fds it is sent (SCM_RIGHTS over a stream socket: a
+    datagram socketpair queues only 10 messages); returns the template's non-blocking end. Its
+    closer threads wait out grace periods side by side (concurrent waiters share one). It never
+    forks, so threads are safe there; it dies with the template."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     pid = os.fork()
     if pid == 0:
         try:
             libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
             os.closerange(0, theirs.fileno())
             os.closerange(theirs.fileno() + 1, 1 << 20)
-            while True:
-                msg, anc, _, _ = theirs.recvmsg(1, socket.CMSG_SPACE(4 * MAX_HANDOVER))
-                if not msg:
-                    break
-                for level, kind, data in anc:
-                    if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                        for fd in array.array("i", data[: len(data) - len(data) % 4]):
-                            os.close(fd)
+            _reap(theirs)
         finally:
             os._exit(0)
     theirs.close()
@@ -373,16 +369,41 @@ def start_reaper() -> socket.socket:
     return ours
 
 
-def hand_over(reaper: socket.socket | None, fds: list[int]) -> None:
-    """Give the reaper `fds` to close (one message); where it cannot take them now, the closes (and
-    the teardowns) are ours."""
+def _reap(sock: socket.socket) -> None:
+    import queue
+    import threading
+
+    todo: queue.SimpleQueue = queue.SimpleQueue()
+
+    def closer() -> None:
+        while True:
+            os.close(todo.get())
+
+    for _ in range(REAPER_THREADS):
+        threading.Thread(target=closer, daemon=True).start()
+    while True:
+        msg, anc, _, _ = sock.recvmsg(1, socket.CMSG_SPACE(4 * MAX_HANDOVER))
+        if not msg:
+            return
+        for level, kind, data in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                for fd in array.array("i", data[: len(data) - len(data) % 4]):
+                    todo.put(fd)
+
+
+def hand_over(reaper: socket.socket | None, fds: list[int]) -> bool:
+    """Give the reaper `fds` to close (one message) and close ours; False (nothing closed) when it
+    cannot take them now."""
     if reaper is not None:
         try:
             reaper.sendmsg([b"x"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+        except BlockingIOError:
+            return False
         except OSError:
-            pass
+            pass   # the reaper is gone: the closes (and the teardowns) are ours
     for fd in fds:
         os.close(fd)
+    return True
 
 
 def new_netns(procfd: int, home_fd: int) -> int:

@@ -11,9 +11,11 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 import uuid
 from pathlib import Path
 
+import psutil
 import pytest
 
 from rstar2_core.sandbox import ExecutionRequest, LocalSandbox, Status
@@ -258,3 +260,20 @@ def test_scratch_zero_is_refused_when_calls_are_confined(make_cfg):
         LocalSandbox(make_cfg(preload=["math"], scratch_mb=0)).start()
     with LocalSandbox(make_cfg(preload=["math"], scratch_mb=0), confine=False) as box:   # host temp dirs
         assert run(box, "print(6 * 7)").stdout == "42\n"
+
+
+def test_finished_calls_mount_namespaces_are_released(one_worker):
+    require(one_worker, "private_tmp")
+    for _ in range(40):
+        assert run(one_worker, "open('/tmp/f', 'w').write('x' * 4096)").status is Status.OK
+    time.sleep(0.5)
+    tpl = one_worker._d.templates["light"][0].proc.pid
+    held = []
+    for pid in [tpl, *(c.pid for c in psutil.Process(tpl).children())]:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("mnt:"):
+                    held.append(pid)
+            except OSError:
+                pass
+    assert len(held) <= 3, f"{len(held)} mount namespaces still held"   # the template's own, a spare
