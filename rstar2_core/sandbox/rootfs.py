@@ -1,5 +1,5 @@
-"""What the calls' minimal root holds: the host paths a template bind-mounts, read-only, into the
-root it pivots into (runtime/sbx_rootfs.py does the mounting).
+"""What the calls' minimal root holds: the host paths a template bind-mounts (or copies), read-only,
+into the root it pivots into (runtime/sbx_rootfs.py does the mounting).
 
 The plan is computed once per service and handed to every template:
 - the interpreter: the executable the templates run (`sys.executable`, a venv's symlink included, with
@@ -15,7 +15,8 @@ The plan is computed once per service and handed to every template:
   system library directory binds that directory (e.g. /usr/lib/x86_64-linux-gnu: system libraries
   only, no data): each mount is copied into, and torn down with, every call's mount namespace, and
   here the ~47 single files cost ~0.1 ms more per call in the template and ~0.2 ms more per teardown
-  than one directory (docs/sandbox.md).
+  than one directory (docs/sandbox.md). For the same reason small entries (up to 512 KiB: the
+  `*.dist-info` directories, the interpreter's binary, `pyvenv.cfg`) are copied into the root.
 
 Trade-off: a package a program imports that is not in the plan fails with ModuleNotFoundError (name it
 in `heavy_modules` to allow it); a library an extension module opens with dlopen() by a name that is not
@@ -92,15 +93,22 @@ def plan_root(modules: tuple[str, ...]) -> RootPlan:
     binds = [p for p in paths if os.path.lexists(p) and not _under(p, dirs)]
     # directories first: a file whose real path lies in a bound directory is then seen through it
     binds.sort(key=lambda p: (not (os.path.isdir(p) and not os.path.islink(p)), p))
-    copies = [p for p in binds if not os.path.islink(p) and _tree_size(p) <= COPY_MAX_BYTES]
+    copies = [p for p in binds if not os.path.islink(p) and _small(p)]
     binds = [p for p in binds if p not in copies]
     return RootPlan(tuple(binds), tuple(masks), tuple(sorted(dists)), tuple(notes), tuple(copies))
 
 
-def _tree_size(path: str) -> int:
+def _small(path: str) -> bool:
+    """Whether `path` (a file or a tree) holds at most COPY_MAX_BYTES; stops reading once it is over."""
     if not os.path.isdir(path):
-        return os.path.getsize(path)
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+        return os.path.getsize(path) <= COPY_MAX_BYTES
+    total = 0
+    for d, _, files in os.walk(path):
+        for f in files:
+            total += os.path.getsize(os.path.join(d, f))
+            if total > COPY_MAX_BYTES:
+                return False
+    return True
 
 
 def _under(path: str, dirs: set[str]) -> bool:
