@@ -354,11 +354,14 @@ def start_reaper() -> socket.socket:
     datagram socketpair queues only 10 messages); returns the template's non-blocking end. Its
     closer threads wait out grace periods side by side (concurrent waiters share one). It never
     forks, so threads are safe there; it dies with the template."""
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)   # EOF when the template goes
+    template = os.getpid()
     pid = os.fork()
     if pid == 0:
         try:
             libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            if os.getppid() != template:   # it died before the line above
+                os._exit(0)
             os.closerange(0, theirs.fileno())
             os.closerange(theirs.fileno() + 1, 1 << 20)
             _reap(theirs)
