@@ -3,7 +3,10 @@
 Workloads (issue 4): A trivial `print(sum(range(1000)))`; B realistic math
 `import sympy; print(sympy.factorint(2**64+1))`; C adversarial mix (10% infinite loops, 5% 2 GB
 allocations, 5% 10 MB prints, the rest trivial). Each at 1, 64 and 256 calls in flight, for
-- ours: `LocalSandbox` (default config; `--workers`), through its async API;
+- ours: `LocalSandbox` (default config; `--workers`), through its async API, confined (the default:
+  minimal root, per-call /tmp and /proc, per-slot network namespace, seccomp filter);
+- unconfined (A and B): the same service with `confine=False`, measured alternately with ours in the
+  same run (ABBA halves, so drift in the machine's load hits both), for the cost of the confinement;
 - naive: `subprocess.run([sys.executable, "-c", code], timeout=...)` from a thread pool of 8.
 Latency is per call from submission to result (queueing included), for both. Timeouts: ours 4 s
 (the default); the naive baseline gets 60 s on A and B so that its calls complete (a timed-out call
@@ -14,8 +17,12 @@ its 2 GB allocations do not take memory from the other users of a shared machine
 Run:  python bench/sandbox.py [--quick] [--json] [--workers N]
 `--quick` (~1 minute) uses fewer calls and a 1 s timeout on workload C (4 s elsewhere, for both); `--json` prints one JSON object as the
 last line: {"ours": {"A": {"1": {"calls_per_s", "p50_ms", "p99_ms"}, "64": ..., "256": ...}, "B": ..., "C": ...},
-"naive": {...}, "ratio_A": .., "ratio_B": .., "C_all_answered": .., "service_alive": .., ...}
-with ratio_X = ours/naive calls per second on workload X at concurrency 64.
+"unconfined": {"A": ..., "B": ...}, "naive": {...}, "ratio_A": .., "ratio_B": .., "confinement_cost_A": ..,
+"confinement_cost_B": .., "C_all_answered": .., "service_alive": .., ...}
+with ratio_X = ours/naive calls per second on workload X at concurrency 64, confinement_cost_X =
+1 - ours/unconfined calls per second on X, over the three concurrencies together (target <= 0.10), and
+confinement_cpu_cost_X the same from the services' CPU time per call (`cpu_ms_per_call`: templates,
+their calls and helpers), which other jobs on a shared machine disturb less than calls/s.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -61,6 +70,11 @@ def workload(name: str, n: int, seed: int = 0) -> list[str]:
 
 
 async def drive(call, codes: list[str], conc: int) -> tuple[dict, collections.Counter]:
+    lat, wall, statuses = await _timed(call, codes, conc)
+    return _figures([lat], [wall], len(codes), statuses), statuses
+
+
+async def _timed(call, codes: list[str], conc: int) -> tuple[list[float], float, collections.Counter]:
     sem = asyncio.Semaphore(conc)
     lat: list[float] = []
     statuses: collections.Counter = collections.Counter()
@@ -74,11 +88,42 @@ async def drive(call, codes: list[str], conc: int) -> tuple[dict, collections.Co
 
     t0 = time.perf_counter()
     await asyncio.gather(*(one(c) for c in codes))
-    wall = time.perf_counter() - t0
-    lat.sort()
-    return ({"calls_per_s": round(len(codes) / wall, 2), "ok_per_s": round(statuses["ok"] / wall, 2), "p50_ms": round(1e3 * lat[len(lat) // 2], 2),
-             "p99_ms": round(1e3 * lat[min(len(lat) - 1, int(0.99 * len(lat)))], 2), "n": len(codes),
-             "wall_s": round(wall, 2)}, statuses)
+    return lat, time.perf_counter() - t0, statuses
+
+
+def _figures(lats: list[list[float]], walls: list[float], n: int, statuses: collections.Counter) -> dict:
+    lat = sorted(x for part in lats for x in part)
+    wall = sum(walls)
+    return {"calls_per_s": round(n / wall, 2), "ok_per_s": round(statuses["ok"] / wall, 2), "p50_ms": round(1e3 * lat[len(lat) // 2], 2),
+            "p99_ms": round(1e3 * lat[min(len(lat) - 1, int(0.99 * len(lat)))], 2), "n": n, "wall_s": round(wall, 2)}
+
+
+async def drive_abba(calls: dict, codes: list[str], conc: int) -> dict[str, tuple[dict, collections.Counter]]:
+    """Run `codes` through each of the two callers in halves, in the order A B B A."""
+    half = [codes[: len(codes) // 2], codes[len(codes) // 2:]]
+    names = list(calls)
+    parts: dict = {k: ([], [], collections.Counter()) for k in names}
+    for name, h in ((names[0], 0), (names[1], 0), (names[1], 1), (names[0], 1)):
+        lat, wall, st = await _timed(calls[name], half[h], conc)
+        parts[name][0].append(lat)
+        parts[name][1].append(wall)
+        parts[name][2].update(st)
+    return {k: (_figures(lats, walls, len(codes), st), st) for k, (lats, walls, st) in parts.items()}
+
+
+def service_cpu_s(sb: LocalSandbox) -> float:
+    """CPU seconds the service's templates used so far: their own, their finished calls', and their
+    helpers' (the reaper). Less sensitive to other jobs on the machine than calls/s."""
+    total = 0.0
+    for ts in sb._d.templates.values():
+        for t in ts:
+            p = psutil.Process(t.proc.pid)
+            c = p.cpu_times()
+            total += c.user + c.system + c.children_user + c.children_system
+            for helper in p.children():
+                h = helper.cpu_times()
+                total += h.user + h.system
+    return total
 
 
 def ours_caller(sb: LocalSandbox):
@@ -116,9 +161,9 @@ def main() -> int:
     n_ours = {"A": 300 * scale, "B": 60 * scale, "C": 40 * scale}
     n_naive = {"A": 80 * scale, "B": 12 * scale, "C": 40 * scale}
     cfgs = {w: SandboxConfig(workers=args.workers, timeout_s=timeouts[w]) for w in "ABC"}
-    out: dict = {"ours": {}, "naive": {}, "statuses": {"ours": {}, "naive": {}}}
+    out: dict = {"ours": {}, "unconfined": {}, "naive": {}, "statuses": {"ours": {}, "unconfined": {}, "naive": {}}}
     t_start = time.perf_counter()
-    total = 2 * 3 * len(CONCURRENCY)
+    total = 3 * 3 * len(CONCURRENCY) - len(CONCURRENCY)
     done = 0
 
     def progress(who: str, w: str, c: int, fig: dict) -> None:
@@ -126,23 +171,37 @@ def main() -> int:
         done += 1
         el = time.perf_counter() - t_start
         eta = el / done * (total - done)
-        print(f"[{done:2d}/{total}] {who:5s} {w} c={c:<3d} {fig['calls_per_s']:9.1f} calls/s  p50 {fig['p50_ms']:8.1f} ms"
+        print(f"[{done:2d}/{total}] {who:10s} {w} c={c:<3d} {fig['calls_per_s']:9.1f} calls/s  p50 {fig['p50_ms']:8.1f} ms"
               f"  p99 {fig['p99_ms']:8.1f} ms  (n={fig['n']}, {el:.0f}s elapsed, ETA {eta:.0f}s)", flush=True)
 
-    with LocalSandbox(cfgs["A"]) as sb, LocalSandbox(cfgs["C"]) as sb_c:
-        asyncio.run(drive(ours_caller(sb), [TRIVIAL] * 20 + [SYMPY] * 4, 2))  # warm-up
+    with LocalSandbox(cfgs["A"]) as sb, LocalSandbox(cfgs["A"], confine=False) as sb_u, LocalSandbox(cfgs["C"]) as sb_c:
+        for box in (sb, sb_u):
+            asyncio.run(drive(ours_caller(box), [TRIVIAL] * 20 + [SYMPY] * 4, 2))  # warm-up
         pids = {t.proc.pid for ts in sb_c._d.templates.values() for t in ts}
         for w in "ABC":
-            box = sb_c if w == "C" else sb
-            out["ours"][w], out["statuses"]["ours"][w] = {}, {}
+            for who in ("ours", "unconfined"):
+                out[who][w], out["statuses"][who][w] = {}, {}
+            cpu0 = {"ours": service_cpu_s(sb), "unconfined": service_cpu_s(sb_u)}
             for c in CONCURRENCY:
-                fig, st = asyncio.run(drive(ours_caller(box), workload(w, n_ours[w]), c))
-                out["ours"][w][str(c)], out["statuses"]["ours"][w][str(c)] = fig, dict(st)
-                progress("ours", w, c, fig)
+                if w == "C":
+                    runs = {"ours": asyncio.run(drive(ours_caller(sb_c), workload(w, n_ours[w]), c))}
+                else:
+                    runs = asyncio.run(drive_abba({"ours": ours_caller(sb), "unconfined": ours_caller(sb_u)},
+                                                  workload(w, n_ours[w]), c))
+                for who, (fig, st) in runs.items():
+                    out[who][w][str(c)], out["statuses"][who][w][str(c)] = fig, dict(st)
+                    progress(who, w, c, fig)
+            if w != "C":
+                time.sleep(0.5)   # the reaper's last teardowns
+                for who, box in (("ours", sb), ("unconfined", sb_u)):
+                    out[who][w]["cpu_ms_per_call"] = round(
+                        1e3 * (service_cpu_s(box) - cpu0[who]) / (n_ours[w] * len(CONCURRENCY)), 3)
+        del out["unconfined"]["C"], out["statuses"]["unconfined"]["C"]
         alive = sb_c.run_sync(ExecutionRequest(code=TRIVIAL)).status is Status.OK
         restarted = pids != {t.proc.pid for ts in sb_c._d.templates.values() for t in ts}
         out["sandbox_stats"] = sb.stats()
         out["workers"] = sb.workers
+        out["isolation"] = {k: v["features"] for k, v in sb.features.items()}
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         for w in "ABC":
             out["naive"][w], out["statuses"]["naive"][w] = {}, {}
@@ -154,6 +213,10 @@ def main() -> int:
                 progress("naive", w, c, fig)
     for w in "AB":
         out[f"ratio_{w}"] = round(out["ours"][w]["64"]["calls_per_s"] / out["naive"][w]["64"]["calls_per_s"], 2)
+        wall = {who: sum(out[who][w][str(c)]["wall_s"] for c in CONCURRENCY) for who in ("ours", "unconfined")}
+        out[f"confinement_cost_{w}"] = round(1 - wall["unconfined"] / wall["ours"], 3)
+        cpu = {who: out[who][w]["cpu_ms_per_call"] for who in ("ours", "unconfined")}
+        out[f"confinement_cpu_cost_{w}"] = round(1 - cpu["unconfined"] / cpu["ours"], 3)
     c_counts = out["statuses"]["ours"]["C"]
     out["C_all_answered"] = all(sum(v.values()) == n_ours["C"] and "internal" not in v for v in c_counts.values())
     out["service_alive"] = alive
@@ -163,6 +226,8 @@ def main() -> int:
     out["timeout_s"] = timeouts
     a1, a256 = out["ours"]["A"]["1"], out["ours"]["A"]["256"]
     print(f"\nratio_A {out['ratio_A']} (target >= 5), ratio_B {out['ratio_B']} (target >= 20), "
+          f"confinement cost A {out['confinement_cost_A']:.1%} B {out['confinement_cost_B']:.1%} (target <= 10%; "
+          f"in CPU per call A {out['confinement_cpu_cost_A']:.1%} B {out['confinement_cpu_cost_B']:.1%}), "
           f"A p50 at c=1 {a1['p50_ms']} ms (target <= 5), A p99 at c=256 {a256['p99_ms']} ms (target <= 500), "
           f"C all answered {out['C_all_answered']}, service alive {alive}; {out['machine']}")
     if args.json:

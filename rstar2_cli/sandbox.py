@@ -64,15 +64,23 @@ def _doctor(args: argparse.Namespace) -> int:
         return 0
     print(f"python {report['python']}, kernel {report['kernel']}, euid {report['euid']}, "
           f"{report['cpus']} CPUs, {report['workers']} workers")
+    print(report["seccomp"])
+    if report["root_packages"]:
+        print(f"packages in the calls' root: {', '.join(report['root_packages'])}")
+    for note in report["root_notes"]:
+        print(f"  note: {note}")
     for kind, t in report["templates"].items():
         f = t["features"]
-        print(f"template {kind}: {t['vm_mb']} MiB mapped, preloaded {', '.join(t['preloaded'])}"
+        print(f"template {kind}: {t['vm_mb']} MiB mapped, root {f.get('minimal_root') or 'host'} "
+              f"({f.get('root_mounts', 0)} mounts), preloaded {', '.join(t['preloaded'])}"
               + (f"; missing {'; '.join(t['missing'])}" if t["missing"] else ""))
         if kind == "light":
-            for key in ("netns", "pidns", "uid_drop", "keep_read_cap", "userns"):
-                print(f"  {key:14s} {'yes' if f.get(key) else 'no'}")
+            for name, ok in t["properties"].items():
+                print(f"  {name:26s} {'yes' if ok else 'NO '}  {report['property_descriptions'][name]}")
             for note in f.get("notes", []):
                 print(f"  note: {note}")
+        if t["missing_properties"]:
+            print(f"  MISSING on this host: {'; '.join(t['missing_properties'])}")
     print("probes (True = isolated):")
     for name, ok in report["probes"].items():
         print(f"  {name:28s} {ok}")

@@ -167,9 +167,10 @@ class SandboxConfig(_Section):
     file_size_mb: int = Field(64, ge=1)
     """RLIMIT_FSIZE per call in MiB: the largest file a program may write."""
     scratch_mb: int = Field(1024, ge=0)
-    """Size in MiB of the tmpfs (in RAM) each template mounts, in its own mount namespace, for the
-    working directories of its calls; all its running calls share it. 0 = keep them on the host's
-    temp directory (slower: rmdir cost ~4 ms per call on this host's disk)."""
+    """RAM in MiB for the calls' files: each call gets a fresh tmpfs of scratch_mb / workers MiB as its
+    /tmp (also cwd, HOME, /dev/shm), gone with the call. Where a call cannot have its own mount
+    namespace, a tmpfs of scratch_mb per template holds the calls' directories instead. 0 = those
+    directories on the host's temp directory (slower); refused unless calls run unconfined."""
     namespaces: bool = True
     """Use PID and network namespaces where the host allows. false = process groups and per-call uids
     only (what a host without namespaces gets; kept for testing that path)."""

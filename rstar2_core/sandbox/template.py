@@ -4,20 +4,30 @@ tool call and supervises it (limits, output caps, timeout, clean-up).
 Run only by `rstar2_core.sandbox.service` as `python -I template.py '<json settings>'` (isolated mode:
 no PYTHON* variables, no script directory on sys.path, so this package's `types.py` cannot shadow the
 standard library inside the user's program). Standard library only; never import `rstar2_core` here,
-so the user's program does not find the trainer's modules already loaded. Its two helpers live in
-`runtime/` (`sbx_isolation.py`: namespaces, capabilities, host probing; `sbx_child.py`: the child
-side of a call) and are imported from there by file location.
+so the user's program does not find the trainer's modules already loaded. Its helpers live in
+`runtime/` (`sbx_isolation.py`: namespaces, capabilities, seccomp, host probing; `sbx_rootfs.py`:
+the minimal root; `sbx_child.py`: the child side of a call) and are imported from there by file
+location.
+
+At start (runtime/sbx_isolation.py, sbx_rootfs.py): a network namespace, a mount namespace whose root
+is the minimal read-only root of the service's plan (pivot_root), a reaper process that tears down
+the calls' mount namespaces, an empty capability bounding set, the seccomp filter (on the template
+itself: calls inherit it), one probe child that finds out which per-call steps this host allows;
+then the preloads, imported inside that root.
 
 Per call (see docs/sandbox.md for what is and is not isolated):
 - a fresh child from `clone(CLONE_NEWPID)`: the program is PID 1 of its own PID namespace, so when it
   exits or is killed the kernel kills every process it started, double-forked daemons included;
   without PID namespaces (host forbids them) it gets its own session and the group is killed;
+- its own mount namespace (made by the template just before the clone, handed to the reaper after)
+  with a fresh tmpfs on /tmp (cwd, HOME, /dev/shm) and a procfs of its PID namespace; where there is
+  none, a fresh private working directory removed afterwards;
 - its own uid from this template's pool when the service runs as root (so RLIMIT_NPROC is per call,
   and it cannot signal or write anything of the service's), rlimits AS/CPU/NPROC/FSIZE/CORE/NOFILE,
-  a fresh private working directory removed afterwards, a scrubbed environment, and PR_SET_PDEATHSIG
-  so it dies with the template;
-- the template's network namespace (made once at start, no interfaces up; an unprivileged uid cannot
-  bring loopback up), so there is no network;
+  no capabilities, no_new_privs, the inherited seccomp filter, a scrubbed environment, and
+  PR_SET_PDEATHSIG so it dies with the template;
+- its slot's network namespace (made on the slot's first call, no interfaces up; an unprivileged uid
+  cannot bring loopback up): no network, and no abstract Unix socket shared with a concurrent call;
 - stdout/stderr read incrementally: the first bytes are kept, the rest counted and thrown away;
   a flood beyond `drain_bytes` gets the tree killed (status output_limit).
 
@@ -45,13 +55,14 @@ import sys
 import time
 
 _RUNTIME = os.path.join(os.path.dirname(os.path.abspath(__file__)), "runtime")
-sys.path.insert(0, _RUNTIME)   # only while importing our two helpers (names no program would use)
+sys.path.insert(0, _RUNTIME)   # only while importing our helpers (names no program would use)
 import sbx_child as child
 import sbx_isolation as iso
 
 sys.path.remove(_RUNTIME)
 
 READ_CHUNK = 65536
+MAX_DEAD_NS = 1024   # finished calls' mount namespaces (their /tmp in RAM) waiting for the reaper
 
 # ------------------------------------------------------------------------------- the parent side
 class _Call:
@@ -61,6 +72,7 @@ class _Call:
         "err",
         "exited",
         "kill_reason",
+        "nsfd",
         "open_fds",
         "out",
         "pid",
@@ -79,6 +91,7 @@ class _Call:
         self.out, self.err = _Capture(req), _Capture(req)
         self.stdin = req["stdin"].encode("utf-8", "surrogatepass")  # lone surrogates reach the program as U+FFFD
         self.kill_reason: str | None = None
+        self.nsfd = -1   # the call's own mount namespace, when it has one
         self.exited = False
         self.open_fds: set[int] = set()
 
@@ -120,18 +133,23 @@ class Template:
         self.pending: collections.deque[dict] = collections.deque()  # waiting for a free slot
         self.stopping = False
         self.seq = 0
+        self.dead_ns: list[int] = []   # mount namespaces of finished calls, for the reaper
+        self.spare_ns = -1             # one made ahead while idle, for the next call
 
     # -- start
     def start(self) -> None:
         iso.libc.prctl(iso.PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         if os.getppid() != self.s["parent_pid"]:
             os._exit(1)
-        feats = iso.setup_isolation(self.s["network"], self.s.get("namespaces", True), self.s["workdir"],
-                                self.s.get("scratch_mb", 0))
+        # The host's /proc, kept open for the template's own needs: the minimal root has none.
+        self.procfd = os.open("/proc", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        feats = iso.setup_isolation(self.s, self.procfd)
+        self.cs = iso.prepare_calls(feats, self.s, self.procfd)
+        self.call_conf = self.cs.conf
         for name in ("ast", "io", "linecache", "traceback", "types"):  # what _run_program needs
             importlib.import_module(name)
         loaded, missing = [], []
-        for name in self.s["preload"]:
+        for name in self.s["preload"]:   # inside the minimal root: a file missing there shows up here
             try:
                 importlib.import_module(name)
                 loaded.append(name)
@@ -141,7 +159,7 @@ class Template:
         self.devnull = os.open(os.devnull, os.O_RDONLY)
         gc.collect()
         gc.freeze()  # keep the collector from touching (and so copying) the template's pages in children
-        self.feats, self.as_base = feats, iso.vm_size_bytes()
+        self.feats, self.as_base = feats, iso.vm_size_bytes(self.procfd)
         self.uids = None
         if feats["uid_drop"]:
             self.uids = [int(self.s["uid_base"]) + i for i in range(int(self.s["slots"]))]
@@ -150,6 +168,16 @@ class Template:
         self.sel.register(self.ctrl_in, selectors.EVENT_READ, "ctrl")
         self._send({"hello": True, "kind": self.s["kind"], "pid": os.getpid(), "features": feats,
                     "preloaded": loaded, "missing": missing, "vm_mb": self.as_base >> 20})
+
+    def _netns_for(self, slot: int) -> int:
+        """The network namespace of call slot `slot` (made on first use): concurrent calls never
+        share one, so not their abstract Unix sockets either; a call's sockets die with the call."""
+        if not self.feats["netns_per_slot"]:
+            return -1
+        fd = self.cs.slot_net.get(slot)
+        if fd is None:
+            fd = self.cs.slot_net[slot] = iso.new_netns(self.procfd, self.cs.home_net)
+        return fd
 
     # -- messages
     def _send(self, msg: dict) -> None:
@@ -198,7 +226,9 @@ class Template:
     def _spawn(self, req: dict) -> None:
         slot = self.free_slots.pop()
         self.seq += 1
-        call = _Call(req, slot, os.path.join(self.s["workdir"], f"{self.s['kind']}{os.getpid()}-{self.seq}"))
+        cwd = ("/tmp" if self.call_conf["tmp_opts"]
+               else os.path.join(self.s["workdir"], f"{self.s['kind']}{os.getpid()}-{self.seq}"))
+        call = _Call(req, slot, cwd)
         made: list[int] = []
         try:
             in_r, in_w = os.pipe() if call.stdin else (self.devnull, -1)
@@ -210,14 +240,24 @@ class Template:
             call.t0 = time.monotonic()
             call.deadline = call.t0 + float(req["timeout_s"])
             uid = self.uids[slot] if self.uids else None
+            netfd = self._netns_for(slot)
+            if self.call_conf["tmp_opts"]:   # the child is cloned into the call's own mount namespace
+                if self.spare_ns >= 0:
+                    call.nsfd, self.spare_ns = self.spare_ns, -1
+                    iso.setns(call.nsfd, iso.CLONE_NEWNS)
+                else:
+                    call.nsfd = iso.enter_call_mount_ns(self.procfd)
             pid = iso.clone_newpid() if self.feats["pidns"] else os.fork()
         except OSError:
             for fd in made:
                 os.close(fd)
+            self._leave_call_ns(call)
             self.free_slots.append(slot)
             raise
         if pid == 0:
-            child.run_child(req, call.cwd, uid, (in_r, out_w, err_w), self.as_base, self.feats["keep_read_cap"])
+            child.run_child(req, call.cwd, uid, (in_r, out_w, err_w), self.as_base, self.call_conf, netfd)
+        if call.nsfd >= 0:
+            iso.setns(self.cs.home_mnt, iso.CLONE_NEWNS)
         for fd in (in_r, out_w, err_w):
             if fd != self.devnull:
                 os.close(fd)
@@ -235,6 +275,12 @@ class Template:
             self.fd_owner[in_w] = (call, "in")
             call.open_fds.add(in_w)
             self._write_stdin(call)
+
+    def _leave_call_ns(self, call: _Call) -> None:
+        if call.nsfd >= 0:
+            iso.setns(self.cs.home_mnt, iso.CLONE_NEWNS)
+            os.close(call.nsfd)
+            call.nsfd = -1
 
     def _write_stdin(self, call: _Call) -> None:
         fd = call.stdin_fd
@@ -354,10 +400,14 @@ class Template:
             status = "error"
         del self.calls[call.pid]
         self.free_slots.append(call.slot)
-        try:
-            os.rmdir(call.cwd)   # the common case: the program left its directory empty
-        except OSError:
-            shutil.rmtree(call.cwd, ignore_errors=True)
+        if call.nsfd >= 0:   # its /tmp and /proc go with the namespace, torn down by the reaper
+            self.dead_ns.append(call.nsfd)
+            call.nsfd = -1
+        if not self.call_conf["tmp_opts"]:   # a private /tmp went away with the call's mount namespace
+            try:
+                os.rmdir(call.cwd)   # the common case: the program left its directory empty
+            except OSError:
+                shutil.rmtree(call.cwd, ignore_errors=True)
         self._send({"cid": req["cid"], "status": status, "stdout": stdout, "stderr": stderr,
                     "exit_code": exit_code, "duration_s": time.monotonic() - call.t0, "truncated": truncated})
 
@@ -387,6 +437,15 @@ class Template:
                     else:
                         left = call.deadline - now
                         timeout = left if timeout is None else min(timeout, left)
+            while self.dead_ns:   # one message per loop turn: fewer wake-ups of the reaper
+                if iso.hand_over(self.cs.reaper, self.dead_ns[:iso.MAX_HANDOVER]):
+                    del self.dead_ns[:iso.MAX_HANDOVER]
+                elif len(self.dead_ns) > MAX_DEAD_NS:   # the reaper is far behind: tear down here
+                    os.close(self.dead_ns.pop(0))
+                else:
+                    break   # retried on the next loop turn
+            if self.spare_ns < 0 and self.call_conf["tmp_opts"] and not self.pending and self.free_slots:
+                self.spare_ns = iso.make_mount_ns(self.procfd, self.cs.home_mnt)
             try:
                 events = self.sel.select(timeout)
             except InterruptedError:

@@ -1,6 +1,7 @@
-"""The child side of one tool call, run in the fresh process the template cloned: isolate (rlimits,
-uid, capabilities, environment, stdio), then run the program as __main__ and print the repr of a
-last expression, as a notebook would. Standard library only; loaded by template.py."""
+"""The child side of one tool call, run in the fresh process the template cloned (it inherits the
+template's seccomp filter): isolate (its own /tmp and /proc, its slot's network namespace, rlimits,
+uid, no capabilities, no_new_privs, environment, stdio), then run the program as __main__ and print the repr of a last
+expression, as a notebook would. Standard library only; loaded by template.py."""
 
 from __future__ import annotations
 
@@ -56,18 +57,26 @@ def make_child_stdio() -> tuple:
     return streams
 
 
-def run_child(req: dict, cwd: str, uid: int | None, fds: tuple[int, int, int], as_base: int,
-           read_cap: bool) -> None:
-    """Runs in the fresh child: isolate, then run the program. Never returns."""
+def run_child(req: dict, cwd: str, uid: int | None, fds: tuple[int, int, int], as_base: int, conf: dict,
+              netfd: int) -> None:
+    """Runs in the fresh child: isolate, then run the program. Never returns. `conf`: the template's
+    per-call set-up (`tmp_opts`: mount a private /tmp in the call's own mount namespace, `proc`: and a
+    /proc); `netfd`: this slot's network namespace or -1."""
     try:
         iso.libc.prctl(iso.PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         os.setsid()
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
-        os.closerange(3, 1 << 20)
-        os.mkdir(cwd, 0o700)
-        if uid is not None:
-            os.chown(cwd, uid, uid)
+        if netfd >= 0:
+            iso.setns(netfd, iso.CLONE_NEWNET)
+        os.closerange(3, 1 << 20)   # the template's fds (its host /proc included) stay with it
+        if conf["tmp_opts"] is not None:
+            owner = b",uid=%d,gid=%d" % (uid, uid) if uid is not None else b""
+            iso.mount_call_dirs(conf["tmp_opts"] + owner, conf["proc"])
+        else:
+            os.mkdir(cwd, 0o700)
+            if uid is not None:
+                os.chown(cwd, uid, uid)
         os.chdir(cwd)
         mem = as_base + int(req["memory_mb"]) * (1 << 20)
         cpu = max(1, int(req["cpu_s"] + 0.999))
@@ -78,12 +87,11 @@ def run_child(req: dict, cwd: str, uid: int | None, fds: tuple[int, int, int], a
         if uid is not None:
             resource.setrlimit(resource.RLIMIT_NPROC, (req["nproc"], req["nproc"]))
             os.setgroups([])
-            if read_cap:
-                iso.libc.prctl(iso.PR_SET_KEEPCAPS, 1, 0, 0, 0)
             os.setgid(uid)
             os.setuid(uid)
-            iso.set_caps(1 << iso.CAP_DAC_READ_SEARCH if read_cap else 0)
-        iso.libc.prctl(iso.PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+            iso.libc.prctl(iso.PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # a uid change cleared it
+        iso.drop_caps()
+        iso.libc.prctl(iso.PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)   # the seccomp filter came with the fork
         os.environ.clear()
         os.environ.update(CHILD_ENV, HOME=cwd, TMPDIR=cwd, PWD=cwd)
         sys.stdin, sys.stdout, sys.stderr = _CHILD_STDIO

@@ -1,0 +1,279 @@
+"""What a call can see and what it leaves behind (issue 18): one attack per property, each of which
+succeeds against a sandbox without the minimal root, per-call mounts, per-slot network namespaces,
+capability drop and seccomp filter. A property the host cannot provide is skipped with the
+service's reason (`rstar2 sandbox doctor` lists them)."""
+
+from __future__ import annotations
+
+import ast
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+from rstar2_core.sandbox import ExecutionRequest, LocalSandbox, Status
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def run(sb, code: str, stdin: str = ""):
+    return sb.run_sync(ExecutionRequest(code=code, stdin=stdin))
+
+
+def require(sb, feature: str, kind: str = "light") -> None:
+    """Skip when the templates report that this host cannot provide `feature`."""
+    f = sb.features[kind]["features"]
+    if f.get(feature, True) in (False, None):
+        pytest.skip(f"this host cannot provide {feature!r} (notes: {'; '.join(f.get('notes', [])) or 'none'})")
+
+
+@pytest.fixture()
+def one_worker(make_cfg):
+    """One worker: consecutive calls run in the same template, one after the other."""
+    box = LocalSandbox(make_cfg(preload=["math"], workers=1)).start()
+    yield box
+    box.close()
+
+
+@pytest.fixture()
+def planted():
+    """A world-readable "answer key" outside the sandbox, and a root-only (mode 600) secret."""
+    d = tempfile.mkdtemp(prefix="rstar2-planted-", dir="/tmp")
+    os.chmod(d, 0o755)
+    key, secret = Path(d, "problems.parquet"), Path(d, "credentials")
+    key.write_text("ANSWER-KEY-42")
+    key.chmod(0o644)
+    secret.write_text("SECRET-TOKEN")
+    secret.chmod(0o600)
+    yield key, secret
+    key.unlink()
+    secret.unlink()
+    os.rmdir(d)
+
+
+_READ = ("import os\nfor p in {paths!r}:\n    try:\n        print(p, repr(open(p).read()[:40]))\n"
+         "    except OSError as e:\n        print(p, type(e).__name__)")
+
+
+def test_world_readable_files_outside_the_root_are_invisible(sb, planted):
+    require(sb, "minimal_root")
+    key, _ = planted
+    paths = [str(key), str(ROOT / "pyproject.toml"), __file__, "/etc/passwd", "/etc/hostname"]
+    r = run(sb, _READ.format(paths=paths))
+    assert r.status is Status.OK
+    assert "ANSWER-KEY" not in r.stdout and "[project]" not in r.stdout and "root:" not in r.stdout
+    assert r.stdout.count("FileNotFoundError") == len(paths), r.stdout
+    # The checkout's directory exists in the root only where the interpreter's venv lives inside it.
+    r = run(sb, f"import os\nr = {str(ROOT)!r}\nprint(sorted(os.listdir(r)) if os.path.exists(r) else [],"
+                f" os.path.exists({str(Path.home())!r} + '/.bashrc'))")
+    assert r.stdout in ("[] False\n", "['.venv'] False\n"), r.stdout
+
+
+def test_project_sources_cannot_be_imported(sb):
+    require(sb, "minimal_root", "heavy")
+    r = run(sb, "import sympy\ntry:\n    import rstar2_core\n    print('imported', rstar2_core.__file__)\n"
+                "except ImportError as e:\n    print(type(e).__name__)")
+    assert r.stdout == "ModuleNotFoundError\n", r.stdout
+
+
+def test_a_root_only_file_is_unreadable(sb, planted):
+    require(sb, "minimal_root")
+    _, secret = planted
+    r = run(sb, _READ.format(paths=[str(secret)]))
+    assert "SECRET" not in r.stdout and "Error" in r.stdout
+
+
+def test_calls_hold_no_capabilities(sb):
+    require(sb, "own_proc")
+    r = run(sb, "print(''.join(l for l in open('/proc/self/status') if l.startswith(('Cap', 'NoNewPrivs'))))")
+    lines = dict(ln.split(":\t") for ln in r.stdout.split("\n") if ":\t" in ln)
+    assert {k: lines[k].strip() for k in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb")} == dict.fromkeys(
+        ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"), "0" * 16), r.stdout
+    assert lines["NoNewPrivs"].strip() == "1"
+
+
+def test_the_state_folder_cannot_be_globbed(sb):
+    require(sb, "minimal_root")
+    home = Path(os.environ.get("RSTAR2_HOME", ROOT / ".rstar2"))
+    planted = home / "artifacts" / f"sbx-{uuid.uuid4().hex[:8]}" / "problems.parquet"
+    planted.parent.mkdir(parents=True)
+    planted.write_text("ANSWER-KEY")
+    try:
+        r = run(sb, f"import glob, os\nprint(glob.glob({str(home)!r} + '/**/*.parquet', recursive=True), "
+                    f"os.path.exists({str(home)!r}))")
+    finally:
+        planted.unlink()
+        planted.parent.rmdir()
+    assert r.stdout == "[] False\n", r.stdout
+
+
+def test_tmp_shm_and_cwd_do_not_pass_between_calls(one_worker):
+    require(one_worker, "private_tmp")
+    name = f"rstar2-leak-{uuid.uuid4().hex[:8]}"
+    try:
+        w = run(one_worker, f"for d in ('/tmp', '/dev/shm', '.'):\n    open(d + '/{name}' + d[-1], 'w').write('x')\n"
+                            "print('ok')")
+        assert w.stdout == "ok\n", w.stderr
+        r = run(one_worker, f"import os\nprint([os.path.exists(d + '/{name}' + d[-1]) for d in ('/tmp', '/dev/shm', '.')])")
+        assert r.stdout == "[False, False, False]\n"
+    finally:
+        for d in ("/tmp", "/dev/shm"):
+            Path(d, name + d[-1]).unlink(missing_ok=True)
+
+
+def test_no_file_of_a_call_remains_on_the_host(one_worker):
+    require(one_worker, "private_tmp")
+    name = f"rstar2-left-{uuid.uuid4().hex[:8]}"
+    code = (f"import os\nfor d in ('/tmp', '/dev/shm', '.'):\n    os.makedirs(d + '/{name}' + d[-1] + '/sub')\n"
+            f"    open(d + '/{name}' + d[-1] + '/sub/f', 'w').write('x' * 100)\nprint(os.getcwd())")
+    try:
+        r = run(one_worker, code)
+        assert r.status is Status.OK, r.stderr
+        found = [str(p) for p in (Path("/tmp", name + "p"), Path("/dev/shm", name + "m")) if p.exists()]
+        found += [str(p) for p in Path(one_worker._d.workdir).rglob(name + "*")]
+        assert found == [], f"left on the host: {found}"
+    finally:
+        for d in ("/tmp", "/dev/shm"):
+            shutil.rmtree(Path(d, name + d[-1]), ignore_errors=True)
+
+
+def test_proc_shows_only_the_calls_own_processes(sb):
+    require(sb, "own_proc")
+    code = ("import os, time\npid = os.fork()\nif pid == 0:\n    time.sleep(5)\n    os._exit(0)\n"
+            "print(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()), pid)")
+    r = run(sb, code)
+    pids, child = r.stdout.rsplit(" ", 1)
+    assert ast.literal_eval(pids) == [1, int(child)], r.stdout
+
+
+_SYSCALLS = """
+import ctypes, errno
+libc = ctypes.CDLL(None, use_errno=True)
+tries = {"ptrace(TRACEME)": lambda: libc.ptrace(0, 0, 0, 0), "unshare(NEWUSER)": lambda: libc.unshare(0x10000000),
+         "keyctl(JOIN)": lambda: libc.syscall(250, 1, 0), "io_uring_setup": lambda: libc.syscall(425, 1, ctypes.create_string_buffer(120)),
+         "mount": lambda: libc.mount(b"none", b"/tmp", b"tmpfs", 0, None)}
+for name, fn in tries.items():
+    rc = fn()
+    print(name, "refused" if rc == -1 and ctypes.get_errno() == errno.EPERM else f"rc={rc} errno={ctypes.get_errno()}")
+"""
+
+
+def test_forbidden_system_calls_are_refused(sb):
+    require(sb, "seccomp")
+    if os.uname().machine != "x86_64":
+        pytest.skip("the attack uses x86_64 system call numbers")
+    r = run(sb, _SYSCALLS)
+    assert r.status is Status.OK, r.stderr
+    assert r.stdout.split("\n")[:-1] == [f"{n} refused" for n in
+                                         ("ptrace(TRACEME)", "unshare(NEWUSER)", "keyctl(JOIN)", "io_uring_setup", "mount")], r.stdout
+
+
+def test_every_refused_system_call_fails_with_eperm(sb):
+    require(sb, "seccomp")
+    sc = pytest.importorskip("pyseccomp")
+    from rstar2_core.sandbox.syscalls import REFUSED
+
+    arch = sc.system_arch()
+    numbers = {n: sc.resolve_syscall(arch, n) for n in REFUSED if sc.resolve_syscall(arch, n) >= 0}
+    # zero arguments: harmless where a call is not refused (EFAULT, EINVAL, EPERM without capabilities)
+    code = ("import ctypes, errno\nlibc = ctypes.CDLL(None, use_errno=True)\nbad = []\n"
+            f"for name, nr in {numbers!r}.items():\n"
+            "    if libc.syscall(nr, 0, 0, 0, 0, 0, 0) != -1 or ctypes.get_errno() != errno.EPERM:\n"
+            "        bad.append((name, ctypes.get_errno()))\n"
+            f"clone3 = libc.syscall({sc.resolve_syscall(arch, 'clone3')}, 0, 0)\n"
+            "bad += [] if clone3 == -1 and ctypes.get_errno() == errno.ENOSYS else [('clone3', ctypes.get_errno())]\n"
+            # the forms of CONDITIONAL the filter refuses, and one it lets through to the kernel (no capability)
+            f"forms = {{'clone(NEWUSER)': ({sc.resolve_syscall(arch, 'clone')}, 0x10000000 | 0x200, 0),\n"
+            f"         'mount(flags 0)': ({sc.resolve_syscall(arch, 'mount')}, 0, 0),\n"
+            f"         'unshare(NEWUSER)': ({sc.resolve_syscall(arch, 'unshare')}, 0x10000000, 0),\n"
+            f"         'unshare(NEWNS)': ({sc.resolve_syscall(arch, 'unshare')}, 0x20000, 0),\n"
+            f"         'setns(any type)': ({sc.resolve_syscall(arch, 'setns')}, 0, 0),\n"
+            f"         'setns(NEWUSER)': ({sc.resolve_syscall(arch, 'setns')}, 0, 0x10000000)}}\n"
+            "for name, (nr, a, b) in forms.items():\n"
+            "    if libc.syscall(nr, a, b, 0, 0, 0, 0) != -1 or ctypes.get_errno() != errno.EPERM:\n"
+            "        bad.append((name, ctypes.get_errno()))\n"
+            "print(bad)")
+    r = run(sb, code)
+    assert r.status is Status.OK and r.stdout == "[]\n", (r.stdout, r.stderr)
+    assert len(numbers) >= 50
+
+
+def test_a_system_call_of_another_abi_kills_the_call(sb):
+    require(sb, "seccomp")
+    if os.uname().machine != "x86_64":
+        pytest.skip("x32 is an x86_64 ABI")
+    r = run(sb, "import ctypes\nctypes.CDLL(None).syscall(0x40000000 | 39)\nprint('survived')")  # x32 getpid
+    assert r.status is Status.KILLED and r.exit_code == -31 and r.stdout == "", r   # SIGSYS
+
+
+def test_abstract_unix_sockets_are_not_shared_between_concurrent_calls(make_cfg):
+    name = f"rstar2-abs-{uuid.uuid4().hex[:8]}"
+    server = (f"import socket, time\ns = socket.socket(socket.AF_UNIX)\ns.bind('\\0{name}')\ns.listen(1)\n"
+              "print('listening', flush=True)\ntime.sleep(2.5)")
+    client = (f"import socket, time\nfor _ in range(40):\n    try:\n        socket.socket(socket.AF_UNIX).connect('\\0{name}')\n"
+              "        print('shared')\n        break\n    except OSError:\n        time.sleep(0.05)\nelse:\n    print('alone')")
+    with LocalSandbox(make_cfg(preload=["math"], workers=2, timeout_s=5.0)) as box:
+        require(box, "netns_per_slot")
+        out: dict = {}
+        t = threading.Thread(target=lambda: out.update(server=run(box, server)))
+        t.start()
+        c = run(box, client)
+        t.join()
+    assert out["server"].stdout == "listening\n" and c.stdout == "alone\n", (out["server"], c)
+
+
+def test_ordinary_programs_still_work(sb):
+    assert run(sb, "import sympy\nx = sympy.Symbol('x')\nsympy.integrate(x**2, (x, 0, 3))").stdout == "9\n"
+    assert run(sb, "import numpy as np\nprint(np.linalg.solve(np.eye(2) * 2, [2, 4]))").stdout == "[1. 2.]\n"
+    assert run(sb, "import scipy.special\nprint(round(float(scipy.special.gamma(5)), 3))").stdout == "24.0\n"
+    assert run(sb, "print(int(input()) * 2)", stdin="21\n").stdout == "42\n"
+    r = run(sb, "open('data.txt', 'w').write('1 2 3')\nimport json, fractions, os\n"
+                "sum(map(int, open('data.txt').read().split())), sorted(os.listdir('.'))")
+    assert r.stdout == "(6, ['data.txt'])\n"
+    r = run(sb, "import subprocess, sys\nprint(subprocess.run([sys.executable, '-c', 'print(6 * 7)'],"
+                " capture_output=True, text=True).stdout.strip())")
+    assert r.stdout == "42\n", r.stderr   # a fresh interpreter finds everything it needs in the root
+
+
+def test_missing_properties_are_logged_at_start(make_cfg, caplog):
+    with caplog.at_level(logging.WARNING, logger="rstar2.sandbox"), \
+            LocalSandbox(make_cfg(preload=["math"], namespaces=False)) as box:
+        f = box.features["light"]["features"]
+    assert f["minimal_root"] is None and not f["private_tmp"]
+    warning = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    for prop in ("minimal_root", "private_tmp", "own_proc", "pid_namespace", "no_network", "private_abstract_sockets"):
+        assert prop in warning, warning
+    assert "seccomp (" not in warning   # the filter needs no namespace: still installed
+
+
+def test_scratch_zero_is_refused_when_calls_are_confined(make_cfg):
+    from rstar2_core.sandbox import SandboxError
+
+    with pytest.raises(SandboxError, match="scratch_mb"):
+        LocalSandbox(make_cfg(preload=["math"], scratch_mb=0)).start()
+    with LocalSandbox(make_cfg(preload=["math"], scratch_mb=0), confine=False) as box:   # host temp dirs
+        assert run(box, "print(6 * 7)").stdout == "42\n"
+
+
+def test_finished_calls_mount_namespaces_are_released(one_worker):
+    require(one_worker, "private_tmp")
+    for _ in range(40):
+        assert run(one_worker, "open('/tmp/f', 'w').write('x' * 4096)").status is Status.OK
+    time.sleep(0.5)
+    tpl = one_worker._d.templates["light"][0].proc.pid
+    held = []
+    for pid in [tpl, *(c.pid for c in psutil.Process(tpl).children())]:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("mnt:"):
+                    held.append(pid)
+            except OSError:
+                pass
+    assert len(held) <= 3, f"{len(held)} mount namespaces still held"   # the template's own, a spare
