@@ -94,7 +94,7 @@ def _record(item: ToolCall | ToolCallError, result: ExecutionResult | ToolCallEr
     if isinstance(result, ToolCallError):
         return ToolCallRecord(name=None, status=result.kind, failed=True)
     return ToolCallRecord(name=item.name, status=result.status.value, failed=result.status.is_failure,
-                          infra=result.status.is_infra, duration_s=result.duration_s)
+                          infra=result.status.is_infra, duration_s=result.duration_s, cpu_s=result.cpu_s)
 
 
 async def run_trajectory(engine: Engine, sandbox: Any, chat: Any, problem: str, limits: RolloutLimits,

@@ -56,6 +56,7 @@ class ToolCallRecord:
     failed: bool          # counts toward the RoC error penalty
     infra: bool = False   # the service failed (Status.INTERNAL): not the model's fault
     duration_s: float = 0.0
+    cpu_s: float | None = None   # the program's CPU seconds, where the sandbox measured them
 
 
 @dataclass(frozen=True)

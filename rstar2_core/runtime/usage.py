@@ -9,8 +9,10 @@ the rollout, after it, and after the update) and the step's phase times into `us
 - `usage/trainer_device_s`: ranks x update seconds; `usage/trainer_busy_s`: the ranks' forward,
   backward and optimizer seconds; `usage/trainer_idle_frac` = 1 - busy / held (straggler wait and
   the driver's share of the update phase).
-- `usage/sandbox_calls`, `usage/sandbox_call_s` (summed wall time of the tool calls),
-  `usage/sandbox_cpu_s` (summed CPU time, where the sandbox reports it), `usage/sandbox_p50_ms`,
+- `usage/sandbox_calls` (calls the sandbox ran; calls that did not parse never reach it),
+  `usage/sandbox_call_s` (their summed wall time),
+  `usage/sandbox_cpu_s` (summed CPU time of the programs, from their rusage; calls the service could
+  not run have none), `usage/sandbox_p50_ms`,
   `usage/sandbox_p99_ms` (call latency as the agent loop saw it).
 - `usage/tokens_generated` (sampled tokens of every trajectory) vs `usage/tokens_trained` (those of the
   trajectories kept after RoC and the zero-variance drop) and `usage/trained_share`.
@@ -47,7 +49,7 @@ def step_usage_metrics(before: RuntimeUsage, after_rollout: RuntimeUsage, after_
     busy_e = _delta(before.engine_busy_s, after_rollout.engine_busy_s) * dev
     held_t = n_trainer_ranks * phases["train"]
     busy_t = _delta(after_rollout.trainer_busy_s, after_train.trainer_busy_s)
-    calls = [c for g in groups for t in g for c in t.tool_calls]
+    calls = [c for g in groups for t in g for c in t.tool_calls if c.name is not None]   # those the sandbox ran
     lat = [c.duration_s for c in calls]
     cpu = [getattr(c, "cpu_s", None) for c in calls]
     generated = float(sum(t.n_generated_tokens for g in groups for t in g))
@@ -61,8 +63,9 @@ def step_usage_metrics(before: RuntimeUsage, after_rollout: RuntimeUsage, after_
            "usage/sandbox_p99_ms": 1000.0 * _percentile(lat, 0.99),
            "usage/tokens_generated": generated, "usage/tokens_trained": trained,
            "usage/trained_share": trained / generated if generated else 0.0}
-    if calls and all(x is not None for x in cpu):
-        out["usage/sandbox_cpu_s"] = float(sum(cpu))
+    measured = [x for x in cpu if x is not None]
+    if measured:
+        out["usage/sandbox_cpu_s"] = float(sum(measured))
     return out
 
 

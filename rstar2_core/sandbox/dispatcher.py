@@ -261,7 +261,8 @@ class Dispatcher:
                 continue
             self._finish(call, ExecutionResult(
                 id=call.req.id, status=Status(msg["status"]), stdout=msg["stdout"], stderr=msg["stderr"],
-                exit_code=msg["exit_code"], duration_s=msg["duration_s"], truncated=msg["truncated"]))
+                exit_code=msg["exit_code"], duration_s=msg["duration_s"], truncated=msg["truncated"],
+                cpu_s=msg.get("cpu_s")))
 
     def _finish(self, call: Call, res: ExecutionResult) -> None:
         self.stats["sandbox/calls"] += 1

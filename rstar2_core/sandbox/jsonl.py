@@ -1,7 +1,7 @@
 """JSON-lines front end of the sandbox (what `rstar2 sandbox run` uses).
 
 Request line: {"id": "...", "code": "...", "stdin": "..."} (stdin optional). Result line:
-{"id", "status", "stdout", "stderr", "exit_code", "duration_s", "truncated"}. One result per request,
+{"id", "status", "stdout", "stderr", "exit_code", "duration_s", "truncated", "cpu_s"}. One result per request,
 in input order, also for lines that are not valid JSON or lack a string `code` (status
 invalid_request, stderr says why). The result echoes the request's `id` as given (null when the line
 has none or is not a JSON object). Whitespace-only lines are not requests and get no result.

@@ -409,7 +409,8 @@ class Template:
             except OSError:
                 shutil.rmtree(call.cwd, ignore_errors=True)
         self._send({"cid": req["cid"], "status": status, "stdout": stdout, "stderr": stderr,
-                    "exit_code": exit_code, "duration_s": time.monotonic() - call.t0, "truncated": truncated})
+                    "exit_code": exit_code, "duration_s": time.monotonic() - call.t0, "truncated": truncated,
+                    "cpu_s": cpu})
 
     # -- loop
     def loop(self) -> None:

@@ -47,6 +47,7 @@ class ExecutionResult:
     exit_code: int | None
     duration_s: float
     truncated: bool = False
+    cpu_s: float | None = None   # user + system CPU seconds of the program's process tree (None: not measured)
 
     def to_json(self) -> dict:
         d = asdict(self)

@@ -83,6 +83,13 @@ def test_resume_after_crash_matches_straight_run(toy_policy, tmp_path, monkeypat
     w0 = _weights(ckpt)
     assert any(not torch.equal(w0[k], wa[k]) for k in wa)
     assert any(m["rollout/groups_kept"] > 0 for _, m in straight)
+    # where the time went: the sandbox's calls and their CPU, tokens generated vs trained, summed over the stage
+    with_calls = [m for _, m in straight if m["usage/sandbox_calls"] > 0]
+    assert with_calls and all(0 < m["usage/sandbox_cpu_s"] <= m["usage/sandbox_call_s"] for m in with_calls)
+    last = straight[-1][1]
+    assert last["total/usage/tokens_generated"] == sum(m["usage/tokens_generated"] for _, m in straight)
+    assert last["total/usage/tokens_trained"] <= last["total/usage/tokens_generated"]
+    assert last["runtime/engines"] == 1 and last["runtime/trainer_ranks"] == 1
     assert all(m["rollout/trajectories"] == 3 * 8 for _, m in straight)
     # only the last 2 step checkpoints are kept; a rerun of a finished stage returns at once
     steps = [u.rsplit("/", 1)[-1] for u in storage.list_dirs(storage.join(out_b, "steps"))]

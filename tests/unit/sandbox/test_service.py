@@ -124,7 +124,7 @@ def test_garbage_request_lines_get_invalid_request_in_order(light_only):
                                            "invalid_request", "ok"]
     assert rows[4]["stdout"] == "'x'\n" and rows[6]["stdout"] == "3\n"
     assert counts == {"ok": 3, "invalid_request": 4}
-    assert set(rows[0]) == {"id", "status", "stdout", "stderr", "exit_code", "duration_s", "truncated"}
+    assert set(rows[0]) == {"id", "status", "stdout", "stderr", "exit_code", "duration_s", "truncated", "cpu_s"}
 
 
 @pytest.mark.slow
@@ -144,3 +144,16 @@ def test_cli_run_contract():
     bad = subprocess.run([sys.executable, "-m", "rstar2_cli.main", "sandbox", "run", "--timeout-s", "-1"],
                          input="", capture_output=True, text=True, cwd=ROOT, env=env, timeout=60, check=False)
     assert bad.returncode != 0 and "timeout_s" in bad.stderr
+
+
+def test_a_result_carries_the_programs_cpu_seconds():
+    """`cpu_s` is the program's user + system CPU (from the child's rusage), what the RL step sums as
+    `usage/sandbox_cpu_s`: a busy loop shows its CPU, a sleep shows almost none."""
+    from rstar2_core.config import SandboxConfig
+
+    with LocalSandbox(SandboxConfig(workers=1)) as box:
+        busy = box.run_sync(ExecutionRequest(code="x = 0\nfor i in range(3_000_000):\n    x += i\nprint(x > 0)"))
+        idle = box.run_sync(ExecutionRequest(code="import time\ntime.sleep(0.3)\nprint(1)"))
+    assert busy.status is Status.OK and idle.status is Status.OK
+    assert busy.cpu_s is not None and 0.05 < busy.cpu_s <= busy.duration_s + 0.05
+    assert idle.cpu_s is not None and idle.cpu_s < 0.15 < idle.duration_s
