@@ -1,15 +1,17 @@
 """Which failures a stage task retries: infrastructure errors only.
 
 A retried stage resumes from its own last checkpoint (the core stages do that when given the same
-`out_url`), so retrying is cheap and safe for flaky infrastructure: an injected fault
-(`RSTAR2_FAULT_INJECT`), a Ray worker or actor that died, an OS/connection/timeout error. Bad config
+`out_url`), so retrying is cheap and safe for flaky infrastructure: any `rstar2_core.errors.InfraError`
+(an injected fault `RSTAR2_FAULT_INJECT`, a dead engine or trainer actor, a step over
+`rl.max_infra_failure_share`, stale engine weights), a Ray worker or actor that died, an
+OS/connection/timeout error. Bad config
 (`ConfigError`) and bad data (`ValueError`, `KeyError`, `TypeError`) fail at once: a retry would only
 fail again, later.
 """
 
 from __future__ import annotations
 
-from rstar2_core.faults import InjectedFault
+from rstar2_core.errors import InfraError
 
 _NEVER = (ValueError, KeyError, TypeError, AssertionError)  # ConfigError is a ValueError
 
@@ -27,7 +29,7 @@ def _ray_infra_errors() -> tuple[type[BaseException], ...]:
 
 def is_infrastructure_error(exc: BaseException) -> bool:
     """True for errors a retry can fix (fault injection, Ray deaths, OS/connection/timeout errors)."""
-    if isinstance(exc, InjectedFault):
+    if isinstance(exc, InfraError):   # injected faults, dead actors, infra-failure share, stale engine weights
         return True
     if isinstance(exc, _NEVER):
         return False

@@ -19,7 +19,13 @@ from tasks.tracking import flatten, metric_key
 def test_retry_rule_retries_infrastructure_only():
     import ray.exceptions as rex
 
+    from rstar2_core.cluster.errors import ActorFailure
+    from rstar2_core.errors import InfraFailureShareExceeded, StaleEngineWeights
+
     assert is_infrastructure_error(InjectedFault("x"))
+    assert is_infrastructure_error(ActorFailure("trainer-1", "killed"))
+    assert is_infrastructure_error(InfraFailureShareExceeded("60% of the step failed"))
+    assert is_infrastructure_error(StaleEngineWeights("gap 0.3"))
     assert is_infrastructure_error(ConnectionResetError())
     assert is_infrastructure_error(OSError("disk"))
     assert is_infrastructure_error(TimeoutError())
