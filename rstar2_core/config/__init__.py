@@ -76,7 +76,7 @@ class Config(_Section):
                                  "(the rest go to engines)")
         problems = runtime_problems(self)
         if problems:
-            raise ValueError("; ".join(problems))
+            raise ValueError("settings the chosen runtime would not honour:\n    - " + "\n    - ".join(problems))
         return self
 
     # resolved locations -------------------------------------------------------------------------

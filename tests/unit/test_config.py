@@ -126,3 +126,39 @@ def test_registry_keys_in_the_config_match_the_registries():
     assert sorted(LOADERS) == _FILE_LAYOUTS
     assert keys(SFTConfig, "schedule") == set(SCHEDULES)
     assert keys(RolloutConfig, "scheduler") == set(SCHEDULERS)
+
+
+RAY_CPU = ['cluster.runtime="ray"', 'rl.backend="deepspeed"', 'sft.backend="deepspeed"', 'sandbox.backend="ray"']
+
+
+@pytest.mark.parametrize("profile, overrides, needle", [
+    ("tiny", ["rollout.tensor_parallel_size=2"], "the HF engine has no tensor parallelism"),
+    ("tiny", ["rollout.gpu_memory_utilization=0.5"], "applies to vLLM engines only"),
+    ("tiny", ['rollout.weight_sync="object_store"'], "needs cluster.runtime = \"ray\""),
+    ("tiny", ["cluster.trainer_ranks=2"], "the local runtime trains in one process"),
+    ("tiny", ['rollout.weight_sync="checkpoint"', "rl.checkpoint_every=2"], "set rl.checkpoint_every = 1"),
+    ("tiny", ['cluster.runtime="ray"'], 'set rl.backend = "deepspeed"'),
+    ("tiny", RAY_CPU + ['rollout.weight_sync="state_dict"'], "the local runtime's in-process copy"),
+    ("tiny", RAY_CPU + ['model.dtype="bfloat16"'], 'set model.dtype = "float32"'),
+    ("tiny", RAY_CPU + ['rollout.weight_sync="nccl"'], "needs rollout.engine = \"vllm\""),
+    ("qwen3-14b-mi300x", ["cluster.resources.eval.num_gpus=8"], "cluster.resources.eval.num_gpus = 0"),
+    ("qwen3-14b-mi300x", ['rollout.weight_sync="nccl"'], "use \"ipc\" with cluster.layout = \"colocated\""),
+    ("qwen3-14b-mi300x", ['cluster.layout="separate"', "cluster.trainer_gpus=32", "rollout.num_engines=16"],
+     "needs cluster.layout = \"colocated\""),
+    ("qwen3-14b-mi300x", ["cluster.trainer_ranks=8"], "set cluster.trainer_ranks = 0"),
+    ("qwen3-14b-mi300x", ['sandbox.backend="local"'], 'set sandbox.backend = "ray"'),
+])
+def test_settings_the_runtime_would_not_honour_are_refused(profile, overrides, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(profile, overrides)
+    assert needle in str(e.value)
+
+
+def test_weight_sync_auto_resolves_per_runtime():
+    from rstar2_core.config.runtime_rules import resolved_weight_sync
+
+    assert resolved_weight_sync(load_config("tiny")) == "state_dict"
+    assert resolved_weight_sync(load_config("tiny", RAY_CPU)) == "object_store"
+    assert resolved_weight_sync(load_config("qwen3-14b-mi300x", ['rollout.weight_sync="auto"'])) == "ipc"
+    sep = ['cluster.layout="separate"', "cluster.trainer_gpus=32", "rollout.num_engines=16", 'rollout.weight_sync="auto"']
+    assert resolved_weight_sync(load_config("qwen3-14b-mi300x", sep)) == "nccl"
