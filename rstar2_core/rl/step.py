@@ -141,7 +141,8 @@ async def rl_step(rt: Any, chat: Any, batch: Sequence[RLProblem], *, cfg: Any, l
                                  "runtime/trainer_ranks": float(rt.trainer.world_size)}
     phases = {"rollout": t1 - t0, "grade": t2 - t1, "train": t3 - t2}
     url, publish_s = None, 0.0
-    if rt.weight_sync_mode == "checkpoint" and publish is not None:   # the engines reload what is published
+    publish_first = rt.weight_sync_mode == "checkpoint" and publish is not None  # engines reload what is published
+    if publish_first:
         url = publish(metrics)
         publish_s = time.perf_counter() - t3
     t4 = time.perf_counter()
@@ -152,7 +153,7 @@ async def rl_step(rt: Any, chat: Any, batch: Sequence[RLProblem], *, cfg: Any, l
     metrics.update(step_usage_metrics(before, after_rollout, after_train, phases, groups, sb.trajectories,
                                       n_trainer_ranks=rt.trainer.world_size if rt.trainer else 0))
     metrics.update({f"timing/{k}_s": v for k, v in phases.items()})
-    if url is None and publish is not None:
+    if publish is not None and not publish_first:
         t5 = time.perf_counter()
         url = publish(metrics)
         publish_s = time.perf_counter() - t5
