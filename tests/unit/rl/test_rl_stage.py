@@ -136,3 +136,29 @@ def test_next_stage_continues_the_optimizer_and_lr_schedule(toy_policy, tmp_path
     # steps; a fresh schedule would give 1e-3 / 4
     assert s2[0][1]["actor/lr"] == pytest.approx(1e-3 * (taken + 1) / 4)
     assert st2["cursor"] == 3 and st1["cursor"] == 6   # each stage has its own data cursor
+
+
+class _Stream(list):
+    def append_step(self, metrics: dict, step: int) -> None:
+        self.append((step, dict(metrics)))
+
+
+def test_checkpoint_weight_sync_takes_the_same_steps_as_the_in_process_sync(toy_policy, tmp_path, one_thread):
+    """rollout.weight_sync = "checkpoint": the engine reloads each step's published checkpoint instead of
+    copying the trainer's tensors, and the stage takes exactly the same steps."""
+    ckpt, data, _ = toy_policy
+    base = OVERRIDES + ["rl.stages.0.steps=3"]
+    runs = {}
+    for mode in ("state_dict", "checkpoint"):
+        stream = _Stream()
+        run_rl_stage(load_config("tiny", base + [f'rollout.weight_sync="{mode}"']), 0, init_checkpoint_url=ckpt,
+                     data_url=data, out_url=(tmp_path / mode).as_uri(), log_metrics=stream.append_step)
+        runs[mode] = stream
+
+    def same(stream):
+        return [(s, {k: v for k, v in m.items() if not k.endswith("sync/bytes")}) for s, m in _exact(stream)]
+
+    assert same(runs["checkpoint"]) == same(runs["state_dict"])
+    synced = [m for _, m in runs["checkpoint"] if "sync/bytes" in m]
+    assert synced and all(m["sync/bytes"] == 0 for m in synced)                  # nothing copied in memory
+    assert all(m["sync/bytes"] > 0 for _, m in runs["state_dict"] if "sync/bytes" in m)
