@@ -324,9 +324,9 @@ class HFEngine:
             rows, kv_len = bucket(rows, self.slots), bucket(kv_len, self.max_seq_len, MIN_BUCKET)
         store = self._store()
         store.ensure_initialised(rows)
-        if self._d_int is not self._h_int:
-            self._d_int[:, :rows].copy_(self._h_int[:, :rows], non_blocking=True)
-            self._d_flt[:, :rows].copy_(self._h_flt[:, :rows], non_blocking=True)
+        if self._d_int is not self._h_int:      # whole buffers: contiguous pinned copies, ~10 KB per step
+            self._d_int.copy_(self._h_int, non_blocking=True)
+            self._d_flt.copy_(self._h_flt, non_blocking=True)
         if self.cuda_graphs:
             if self._graphs is None:
                 from rstar2_core.rollout.decode_graphs import DecodeGraphs
