@@ -26,6 +26,8 @@ tokens/s counts generated tokens only (the same total on both sides), wall time 
 to the last result, after a warm-up on other prompts. Each workload runs `--repeats` generate/engine
 pairs back to back (3; 1 with --quick); a pair's ratio is engine / generate tokens/s, and the figure
 reported is the median over pairs (the machine is shared: pairs taken minutes apart see other loads).
+`cpu_ratio` is the same ratio per process CPU second, which the machine's load moves much less; the
+engine's decode steps, rows per step and prefill forwards come with it, to say where the ratio comes from.
 
     python bench/engine.py [--quick] [--json] [--models tiny,smollm2] [--threads 1]
 
@@ -99,7 +101,8 @@ def workload(vocab: int, n: int, prompt: tuple[int, int], median: int, cap: int,
     return prompts, lengths
 
 
-def run_engine(model, prompts: list[list[int]], lengths: list[int], slots: int, seed: int) -> tuple[float, int]:
+def run_engine(model, prompts: list[list[int]], lengths: list[int], slots: int, seed: int
+               ) -> tuple[float, float, dict]:
     from rstar2_core.rollout.hf_engine import HFEngine
     from rstar2_core.rollout.types import SamplingParams
 
@@ -116,20 +119,23 @@ def run_engine(model, prompts: list[list[int]], lengths: list[int], slots: int, 
             # warm-up on prompts whose first token differs (the measured ones must not hit the prefix cache)
             await go([[2] + p[1:] for p in prompts[:slots]],
                      [4] * min(slots, len(prompts)), seed + 10**6)
-            t = time.perf_counter()
+            before = dict(engine.stats)
+            t, c = time.perf_counter(), time.process_time()
             outs = await go(prompts, lengths, seed)
-            return time.perf_counter() - t, outs
+            wall, cpu = time.perf_counter() - t, time.process_time() - c
+            return wall, cpu, outs, {k: v - before[k] for k, v in engine.stats.items() if k in before}
         finally:
             await engine.close()
 
-    wall, outs = asyncio.run(main())
+    wall, cpu, outs, stats = asyncio.run(main())
     got = [len(o.token_ids) for o in outs]
     if got != lengths:
         raise RuntimeError(f"engine stopped at the wrong lengths: {got[:8]} vs {lengths[:8]}")
-    return wall, sum(got)
+    return wall, cpu, stats
 
 
-def run_generate(model, prompts: list[list[int]], lengths: list[int], batch: int) -> tuple[float, int]:
+def run_generate(model, prompts: list[list[int]], lengths: list[int], batch: int) -> tuple[float, float, int]:
+    """(wall s, process CPU s, decode steps) of batched `generate` with per-row lengths."""
     from transformers import StoppingCriteria, StoppingCriteriaList
 
     class RowLengths(StoppingCriteria):
@@ -150,13 +156,13 @@ def run_generate(model, prompts: list[list[int]], lengths: list[int], batch: int
                              stopping_criteria=StoppingCriteriaList([RowLengths(width, ls)]))
         if out.shape[1] - width != max(ls):
             raise RuntimeError(f"generate ran {out.shape[1] - width} steps, expected {max(ls)}")
+        return max(ls)
 
     with torch.no_grad():
         one_batch(prompts[:2], [2, 3])                    # warm-up
-        t = time.perf_counter()
-        for i in range(0, len(prompts), batch):
-            one_batch(prompts[i:i + batch], lengths[i:i + batch])
-        return time.perf_counter() - t, sum(lengths)
+        t, c = time.perf_counter(), time.process_time()
+        steps = sum(one_batch(prompts[i:i + batch], lengths[i:i + batch]) for i in range(0, len(prompts), batch))
+        return time.perf_counter() - t, time.process_time() - c, steps
 
 
 def bench_model(name: str, quick: bool, seed: int, repeats: int) -> dict:
@@ -171,18 +177,27 @@ def bench_model(name: str, quick: bool, seed: int, repeats: int) -> dict:
                  "prompt_tokens": sum(len(p) for p in prompts)}
     for wl, lengths in (("spread", spread), ("equal", [s["equal"]] * s["requests"])):
         r: dict = {"tokens": sum(lengths), "max_len": max(lengths), "mean_len": sum(lengths) / len(lengths)}
-        gen, eng = [], []
+        gen, eng, gen_cpu, eng_cpu = [], [], [], []
         for rep in range(repeats):      # alternate the two sides so that load drift hits both alike
-            g_s, _ = run_generate(model, prompts, lengths, s["slots"])
-            e_s, _ = run_engine(model, prompts, lengths, s["slots"], seed)
+            g_s, g_cpu, g_steps = run_generate(model, prompts, lengths, s["slots"])
+            e_s, e_cpu, stats = run_engine(model, prompts, lengths, s["slots"], seed)
             gen.append(r["tokens"] / g_s)
             eng.append(r["tokens"] / e_s)
+            gen_cpu.append(r["tokens"] / g_cpu)
+            eng_cpu.append(r["tokens"] / e_cpu)
             log(f"{name} {wl} [{rep + 1}/{repeats}]: generate {gen[-1]:,.0f} tok/s ({g_s:.1f} s), engine "
-                f"{eng[-1]:,.0f} tok/s ({e_s:.1f} s): {eng[-1] / gen[-1]:.2f}x; load {os.getloadavg()[0]:.1f}")
+                f"{eng[-1]:,.0f} tok/s ({e_s:.1f} s): {eng[-1] / gen[-1]:.2f}x (per CPU second "
+                f"{eng_cpu[-1] / gen_cpu[-1]:.2f}x); load {os.getloadavg()[0]:.1f}")
         r["generate_tokens_per_s"] = statistics.median(gen)
         r["engine_tokens_per_s"] = statistics.median(eng)
         r["ratio"] = statistics.median(e / g for e, g in zip(eng, gen))
         r["ratios"] = [e / g for e, g in zip(eng, gen)]
+        r["cpu_ratio"] = statistics.median(e / g for e, g in zip(eng_cpu, gen_cpu))
+        r["generate_decode_steps"] = g_steps
+        r["engine"] = {"decode_steps": stats["decode_steps"],
+                       "rows_per_step": stats["decode_tokens"] / max(1, stats["decode_steps"]),
+                       "prefill_forwards": stats.get("prefill_forwards"),    # absent before batched prefill
+                       "prefill_share": stats["prefill_s"] / max(1e-9, stats["prefill_s"] + stats["decode_s"])}
         out[wl] = r
     return out
 
