@@ -134,9 +134,10 @@ class HFEngine:
         self._cached: dict[int, tuple[np.ndarray, float]] = {}   # free slot -> (fed tokens, last use)
         self._closed = False
         self._thread: threading.Thread | None = None
-        self.stats = {"decode_steps": 0, "decode_tokens": 0, "prefill_tokens": 0, "prefill_forwards": 0,
+        self.stats = {"decode_steps": 0, "decode_tokens": 0, "decode_rows": 0, "prefill_tokens": 0, "prefill_forwards": 0,
                       "prefill_padded_tokens": 0, "reused_tokens": 0, "copied_tokens": 0,
-                      "decode_s": 0.0, "prefill_s": 0.0, "cuda_graphs": 0}
+                      "compaction_moves": 0, "compaction_tokens": 0, "decode_s": 0.0, "prefill_s": 0.0,
+                      "cuda_graphs": 0}
 
     # ------------------------------------------------------------------------------- Engine API
     def kv_capacity_tokens(self) -> int:
@@ -277,7 +278,8 @@ class HFEngine:
         while i < len(group):
             q = len(group[i].prompt_ids) - group[i].kv_len          # the longest suffix of this forward
             n = max(1, min(len(group) - i, self.max_prefill_tokens // q))
-            self._prefill_forward(group[i: i + n], q)
+            # in slot order: rows that are a contiguous run of slots attend over a view, not a gathered copy
+            self._prefill_forward(sorted(group[i: i + n], key=lambda r: r.slot), q)
             i += n
 
     def _prefill_forward(self, reqs: list[_Request], q: int) -> None:
@@ -315,8 +317,35 @@ class HFEngine:
         view, pos, mask = self._store().decode_view(rows, kv_len, d[1, :rows], d[2, :rows].bool())
         return self._call(d[0, :rows, None], pos, mask, view)[:, -1]
 
+    def _compact(self) -> None:
+        """Keep the running requests in the lowest slots. A decode step computes rows [0, last active],
+        idle slots below the last active one included, and every row attends over the longest row: an
+        idle row costs as much as a running one. When idle rows exceed a quarter of the running ones,
+        the highest running request moves into the lowest free slot, swapping KV with it (that slot's
+        cached prefix moves up, so prefix reuse keeps working), until the running rows are [0, n)."""
+        n = len(self._active)
+        if max(self._active) + 1 - n <= n // 4:
+            return
+        store = self._store()
+        while (high := max(self._active)) >= n:
+            low = min(s for s in range(n) if s not in self._active)
+            req = self._active.pop(high)
+            cached = self._cached.pop(low, None)
+            moved = len(cached[0]) if cached is not None else 0
+            store.swap_slots(low, high, moved, req.kv_len)
+            if cached is not None:
+                self._cached[high] = cached
+            for arr in (self._tok, self._pos, self._act, self._seed, self._cnt, self._temp, self._top_p):
+                arr[low] = arr[high]
+            self._act[high] = 0
+            req.slot = low
+            self._active[low] = req
+            self.stats["compaction_moves"] += 1
+            self.stats["compaction_tokens"] += req.kv_len + moved
+
     def _decode_step(self) -> None:
         t0 = time.perf_counter()
+        self._compact()
         slots = sorted(self._active)
         rows = slots[-1] + 1
         kv_len = int(self._pos[slots].max()) + 1
@@ -342,6 +371,7 @@ class HFEngine:
         res = torch.stack((tokens.double(), logprobs.double())).cpu().numpy()   # the one device-to-host copy
         self.stats["decode_steps"] += 1
         self.stats["decode_tokens"] += len(slots)
+        self.stats["decode_rows"] += rows          # rows computed, idle slots below the last active one included
         for s in slots:
             req = self._active[s]
             req.kv_len += 1

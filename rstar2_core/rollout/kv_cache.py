@@ -134,6 +134,14 @@ class SlotKVCache:
             k[dst, :, :length] = k[src, :, :length]
             v[dst, :, :length] = v[src, :, :length]
 
+    def swap_slots(self, a: int, b: int, len_a: int, len_b: int) -> None:
+        """Exchange the first len_a positions of slot a with the first len_b of slot b (compaction)."""
+        self.ensure_initialised(max(a, b) + 1)
+        for t in self.keys + self.values:
+            keep = t[a, :, :len_a].clone()
+            t[a, :, :len_b] = t[b, :, :len_b]
+            t[b, :, :len_a] = keep
+
 
 class SlotView:
     """What the model receives as its cache: writes new keys/values, returns the slice to attend over.

@@ -152,6 +152,37 @@ def test_static_shapes_decode_in_power_of_two_buckets(model, tokenizer):
     assert [o.token_ids for o in outs] == [o.token_ids for o in dyn]
 
 
+def test_running_requests_move_to_the_lowest_slots_and_cached_prefixes_survive(model, tokenizer):
+    engine = HFEngine(model, tokenizer, max_batch_size=4, max_seq_len=96)
+    rows_seen = []
+    real = engine._decode_forward
+    engine._decode_forward = lambda rows, kv_len: (rows_seen.append(rows), real(rows, kv_len))[1]
+    prompts = [[5, 6, 7], [8, 9, 10], [11, 12, 13], [14, 15, 16, 17]]
+    params = lambda i: SamplingParams(max_new_tokens=2 if i < 3 else 30, temperature=0.9, seed=i)
+
+    async def go():
+        try:
+            first = await asyncio.gather(*[engine.generate(p, params(i)) for i, p in enumerate(prompts)])
+            # the next turn of request 0, whose cached prefix was swapped out of slot 0
+            nxt = prompts[0] + list(first[0].token_ids) + [3, 4]
+            before = engine.stats["reused_tokens"]
+            second = await engine.generate(nxt, SamplingParams(max_new_tokens=5, temperature=0.0))
+            return first, nxt, second, engine.stats["reused_tokens"] - before
+        finally:
+            await engine.close()
+
+    first, nxt, second, reused = asyncio.run(go())
+    # the three short requests finish after one decode step; the long one then moves to slot 0 and decodes
+    # alone; the next turn reuses the prefix where it moved (slot 3) and moves down as well
+    assert engine.stats["compaction_moves"] == 2 and rows_seen[0] == 4 and set(rows_seen[1:]) == {1}
+    assert reused == len(prompts[0]) + 1                         # prompt + the first sampled token's KV
+    alone = _gather(HFEngine(model, tokenizer, max_batch_size=1, max_seq_len=96), [prompts[3]], lambda _: params(3))
+    assert first[3].token_ids == alone[0].token_ids
+    fresh = _gather(HFEngine(model, tokenizer, max_batch_size=1, max_seq_len=96), [nxt],
+                    lambda _: SamplingParams(max_new_tokens=5, temperature=0.0))
+    assert second.token_ids == fresh[0].token_ids
+
+
 def test_model_call_uses_the_installed_cache_name_and_refuses_unsupported_attention(model):
     import inspect
 
