@@ -10,7 +10,9 @@ See docs/models-and-sft.md.
 
 from __future__ import annotations
 
-import importlib
+from typing import TYPE_CHECKING
+
+from rstar2_core.lazy_exports import lazy_exports
 
 _EXPORTS = {
     "TorchBackend": "backend", "TrainBackend": "backend", "make_backend": "backend",
@@ -18,18 +20,26 @@ _EXPORTS = {
     "save_checkpoint": "io",
     "prepare_base_model": "prepare",
 }
+__all__ = [
+    "TorchBackend",
+    "TrainBackend",
+    "latest_complete",
+    "load_model_and_tokenizer",
+    "make_backend",
+    "prepare_base_model",
+    "read_extra",
+    "read_meta",
+    "save_checkpoint",
+]
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(list(globals()) + list(_EXPORTS))
-
-
-__all__ = list(_EXPORTS)
+if TYPE_CHECKING:
+    from rstar2_core.models.backend import TorchBackend, TrainBackend, make_backend
+    from rstar2_core.models.io import (
+        latest_complete,
+        load_model_and_tokenizer,
+        read_extra,
+        read_meta,
+        save_checkpoint,
+    )
+    from rstar2_core.models.prepare import prepare_base_model

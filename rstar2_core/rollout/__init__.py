@@ -10,7 +10,9 @@ scheduler pull in the chat format and the sandbox only when asked for, and vLLM 
 
 from __future__ import annotations
 
-import importlib
+from typing import TYPE_CHECKING
+
+from rstar2_core.lazy_exports import lazy_exports
 
 _EXPORTS = {
     "run_trajectory": "agent",
@@ -21,18 +23,21 @@ _EXPORTS = {
     "ToolCallRecord": "types", "Trajectory": "types",
     "VLLMEngine": "vllm_engine",
 }
+__all__ = ["Engine", "GenerationOutput", "HFEngine", "KVAdmission", "RolloutLimits", "SamplingParams",
+           "ToolCallRecord", "Trajectory", "VLLMEngine", "rollout_groups", "rollout_metrics", "run_rollout_groups",
+           "run_trajectory"]
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(list(globals()) + list(_EXPORTS))
-
-
-__all__ = list(_EXPORTS)
+if TYPE_CHECKING:
+    from rstar2_core.rollout.agent import run_trajectory
+    from rstar2_core.rollout.hf_engine import HFEngine
+    from rstar2_core.rollout.scheduler import KVAdmission, rollout_groups, rollout_metrics, run_rollout_groups
+    from rstar2_core.rollout.types import (
+        Engine,
+        GenerationOutput,
+        RolloutLimits,
+        SamplingParams,
+        ToolCallRecord,
+        Trajectory,
+    )
+    from rstar2_core.rollout.vllm_engine import VLLMEngine

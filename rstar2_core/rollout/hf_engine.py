@@ -10,8 +10,10 @@ One loop iteration:
   `max_prefill_tokens` padded tokens (sorted by length, so padding stays small). A request that
   would copy a longer prefix from a request prefilled in the same round (the other samples of a
   GRPO group) waits for the next round, after that prefill, and then copies it.
-- **decode**: one forward for rows [0, rows) of the slot cache with per-row positions and a boolean
-  mask (`kv_cache`), then `sampling.sample_rows` draws every row's token at once.
+- **decode**: running requests are kept in the lowest slots (`_compact`: a request moves down into a
+  free slot, swapping KV with it, when idle rows would exceed a quarter of the running ones), then one
+  forward for rows [0, rows) of the slot cache with per-row positions and an additive mask
+  (`kv_cache`), then `sampling.sample_rows` draws every row's token at once.
 Per step the host sends the per-slot state (last token, position, seed, counter, temperature,
 top_p; kept in numpy arrays, updated when a token arrives) to the device and reads back one
 (2, rows) tensor of tokens and logprobs: one device-to-host copy per step.
@@ -90,7 +92,14 @@ class _Request:
 
 
 class HFEngine:
-    """Continuous-batching engine over an HF causal LM (see module docstring). Implements `Engine`."""
+    """Continuous-batching engine over an HF causal LM (see module docstring). Implements `Engine`.
+
+    max_batch_size: KV slots (sequences decoded together); max_seq_len: tokens per slot (prompt +
+    output; default the model's max_position_embeddings); kv_capacity_tokens: a memory budget that
+    lowers the slot count to what fits; max_prefill_tokens: padded tokens per prefill forward (more
+    prompts per forward vs a longer stall of the decoding rows); static_shapes: power-of-two row and
+    length buckets; cuda_graphs: CUDA only, record and replay each bucket's decode forward.
+    """
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, max_batch_size: int = 64,
                  device: str | torch.device = "cpu", *, max_seq_len: int | None = None,
@@ -134,8 +143,8 @@ class HFEngine:
         self._cached: dict[int, tuple[np.ndarray, float]] = {}   # free slot -> (fed tokens, last use)
         self._closed = False
         self._thread: threading.Thread | None = None
-        self.stats = {"decode_steps": 0, "decode_tokens": 0, "decode_rows": 0, "prefill_tokens": 0, "prefill_forwards": 0,
-                      "prefill_padded_tokens": 0, "reused_tokens": 0, "copied_tokens": 0,
+        self.stats = {"decode_steps": 0, "decode_tokens": 0, "decode_rows": 0, "prefill_tokens": 0,
+                      "prefill_forwards": 0, "prefill_padded_tokens": 0, "reused_tokens": 0, "copied_tokens": 0,
                       "compaction_moves": 0, "compaction_tokens": 0, "decode_s": 0.0, "prefill_s": 0.0,
                       "cuda_graphs": 0}
 
