@@ -165,8 +165,10 @@ def run_generate(model, prompts: list[list[int]], lengths: list[int], batch: int
         return time.perf_counter() - t, time.process_time() - c, steps
 
 
-def bench_model(name: str, quick: bool, seed: int, repeats: int) -> dict:
+def bench_model(name: str, quick: bool, seed: int, repeats: int, slots: int | None = None,
+                requests: int | None = None) -> dict:
     s = dict(SETUPS[name], **(QUICK[name] if quick else {}))
+    s.update({k: v for k, v in (("slots", slots), ("requests", requests)) if v})
     t = time.perf_counter()
     model = s["build"]()
     n_params = sum(p.numel() for p in model.parameters())
@@ -197,7 +199,8 @@ def bench_model(name: str, quick: bool, seed: int, repeats: int) -> dict:
         r["engine"] = {"decode_steps": stats["decode_steps"],
                        "rows_per_step": stats["decode_tokens"] / max(1, stats["decode_steps"]),
                        "prefill_forwards": stats.get("prefill_forwards"),    # absent before batched prefill
-                       "prefill_share": stats["prefill_s"] / max(1e-9, stats["prefill_s"] + stats["decode_s"])}
+                       "prefill_share": stats["prefill_s"] / max(1e-9, stats["prefill_s"] + stats["decode_s"]),
+                       "decode_ms_per_step": 1000 * stats["decode_s"] / max(1, stats["decode_steps"])}
         out[wl] = r
     return out
 
@@ -210,6 +213,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier on a shared machine)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=None, help="generate/engine pairs per workload (3; --quick 1)")
+    ap.add_argument("--slots", type=int, default=None, help="engine slots = generate batch (default per model)")
+    ap.add_argument("--requests", type=int, default=None, help="requests per workload (default per model)")
     a = ap.parse_args(argv)
     unknown = [m for m in a.models.split(",") if m not in SETUPS]
     if unknown:
@@ -221,7 +226,8 @@ def main(argv: list[str] | None = None) -> dict:
                  "machine": platform.machine(), "threads": a.threads, "quick": a.quick,
                  "load_avg_start": os.getloadavg()[0], "models": {}}
     for name in a.models.split(","):
-        res["models"][name] = bench_model(name, a.quick, a.seed, a.repeats or (1 if a.quick else 3))
+        res["models"][name] = bench_model(name, a.quick, a.seed, a.repeats or (1 if a.quick else 3), a.slots,
+                                          a.requests)
     res["ratio"] = min(m["spread"]["ratio"] for m in res["models"].values())
     res["equal_ratio"] = min(m["equal"]["ratio"] for m in res["models"].values())
     res["load_avg_end"] = os.getloadavg()[0]
