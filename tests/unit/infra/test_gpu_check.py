@@ -84,7 +84,8 @@ def test_engine_and_gpu_check_under_transformers_5_17():
     ver = subprocess.run([str(py), "-c", "import transformers; print(transformers.__version__)"],
                          capture_output=True, text=True, check=True).stdout.strip()
     assert ver.startswith("5.17."), ver
-    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONDONTWRITEBYTECODE": "1"}
     tests = subprocess.run([str(py), "-m", "pytest", "-q", "-p", "no:cacheprovider",
                             "tests/unit/rollout/test_rollout_hf_engine.py",
                             "tests/unit/rollout/test_rollout_engine_step.py"],
