@@ -67,10 +67,10 @@ LOGPROB_TOL = {"cpu": 1e-4, "cuda": 2e-3}
 # (expected ~2-4). CPU (the smoke test): a fresh clone JIT-builds DeepSpeed's CPU communication op
 # (~3.5 minutes on the 2-core development machine) the first time.
 BUDGETS = {
-    "cuda": {"total": 340, "versions": 30, "matmul": 30, "gates": 90, "sft": 60, "rl": 90, "decode": 120,
-             "deepspeed_zero2": 150},
-    "cpu": {"total": 900, "versions": 60, "matmul": 60, "gates": 240, "sft": 120, "rl": 120, "decode": 120,
-            "deepspeed_zero2": 480},
+    "cuda": {"total": 340, "versions": 30, "matmul": 30, "gates": 90, "build": 60, "sft": 60, "rl": 90,
+             "decode": 120, "deepspeed_zero2": 150},
+    "cpu": {"total": 900, "versions": 60, "matmul": 60, "gates": 240, "build": 60, "sft": 120, "rl": 120,
+            "decode": 120, "deepspeed_zero2": 480},
 }
 T0 = time.perf_counter()
 
@@ -362,7 +362,9 @@ def model_sections(sec: Sections, shape: str, a, device, dtype, peak: float) -> 
     rl_b, rl_prompt, rl_new = (4, 16, 8) if cpu else ((32, 128, 64) if quick else (64, 128, 256))
     dec_b = a.decode_batch or (8 if cpu else (64 if quick else 256))
     dec_prompt, dec_new = (8, 16) if cpu else (128, 64 if quick else 256)
-    model = build_model(shape, device, dtype)
+    model = sec.run(f"{shape}/build", budget["build"], build_model, shape, device, dtype)
+    if model is None:
+        return {}
     n = n_params(model)
     r: dict = {"params": n}
     log(f"{shape}: {n / 1e6:.1f}M parameters")
@@ -428,7 +430,7 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error(f"unknown model shape(s) {unknown}; valid: {list(SHAPES)}")
     budget = BUDGETS[device.type]
     sec = Sections(a.budget or budget["total"])
-    result: dict = {"versions": sec.run("versions", budget["versions"], versions, device)}
+    result: dict = {"versions": sec.run("versions", budget["versions"], versions, device) or {"device": str(device)}}
     log("versions: " + json.dumps(result["versions"]))
     measured = sec.run("matmul", budget["matmul"], matmul_tflops, device, dtype, 512 if a.cpu else 8192) or 0.0
     peak, peak_src = device_peak(device, measured)

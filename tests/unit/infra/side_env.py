@@ -4,8 +4,9 @@
 wheel on this machine's disk: `pip install torch==<ours>` downloads nothing) plus `packages` from the
 package index, e.g. another transformers release. The venv is built in a temporary folder and renamed
 into place when complete, so an interrupted build is never reused; a different package list gets a
-fresh one. Building transformers 5.17's takes about a minute (~62 s measured on the 2-core development
-machine: torch from disk ~20 s, the rest from PyPI). Only a package index that cannot be reached
+fresh one. Building transformers 5.17's took 62 s and 135 s on the 2-core development machine (load
+average ~3 and ~5; torch from disk, transformers, pytest, pydantic, numpy, psutil from PyPI); later
+runs reuse it. Only a package index that cannot be reached
 skips the test (with that reason); any other install failure fails it.
 """
 

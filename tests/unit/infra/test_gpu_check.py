@@ -25,7 +25,7 @@ for name in {BLOCKED!r}:
 sys.argv = ["bench/gpu_check.py", "--cpu", "--quick", "--json"]
 runpy.run_path("bench/gpu_check.py", run_name="__main__")
 """
-SECTIONS = {"versions", "matmul", "gates", "cpu-small/sft", "cpu-small/rl", "cpu-small/decode",
+SECTIONS = {"versions", "matmul", "gates", "cpu-small/build", "cpu-small/sft", "cpu-small/rl", "cpu-small/decode",
             "cpu-small/deepspeed_zero2"}
 
 
