@@ -30,7 +30,10 @@ results depend on batch composition.
 Shapes: the CPU default trims each decode step to the rows and positions in use. `static_shapes=True`
 rounds both up to powers of two (rows up to all slots, attended length from 64 up to max_seq_len), so
 steps come in few fixed shapes; `cuda_graphs=True` (CUDA only, implies static shapes) records the decode
-forward of each shape once and replays it (`decode_graphs`). Prefill always runs eagerly.
+forward of each shape once and replays it (`decode_graphs`; not yet run on a GPU in this project, so
+off by default: `bench/gpu_check.py` checks it against `model.generate`). Prefill always runs eagerly.
+The model is called through `model_call.ModelCall`, which passes the cache under the argument name of
+the installed transformers (`past_key_values` in 5.17, `cache` in 5.24).
 
 Weights: `update_weights(state_dict | checkpoint URI)` loads between decode steps under the same
 lock the loop holds for each step, and drops every cached prefix (its KV came from the old weights).

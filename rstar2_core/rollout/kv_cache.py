@@ -20,14 +20,14 @@ Masks, and why they look like this (SDPA picks its kernel from them):
   SDPA's memory-efficient (CUDA) and flash (CPU) kernels take it as their bias; a boolean mask is
   converted to that bias inside every SDPA call (on this project's CPU machine SDPA with a boolean
   decode mask was 0-15% slower than with the same mask as floats), and `eager` attention adds it to
-  the scores.
-  A decode step has no mask-free form: its rows have different lengths.
+  the scores. A decode step has no mask-free form: its rows have different lengths.
 Rows not decoding write to the scratch position max_len - 1 (never part of a sequence) and attend to
 position 0 only (a row with nothing to attend would produce NaN).
 
-Lengths: the dynamic (CPU) default attends over exactly the longest row; with `bucket=True` (the
-static-shape mode for CUDA graphs) the attended length is rounded up to a power of two (at least
-`MIN_BUCKET`, at most max_len), so a decode step costs what the longest row needs, not max_len.
+Lengths: the caller picks the attended length. The engine's dynamic (CPU) default attends over exactly
+the longest row; its static-shape mode (for CUDA graphs) rounds that up with `bucket` to a power of
+two (at least `MIN_BUCKET`, at most max_len), so a decode step costs what the longest row needs, not
+max_len. Rows can be moved between slots (`swap_slots`) to keep the running ones compact.
 
 Departure from vLLM: no paging, so a slot reserves max_len tokens whether or not the sequence gets
 that long; the engine's `kv_capacity_tokens` reports exactly that (slots x max_len), which is what
