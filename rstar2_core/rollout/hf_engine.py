@@ -1,32 +1,43 @@
 """HFEngine: token-in/token-out generation over a transformers causal LM with continuous batching.
 
 A background thread runs the decode loop. Between two decode steps it admits waiting requests into
-free KV slots (prefilling each one's prompt into its slot) and retires finished ones, so requests
-join and leave the running batch at token granularity: a trajectory that is waiting for its tool
-holds no slot and stalls nobody. Each request samples from its own `torch.Generator`
-(`SamplingParams.seed`), so its tokens do not depend on what else is in the batch.
+free KV slots and retires finished ones, so requests join and leave the running batch at token
+granularity: a trajectory that is waiting for its tool holds no slot and stalls nobody.
+
+One loop iteration:
+- **admit**: waiting requests take free slots (`prefix.plan_slot`: prefix reuse and copies), then
+  their prompt suffixes are prefilled *together*, left-padded into forwards of at most
+  `max_prefill_tokens` padded tokens (sorted by length, so padding stays small). A request that
+  would copy a longer prefix from a request prefilled in the same round (the other samples of a
+  GRPO group) waits for the next round, after that prefill, and then copies it.
+- **decode**: running requests are kept in the lowest slots (`_compact`: a request moves down into a
+  free slot, swapping KV with it, when idle rows would exceed a quarter of the running ones), then one
+  forward for rows [0, rows) of the slot cache with per-row positions and an additive mask
+  (`kv_cache`), then `sampling.sample_rows` draws every row's token at once.
+Per step the host sends the per-slot state (last token, position, seed, counter, temperature,
+top_p; kept in numpy arrays, updated when a token arrives) to the device and reads back one
+(2, rows) tensor of tokens and logprobs: one device-to-host copy per step.
+
+Sampling is counter-based (`sampling.counter_uniform(seed, token index)`), so a request's tokens
+depend only on its seed, its own logits and settings, never on what else is in the batch (tested:
+same tokens alone and in a crowd). `SamplingParams.seed=None` draws a fresh seed.
 
 Why not transformers' own continuous batching (`generate_batch` / `ContinuousBatchingManager`,
 checked in 5.24): it samples every request with one shared `torch.multinomial` call and one
 generation config, so per-request seeds/temperatures and stop strings are not supported, and
-results depend on batch composition. Our loop is small: `kv_cache.SlotKVCache` (static per-slot
-KV tensors with per-row positions and a 4D mask passed to the model's own forward) plus this file.
+results depend on batch composition.
 
-Prefix reuse: when a request finishes, its slot keeps the KV of the tokens it fed. A later request
-whose prompt starts with those tokens (the same trajectory's next turn: previous prompt + its
-generation + tool-response tokens) reuses that slot and prefills only the new suffix. This is why
-the scheduler keeps a trajectory on one engine across turns. Free slots with no cached prefix are
-used first; otherwise the least recently used cached prefix is evicted. A prefix shared with any
-other slot, running or cached (the system prompt, the same problem's other samples), is copied from
-it instead of prefilled (a memory copy of that many positions).
+Shapes: the CPU default trims each decode step to the rows and positions in use. `static_shapes=True`
+rounds both up to powers of two (rows up to all slots, attended length from 64 up to max_seq_len), so
+steps come in few fixed shapes; `cuda_graphs=True` (CUDA only, implies static shapes) records the decode
+forward of each shape once and replays it (`decode_graphs`; not yet run on a GPU in this project, so
+off by default: `bench/gpu_check.py` checks it against `model.generate`). Prefill always runs eagerly.
+The model is called through `model_call.ModelCall`, which passes the cache under the argument name of
+the installed transformers (`past_key_values` in 5.17, `cache` in 5.24).
 
 Weights: `update_weights(state_dict | checkpoint URI)` loads between decode steps under the same
 lock the loop holds for each step, and drops every cached prefix (its KV came from the old weights).
 Requests in flight continue with the new weights from the next token on.
-
-GPU (issue 9): `static_shapes=True` makes each decode step span all slots and max_seq_len (fixed
-shapes); `compile=True` additionally wraps the decode forward in `torch.compile(mode="reduce-overhead")`
-(CUDA graphs). Neither is exercised on a GPU here; the static path is tested for equality on CPU.
 
     engine = HFEngine(model, tokenizer, max_batch_size=32, max_seq_len=1024)
     out = await engine.generate(prompt_ids, SamplingParams(max_new_tokens=64, seed=1))
@@ -42,12 +53,18 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
-from rstar2_core.rollout.kv_cache import SlotKVCache
-from rstar2_core.rollout.sampling import StopChecker, make_generator, sample_token
+from rstar2_core.rollout.kv_cache import MIN_BUCKET, SlotKVCache, bucket
+from rstar2_core.rollout.model_call import ModelCall, check_model
+from rstar2_core.rollout.prefix import common_prefix, plan_slot
+from rstar2_core.rollout.sampling import StopChecker, counter_uniform, sample_rows, seed_value
 from rstar2_core.rollout.types import GenerationOutput, SamplingParams
-from rstar2_core.rollout.weights import load_state_dict_from_uri
+
+# a request waits one admission round to copy a prefix from a request prefilled in this round only
+# when that saves at least this many prefill tokens
+_DEFER_MIN_GAIN = 8
 
 
 class EngineClosed(RuntimeError):
@@ -61,26 +78,40 @@ class _Request:
     max_new: int
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
-    generator: torch.Generator
+    seed: int
     stop: StopChecker
+    prompt_np: np.ndarray = field(init=False)
     out_ids: list[int] = field(default_factory=list)
     out_logprobs: list[float] = field(default_factory=list)
     slot: int = -1
     kv_len: int = 0          # tokens of prompt + output whose KV is in the slot
     cancelled: bool = False
 
-    def fed_tokens(self) -> list[int]:
-        return (self.prompt_ids + self.out_ids)[: self.kv_len]
+    def __post_init__(self):
+        self.prompt_np = np.asarray(self.prompt_ids, dtype=np.int64)
+
+    def fed_tokens(self) -> np.ndarray:
+        return np.concatenate([self.prompt_np, np.asarray(self.out_ids, dtype=np.int64)])[: self.kv_len]
 
 
 class HFEngine:
-    """Continuous-batching engine over an HF causal LM (see module docstring). Implements `Engine`."""
+    """Continuous-batching engine over an HF causal LM (see module docstring). Implements `Engine`.
+
+    max_batch_size: KV slots (sequences decoded together); max_seq_len: tokens per slot (prompt +
+    output; default the model's max_position_embeddings); kv_capacity_tokens: a memory budget that
+    lowers the slot count to what fits; max_prefill_tokens: padded tokens per prefill forward (more
+    prompts per forward vs a longer stall of the decoding rows); static_shapes: power-of-two row and
+    length buckets; cuda_graphs: CUDA only, record and replay each bucket's decode forward.
+    """
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, max_batch_size: int = 64,
                  device: str | torch.device = "cpu", *, max_seq_len: int | None = None,
-                 kv_capacity_tokens: int | None = None, static_shapes: bool = False, compile: bool = False):
+                 kv_capacity_tokens: int | None = None, static_shapes: bool = False, cuda_graphs: bool = False,
+                 max_prefill_tokens: int = 4096):
         cfg = model.config
         self.model, self.tokenizer, self.device = model.eval(), tokenizer, torch.device(device)
+        check_model(model)
+        self._call = ModelCall(model)
         self.max_seq_len = int(max_seq_len or cfg.max_position_embeddings)
         if self.max_seq_len > cfg.max_position_embeddings:
             raise ValueError(f"max_seq_len={self.max_seq_len} exceeds the model's max_position_embeddings="
@@ -91,21 +122,34 @@ class HFEngine:
                              f"{self.max_seq_len}; raise it or lower max_seq_len")
         if kv_capacity_tokens:    # a memory budget smaller than slots x max_len limits the slots
             self.slots = max(1, min(self.slots, kv_capacity_tokens // self.max_seq_len))
-        self.static_shapes = static_shapes
+        if cuda_graphs and self.device.type != "cuda":
+            raise ValueError(f"cuda_graphs=True needs a CUDA device, got {self.device}; pass cuda_graphs=False")
+        if max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
+        self.static_shapes, self.cuda_graphs = static_shapes or cuda_graphs, cuda_graphs
+        self.max_prefill_tokens = int(max_prefill_tokens)
         self._head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self._kv: SlotKVCache | None = None
-        self._forward = self._forward_impl
-        if compile:
-            self._forward = torch.compile(self._forward_impl, mode="reduce-overhead", dynamic=False)
+        self._graphs = None
+        # per-slot state: host arrays (numpy views of staging tensors) mirrored to the device each step
+        pin = self.device.type == "cuda"
+        self._h_int = torch.zeros(5, self.slots, dtype=torch.int64, pin_memory=pin)   # token, pos, active, seed, count
+        self._h_flt = torch.zeros(2, self.slots, dtype=torch.float32, pin_memory=pin)  # temperature, top_p
+        self._tok, self._pos, self._act, self._seed, self._cnt = self._h_int.numpy()
+        self._temp, self._top_p = self._h_flt.numpy()
+        self._d_int = self._h_int if self.device.type == "cpu" else torch.zeros_like(self._h_int, device=self.device)
+        self._d_flt = self._h_flt if self.device.type == "cpu" else torch.zeros_like(self._h_flt, device=self.device)
         self._lock = threading.Lock()          # held for each loop iteration and by update_weights
         self._cond = threading.Condition()     # guards _pending / _closed, wakes the loop
         self._pending: deque[_Request] = deque()
         self._active: dict[int, _Request] = {}
-        self._cached: dict[int, tuple[tuple[int, ...], float]] = {}   # free slot -> (fed tokens, last use)
+        self._cached: dict[int, tuple[np.ndarray, float]] = {}   # free slot -> (fed tokens, last use)
         self._closed = False
         self._thread: threading.Thread | None = None
-        self.stats = {"decode_steps": 0, "decode_tokens": 0, "prefill_tokens": 0, "reused_tokens": 0, "copied_tokens": 0,
-                      "decode_s": 0.0, "prefill_s": 0.0}
+        self.stats = {"decode_steps": 0, "decode_tokens": 0, "decode_rows": 0, "prefill_tokens": 0,
+                      "prefill_forwards": 0, "prefill_padded_tokens": 0, "reused_tokens": 0, "copied_tokens": 0,
+                      "compaction_moves": 0, "compaction_tokens": 0, "decode_s": 0.0, "prefill_s": 0.0,
+                      "cuda_graphs": 0}
 
     # ------------------------------------------------------------------------------- Engine API
     def kv_capacity_tokens(self) -> int:
@@ -127,7 +171,7 @@ class HFEngine:
                              f"{self.max_seq_len}; shorten the prompt or raise max_seq_len")
         loop = asyncio.get_running_loop()
         req = _Request(list(prompt_ids), params, min(params.max_new_tokens, room), loop.create_future(), loop,
-                       make_generator(params.seed, self.device), StopChecker(self.tokenizer, params.stop_strings))
+                       seed_value(params.seed), StopChecker(self.tokenizer, params.stop_strings))
         with self._cond:
             if self._closed:
                 raise EngineClosed("generate() on a closed HFEngine")
@@ -143,8 +187,13 @@ class HFEngine:
             raise
 
     def update_weights(self, weights: dict[str, Any] | str) -> None:
-        state = load_state_dict_from_uri(weights) if isinstance(weights, str) else weights
+        if isinstance(weights, str):
+            from rstar2_core.rollout.weights import load_state_dict_from_uri  # fsspec, only for URIs
+
+            weights = load_state_dict_from_uri(weights)
+        state = weights
         with self._lock:
+            # copies into the existing parameter tensors, so captured CUDA graphs stay valid
             missing, unexpected = self.model.load_state_dict(state, strict=False)
             missing = [k for k in missing if not k.endswith("lm_head.weight")]   # tied embeddings
             if missing or unexpected:
@@ -189,90 +238,167 @@ class HFEngine:
                                    self._head_dim, dtype, self.device)
         return self._kv
 
-    def _take_slot(self, prompt: list[int]) -> tuple[int, int]:
-        """(slot, reusable prefix length) for a new request. The slot: a free one whose cached tokens
-        share the longest prefix with the prompt, else an empty one, else the least recently used. If
-        another slot (running or cached) shares a longer prefix, e.g. the same system prompt, its KV
-        for that prefix is copied over: KV at a position depends only on the tokens up to it."""
-        limit = len(prompt) - 1                      # at least one prompt token is fed
-
-        def shared(toks) -> int:
-            n, m = 0, min(len(toks), limit)
-            while n < m and toks[n] == prompt[n]:
-                n += 1
-            return n
-
-        free = [s for s in range(self.slots) if s not in self._active]
-        lengths = {s: shared(self._cached[s][0]) for s in free if s in self._cached}
-        target = max(lengths, key=lengths.get) if lengths and max(lengths.values()) > 0 else None
-        if target is None:
-            empty = [s for s in free if s not in self._cached]
-            target = empty[0] if empty else min(free, key=lambda s: self._cached[s][1])
-        reuse = lengths.get(target, 0)
-        lengths.update({s: shared(r.fed_tokens()) for s, r in self._active.items()})
-        src = max((s for s in lengths if s != target), key=lengths.get, default=None)
-        self._cached.pop(target, None)
-        if src is not None and lengths[src] > reuse:
-            reuse = lengths[src]
-            self._store().copy_slot(src, target, reuse)
-            self.stats["copied_tokens"] += reuse
-        return target, reuse
-
+    # ---------------------------------------------------------------------------------- admission
     def _admit(self) -> None:
-        while True:
-            with self._cond:
-                if not self._pending or len(self._active) >= self.slots:
-                    return
-                req = self._pending.popleft()
-            if req.cancelled:
-                continue
-            slot, reuse = self._take_slot(req.prompt_ids)
-            req.slot, req.kv_len = slot, reuse
-            self._active[slot] = req
-            t0 = time.perf_counter()
-            suffix = req.prompt_ids[reuse:]
-            view, pos, mask = self._store().prefill_view(slot, reuse, len(suffix))
-            ids = torch.tensor([suffix], device=self.device)
-            logits = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, cache=view,
-                                use_cache=True, logits_to_keep=1).logits[0, -1]
-            req.kv_len = len(req.prompt_ids)
-            self.stats["prefill_tokens"] += len(suffix)
-            self.stats["reused_tokens"] += reuse
-            self.stats["prefill_s"] += time.perf_counter() - t0
-            self._append(req, logits)
+        while len(self._active) < self.slots:
+            group = self._claim_round()
+            if not group:
+                return
+            self._prefill(group)
 
-    def _forward_impl(self, ids, pos, mask, view):
-        return self.model(input_ids=ids, position_ids=pos, attention_mask=mask, cache=view, use_cache=True).logits
+    def _claim_round(self) -> list[_Request]:
+        """Give free slots to waiting requests in arrival order; one that would copy a longer prefix from
+        a request of this round stays queued (at its place) for the next round."""
+        with self._cond:
+            queue, self._pending = list(self._pending), deque()
+        group: list[_Request] = []
+        keep: list[_Request] = []
+        i = 0
+        try:
+            for i, req in enumerate(queue):
+                if len(self._active) >= self.slots:
+                    break
+                if req.cancelled:
+                    continue
+                free = [s for s in range(self.slots) if s not in self._active]
+                # running slots hold the KV of their prompt (enough for any other request's prefix)
+                running = {s: r.prompt_np[: r.kv_len] for s, r in self._active.items()}
+                plan = plan_slot(req.prompt_np, free, self._cached, running)
+                limit = len(req.prompt_ids) - 1
+                if any(common_prefix(g.prompt_np, req.prompt_np, limit) >= plan.reuse + _DEFER_MIN_GAIN
+                       for g in group):
+                    keep.append(req)
+                    continue
+                self._cached.pop(plan.slot, None)
+                if plan.copy_from is not None:
+                    self._store().copy_slot(plan.copy_from, plan.slot, plan.reuse)
+                    self.stats["copied_tokens"] += plan.reuse
+                req.slot, req.kv_len = plan.slot, plan.reuse
+                self._active[plan.slot] = req
+                group.append(req)
+            else:
+                i = len(queue)
+        finally:   # what was not admitted goes back to the front of the queue, in order
+            with self._cond:
+                self._pending.extendleft(reversed(keep + queue[i:]))
+        return group
+
+    def _prefill(self, group: list[_Request]) -> None:
+        """Prefill the prompt suffixes of `group` (already in their slots) and sample each one's first token."""
+        group = sorted(group, key=lambda r: len(r.prompt_ids) - r.kv_len, reverse=True)
+        i = 0
+        while i < len(group):
+            q = len(group[i].prompt_ids) - group[i].kv_len          # the longest suffix of this forward
+            n = max(1, min(len(group) - i, self.max_prefill_tokens // q))
+            # in slot order: rows that are a contiguous run of slots attend over a view, not a gathered copy
+            self._prefill_forward(sorted(group[i: i + n], key=lambda r: r.slot), q)
+            i += n
+
+    def _prefill_forward(self, reqs: list[_Request], q: int) -> None:
+        t0 = time.perf_counter()
+        ids = np.zeros((len(reqs), q), dtype=np.int64)             # left padding
+        for k, r in enumerate(reqs):
+            suffix = r.prompt_np[r.kv_len:]
+            ids[k, q - len(suffix):] = suffix
+        starts = [r.kv_len for r in reqs]
+        lengths = [len(r.prompt_ids) - r.kv_len for r in reqs]
+        view, pos, mask = self._store().prefill_view([r.slot for r in reqs], starts, lengths)
+        logits = self._call(torch.from_numpy(ids).to(self.device), pos, mask, view, logits_to_keep=1)[:, -1]
+        seeds = torch.tensor([r.seed for r in reqs], device=self.device)
+        temps = torch.tensor([r.params.temperature for r in reqs], dtype=torch.float32, device=self.device)
+        top_p = torch.tensor([r.params.top_p for r in reqs], dtype=torch.float32, device=self.device)
+        tokens, logprobs = sample_rows(logits, temps, top_p, counter_uniform(seeds, torch.zeros_like(seeds)),
+                                       any(r.params.top_p < 1.0 for r in reqs))
+        res = torch.stack((tokens.double(), logprobs.double())).cpu().numpy()   # the one device-to-host copy
+        self.stats["prefill_forwards"] += 1
+        self.stats["prefill_tokens"] += sum(lengths)
+        self.stats["prefill_padded_tokens"] += len(reqs) * q
+        self.stats["reused_tokens"] += sum(starts)
+        for k, r in enumerate(reqs):
+            r.kv_len = len(r.prompt_ids)
+            s = r.slot
+            self._seed[s], self._temp[s], self._top_p[s] = r.seed, r.params.temperature, r.params.top_p
+            self._act[s] = 1
+            self._append(r, int(res[0, k]), float(res[1, k]))
+        self.stats["prefill_s"] += time.perf_counter() - t0
+
+    # ------------------------------------------------------------------------------------- decode
+    def _decode_forward(self, rows: int, kv_len: int) -> torch.Tensor:
+        """The decode forward: reads only the device state buffers, so a CUDA graph can replay it."""
+        d = self._d_int
+        view, pos, mask = self._store().decode_view(rows, kv_len, d[1, :rows], d[2, :rows].bool())
+        return self._call(d[0, :rows, None], pos, mask, view)[:, -1]
+
+    def _compact(self) -> None:
+        """Keep the running requests in the lowest slots. A decode step computes rows [0, last active],
+        idle slots below the last active one included, and every row attends over the longest row: an
+        idle row costs as much as a running one. When idle rows exceed a quarter of the running ones,
+        the highest running request moves into the lowest free slot, swapping KV with it (that slot's
+        cached prefix moves up, so prefix reuse keeps working), until the running rows are [0, n)."""
+        n = len(self._active)
+        if max(self._active) + 1 - n <= n // 4:
+            return
+        store = self._store()
+        while (high := max(self._active)) >= n:
+            low = min(s for s in range(n) if s not in self._active)
+            req = self._active.pop(high)
+            cached = self._cached.pop(low, None)
+            moved = len(cached[0]) if cached is not None else 0
+            store.swap_slots(low, high, moved, req.kv_len)
+            if cached is not None:
+                self._cached[high] = cached
+            for arr in (self._tok, self._pos, self._act, self._seed, self._cnt, self._temp, self._top_p):
+                arr[low] = arr[high]
+            self._act[high] = 0
+            req.slot = low
+            self._active[low] = req
+            self.stats["compaction_moves"] += 1
+            self.stats["compaction_tokens"] += req.kv_len + moved
 
     def _decode_step(self) -> None:
         t0 = time.perf_counter()
+        self._compact()
+        slots = sorted(self._active)
+        rows = slots[-1] + 1
+        kv_len = int(self._pos[slots].max()) + 1
+        if self.static_shapes:
+            rows, kv_len = bucket(rows, self.slots), bucket(kv_len, self.max_seq_len, MIN_BUCKET)
         store = self._store()
-        rows = store.slots if self.static_shapes else max(self._active) + 1
-        ids = torch.zeros(rows, 1, dtype=torch.long)
-        positions = torch.zeros(rows, dtype=torch.long)
-        active = torch.zeros(rows, dtype=torch.bool)
-        reqs = list(self._active.values())
-        for r in reqs:
-            ids[r.slot, 0], positions[r.slot], active[r.slot] = r.out_ids[-1], r.kv_len, True
-        view, pos, mask = store.decode_view(rows, positions.to(self.device), active.to(self.device),
-                                            static=self.static_shapes)
-        logits = self._forward(ids.to(self.device), pos, mask, view)[:, -1]
+        store.ensure_initialised(rows)
+        if self._d_int is not self._h_int:      # whole buffers: contiguous pinned copies, ~10 KB per step
+            self._d_int.copy_(self._h_int, non_blocking=True)
+            self._d_flt.copy_(self._h_flt, non_blocking=True)
+        if self.cuda_graphs:
+            if self._graphs is None:
+                from rstar2_core.rollout.decode_graphs import DecodeGraphs
+
+                self._graphs = DecodeGraphs(self._decode_forward, self.device)
+            logits = self._graphs.run(rows, kv_len)
+            self.stats["cuda_graphs"] = len(self._graphs.graphs)
+        else:
+            logits = self._decode_forward(rows, kv_len)
+        d, f = self._d_int, self._d_flt
+        tokens, logprobs = sample_rows(logits, f[0, :rows], f[1, :rows], counter_uniform(d[3, :rows], d[4, :rows]),
+                                       bool((self._top_p[slots] < 1.0).any()))
+        res = torch.stack((tokens.double(), logprobs.double())).cpu().numpy()   # the one device-to-host copy
         self.stats["decode_steps"] += 1
-        self.stats["decode_tokens"] += len(reqs)
-        for r in reqs:
-            r.kv_len += 1
-            self._append(r, logits[r.slot])
+        self.stats["decode_tokens"] += len(slots)
+        self.stats["decode_rows"] += rows          # rows computed, idle slots below the last active one included
+        for s in slots:
+            req = self._active[s]
+            req.kv_len += 1
+            self._append(req, int(res[0, s]), float(res[1, s]))
         self.stats["decode_s"] += time.perf_counter() - t0
 
-    def _append(self, req: _Request, logits: torch.Tensor) -> None:
-        p = req.params
-        token, logprob = sample_token(logits, p.temperature, p.top_p, req.generator)
+    def _append(self, req: _Request, token: int, logprob: float) -> None:
+        p, s = req.params, req.slot
         req.out_ids.append(token)
         req.out_logprobs.append(logprob)
+        self._tok[s], self._pos[s], self._cnt[s] = token, req.kv_len, len(req.out_ids)
         if token in p.stop_token_ids:
             self._finish(req, "stop")
-        elif (s := req.stop.check(req.out_ids)) is not None:
-            self._finish(req, "stop", s)
+        elif (hit := req.stop.check(req.out_ids)) is not None:
+            self._finish(req, "stop", hit)
         elif len(req.out_ids) >= req.max_new:
             self._finish(req, "length")
         elif req.cancelled:
@@ -282,8 +408,9 @@ class HFEngine:
                 error: BaseException | None = None) -> None:
         if self._active.get(req.slot) is req:
             del self._active[req.slot]
+            self._act[req.slot] = 0
             if error is None:
-                self._cached[req.slot] = (tuple(req.fed_tokens()), time.monotonic())
+                self._cached[req.slot] = (req.fed_tokens(), time.monotonic())
         out = None if error is not None else GenerationOutput(tuple(req.out_ids), tuple(req.out_logprobs),
                                                               reason, stop_string)
         try:

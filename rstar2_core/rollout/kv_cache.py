@@ -2,29 +2,55 @@
 
 Every sequence the engine is decoding owns one *slot*: a row of preallocated key/value tensors,
 one pair per layer, each of shape (slots, kv_heads, max_len, head_dim). Rows have their own
-lengths, so sequences of different lengths decode together: position ids are per row and a 4D
-additive attention mask (rows, 1, q_len, kv_len) hides each row's unused tail.
+lengths, so sequences of different lengths decode together: position ids are per row and an additive
+attention mask hides each row's unused tail.
 
-The model sees a `SlotView` as its `cache` argument (transformers 5.x calls
-`cache.update(key_states, value_states, layer_idx, kwargs=...)` in every attention layer and attends
-over what it returns). A view either prefills one slot (`prefill_view`, q_len = new tokens) or
-decodes one token for rows [0, rows) (`decode_view`); it writes the new keys/values into the slot
-tensors and returns a strided *view* (no copy) of the rows and positions to attend over.
+The model sees a `SlotView` as its cache (transformers 5.x calls `cache.update(key_states,
+value_states, layer_idx, ...)` in every attention layer and attends over what it returns). A view
+either prefills a batch of slots (`prefill_view`) or decodes one token for slots [0, rows)
+(`decode_view`); it writes the new keys/values into the slot tensors and returns the rows and
+positions to attend over (a strided view for contiguous rows, a gather otherwise).
 
-Design for CUDA graphs (issue 9): with `static=True` the decode view always spans all slots and the
-full max_len, so every decode step has the same shapes; rows not decoding write to the scratch
-position max_len - 1 and attend to position 0 only. The CPU default trims rows and length to what is
-in use (much cheaper for a few long sequences). Departure from vLLM: no paging, so a slot reserves
-max_len tokens whether or not the sequence gets that long; the engine's `kv_capacity_tokens` reports
-exactly that (slots x max_len), which is what the KV-aware scheduler budgets against.
+Masks, and why they look like this (SDPA picks its kernel from them):
+- a prefill of fresh prompts (nothing reused) of equal length gets *no* mask: the view reports its
+  sizes through `get_query_offset` / `get_mask_sizes` (the two cache methods transformers' mask
+  builder asks, 5.17 through 5.24), so transformers passes `is_causal=True` to SDPA (flash kernels);
+- any other prefill (prefix reuse, different lengths: left-padded) and every decode step get an
+  additive mask (0 = attend, dtype min = not), built once per forward and shared by all layers.
+  SDPA's memory-efficient (CUDA) and flash (CPU) kernels take it as their bias; a boolean mask is
+  converted to that bias inside every SDPA call (on this project's CPU machine SDPA with a boolean
+  decode mask was 0-15% slower than with the same mask as floats), and `eager` attention adds it to
+  the scores. A decode step has no mask-free form: its rows have different lengths.
+Rows not decoding write to the scratch position max_len - 1 (never part of a sequence) and attend to
+position 0 only (a row with nothing to attend would produce NaN).
+
+Lengths: the caller picks the attended length. The engine's dynamic (CPU) default attends over exactly
+the longest row; its static-shape mode (for CUDA graphs) rounds that up with `bucket` to a power of
+two (at least `MIN_BUCKET`, at most max_len), so a decode step costs what the longest row needs, not
+max_len. Rows can be moved between slots (`swap_slots`) to keep the running ones compact.
+
+Departure from vLLM: no paging, so a slot reserves max_len tokens whether or not the sequence gets
+that long; the engine's `kv_capacity_tokens` reports exactly that (slots x max_len), which is what
+the KV-aware scheduler budgets against.
 
 Memory: 2 x layers x slots x kv_heads x max_len x head_dim x dtype bytes, allocated with
-`torch.empty` and zeroed slot by slot on first use, so slots never used cost no physical memory.
+`torch.empty` and zeroed slot by slot on first use (masked positions are still multiplied by their
+zero attention weight, and 0 x NaN from uninitialised memory would poison the row).
 """
 
 from __future__ import annotations
 
 import torch
+
+MIN_BUCKET = 64
+
+
+def bucket(n: int, limit: int, floor: int = 1) -> int:
+    """The smallest power of two >= max(n, floor), capped at `limit` (fixed shapes for CUDA graphs)."""
+    b = max(floor, 1)
+    while b < n:
+        b *= 2
+    return min(b, limit)
 
 
 class SlotKVCache:
@@ -39,10 +65,10 @@ class SlotKVCache:
         self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.slots, self.max_len, self.dtype, self.device = slots, max_len, dtype, torch.device(device)
         self._initialised = 0      # slots [0, _initialised) hold finite values
+        self._arange = torch.arange(max_len, device=self.device)
 
     def ensure_initialised(self, rows: int) -> None:
-        """Zero slots below `rows` that were never written. Masked positions are still multiplied by
-        their (zero) attention weight, and 0 x NaN from uninitialised memory would poison the row."""
+        """Zero slots below `rows` that were never written (see the module docstring)."""
         if rows > self._initialised:
             for t in self.keys + self.values:
                 t[self._initialised: rows].zero_()
@@ -53,43 +79,53 @@ class SlotKVCache:
         """Position written by rows that are not decoding; never part of a valid sequence."""
         return self.max_len - 1
 
-    def prefill_view(self, slot: int, start: int, n: int) -> tuple[SlotView, torch.Tensor, torch.Tensor]:
-        """Write positions [start, start + n) of `slot`; attend over [0, start + n) causally.
+    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        zero = torch.zeros((), dtype=self.dtype, device=self.device)
+        return torch.where(allowed, zero, torch.finfo(self.dtype).min)
 
-        Returns (cache view, position_ids (1, n), additive mask (1, 1, n, start + n)).
+    def prefill_view(self, slots: list[int], starts: list[int], lengths: list[int]
+                     ) -> tuple[SlotView, torch.Tensor, torch.Tensor | None]:
+        """Prefill `lengths[i]` new tokens into `slots[i]` at positions [starts[i], starts[i] + lengths[i]).
+
+        Inputs are left-padded to q = max(lengths): row i's tokens sit at query indices [q - lengths[i], q),
+        so every row's last token is at index q - 1 (`logits_to_keep=1`). Returns (cache view,
+        position_ids (n, q), mask (n, 1, q, kv_len) or None when plain causal attention is exact).
         """
-        end = start + n
-        self.ensure_initialised(slot + 1)
-        if end > self.scratch_pos:
-            raise ValueError(f"sequence of {end} tokens does not fit a slot of max_len {self.max_len} "
+        n, q = len(slots), max(lengths)
+        kv_len = max(s + m for s, m in zip(starts, lengths))
+        if kv_len > self.scratch_pos:
+            raise ValueError(f"sequence of {kv_len} tokens does not fit a slot of max_len {self.max_len} "
                              "(the last position is scratch); raise the engine's max_seq_len")
-        pos = torch.arange(start, end, device=self.device)
-        kv_pos = torch.arange(end, device=self.device)
-        allowed = kv_pos[None, :] <= pos[:, None]                      # (n, end)
-        mask = self._additive(allowed)[None, None]                     # (1, 1, n, end)
-        view = SlotView(self, rows=slice(slot, slot + 1), write_rows=None, write_pos=slice(start, end),
-                        kv_len=end)
-        return view, pos[None, :], mask
+        self.ensure_initialised(max(slots) + 1)
+        dev = self.device
+        start_t = torch.tensor(starts, device=dev)[:, None]
+        pad = q - torch.tensor(lengths, device=dev)[:, None]
+        idx = self._arange[:q][None, :]
+        valid = idx >= pad                                                   # (n, q)
+        pos = start_t + idx - pad
+        write = torch.where(valid, pos, self.scratch_pos)
+        contiguous = slots == list(range(slots[0], slots[0] + n))
+        rows = slice(slots[0], slots[0] + n) if contiguous else torch.tensor(slots, device=dev)
+        view = SlotView(self, rows, torch.tensor(slots, device=dev)[:, None], write, kv_len, prefill=True)
+        if all(s == 0 for s in starts) and all(m == q for m in lengths):
+            return view, pos, None                                          # q == kv_len, causal: is_causal
+        kv = self._arange[:kv_len][None, None, :]
+        allowed = torch.where(valid[:, :, None], kv <= pos[:, :, None], kv == 0)   # (n, q, kv_len)
+        return view, torch.where(valid, pos, 0), self._additive(allowed[:, None])
 
-    def decode_view(self, rows: int, positions: torch.Tensor, active: torch.Tensor, static: bool = False
+    def decode_view(self, rows: int, kv_len: int, write_pos: torch.Tensor, active: torch.Tensor
                     ) -> tuple[SlotView, torch.Tensor, torch.Tensor]:
-        """One decode step for slots [0, rows): row r writes its new token at `positions[r]`.
+        """One decode step for slots [0, rows), attending over positions [0, kv_len).
 
-        positions: (rows,) long, the write position of each row (ignored where not active);
-        active: (rows,) bool. Returns (cache view, position_ids (rows, 1), additive mask (rows, 1, 1, kv_len)).
+        write_pos: (rows,) long, where each row writes its new token (its length so far; ignored where
+        not active); active: (rows,) bool. Only device ops on these tensors, no host sync: a CUDA
+        graph can capture it. Returns (cache view, position_ids (rows, 1), mask (rows, 1, 1, kv_len)).
         """
-        if static:
-            rows = self.slots
-        self.ensure_initialised(rows)
-        write = torch.where(active, positions, torch.full_like(positions, self.scratch_pos))
-        kv_len = self.max_len if static else int(write[active].max().item()) + 1 if bool(active.any()) else 1
-        kv_pos = torch.arange(kv_len, device=self.device)
-        allowed = kv_pos[None, :] <= write[:, None]
-        allowed = torch.where(active[:, None], allowed, kv_pos[None, :] == 0)
-        mask = self._additive(allowed)[:, None, None, :]
-        view = SlotView(self, rows=slice(0, rows), write_rows=torch.arange(rows, device=self.device),
-                        write_pos=write, kv_len=kv_len)
-        return view, write[:, None], mask
+        write = torch.where(active, write_pos, self.scratch_pos)
+        kv = self._arange[:kv_len][None, :]
+        allowed = torch.where(active[:, None], kv <= write[:, None], kv == 0)
+        view = SlotView(self, slice(0, rows), self._arange[:rows], write, kv_len, prefill=False)
+        return view, write[:, None], self._additive(allowed[:, None, None, :])
 
     def copy_slot(self, src: int, dst: int, length: int) -> None:
         """Copy the first `length` positions of one slot into another (prefix reuse)."""
@@ -98,29 +134,47 @@ class SlotKVCache:
             k[dst, :, :length] = k[src, :, :length]
             v[dst, :, :length] = v[src, :, :length]
 
-    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
-        zero = torch.zeros((), dtype=self.dtype, device=self.device)
-        return torch.where(allowed, zero, torch.finfo(self.dtype).min)
+    def swap_slots(self, a: int, b: int, len_a: int, len_b: int) -> None:
+        """Exchange the first len_a positions of slot a with the first len_b of slot b (compaction)."""
+        self.ensure_initialised(max(a, b) + 1)
+        for t in self.keys + self.values:
+            keep = t[a, :, :len_a].clone()
+            t[a, :, :len_b] = t[b, :, :len_b]
+            t[b, :, :len_a] = keep
 
 
 class SlotView:
-    """What the model receives as `cache`: writes new keys/values, returns the slice to attend over."""
+    """What the model receives as its cache: writes new keys/values, returns the slice to attend over.
 
-    def __init__(self, store: SlotKVCache, rows: slice, write_rows: torch.Tensor | None,
-                 write_pos: slice | torch.Tensor, kv_len: int):
-        self.store, self.rows, self.write_rows, self.write_pos, self.kv_len = store, rows, write_rows, write_pos, kv_len
+    rows: the slots attended (a slice, or an index tensor that gathers); write_rows / write_pos:
+    prefill (n, 1) / (n, q), decode (rows,) / (rows,) indices of the new keys' destinations.
+    """
+
+    is_compileable = False
+
+    def __init__(self, store: SlotKVCache, rows: slice | torch.Tensor, write_rows: torch.Tensor,
+                 write_pos: torch.Tensor, kv_len: int, prefill: bool):
+        self.store, self.rows, self.write_rows, self.write_pos = store, rows, write_rows, write_pos
+        self.kv_len, self.prefill, self.q_offset = kv_len, prefill, 0
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """key_states/value_states: (rows, kv_heads, q_len, head_dim) -> the (rows, kv_heads, kv_len, head_dim) views."""
+        """key_states/value_states: (rows, kv_heads, q_len, head_dim) -> (rows, kv_heads, kv_len, head_dim)."""
         k_store, v_store = self.store.keys[layer_idx], self.store.values[layer_idx]
-        if self.write_rows is None:                     # prefill of one slot, contiguous positions
-            k_store[self.rows, :, self.write_pos] = key_states
-            v_store[self.rows, :, self.write_pos] = value_states
-        else:                                           # decode: one position per row
+        if self.prefill:      # destinations (n, q): the values go in as (n, q, kv_heads, head_dim)
+            k_store[self.write_rows, :, self.write_pos] = key_states.transpose(1, 2)
+            v_store[self.write_rows, :, self.write_pos] = value_states.transpose(1, 2)
+        else:                 # one position per row
             k_store[self.write_rows, :, self.write_pos] = key_states[:, :, 0]
             v_store[self.write_rows, :, self.write_pos] = value_states[:, :, 0]
         return k_store[self.rows, :, : self.kv_len], v_store[self.rows, :, : self.kv_len]
 
+    # the cache methods transformers' mask builder calls when it gets no mask (5.17 - 5.24)
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.kv_len
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self.q_offset
+
+    def get_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple[int, int]:
+        return self.kv_len, 0

@@ -1,5 +1,7 @@
-"""bench/gpu_check.py runs end to end on the CPU (`--cpu --quick --json`) with prefect, ray, mlflow and
-pydantic made unimportable (the GPU box has only torch + transformers), and reports every figure."""
+"""bench/gpu_check.py runs end to end on the CPU (`--cpu --quick --json`) with prefect, ray, mlflow, pydantic
+and fsspec made unimportable (the GPU box has only torch + transformers), passes its correctness gates
+and reports every figure; and the engine and the check also work under transformers 5.17 (the GPU
+machine's version), in a side environment built once under $RSTAR2_HOME/cache (side_env.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from side_env import side_python
 
 ROOT = Path(__file__).resolve().parents[3]
-BLOCKED = ("prefect", "ray", "mlflow", "pydantic", "prefect_ray")
+BLOCKED = ("prefect", "ray", "mlflow", "pydantic", "prefect_ray", "fsspec")
 # None in sys.modules: `import x` raises ImportError and importlib.util.find_spec("x") is None, as when
 # the package is not installed
 RUNNER = f"""
@@ -22,15 +25,30 @@ for name in {BLOCKED!r}:
 sys.argv = ["bench/gpu_check.py", "--cpu", "--quick", "--json"]
 runpy.run_path("bench/gpu_check.py", run_name="__main__")
 """
+SECTIONS = {"versions", "matmul", "gates", "cpu-small/build", "cpu-small/sft", "cpu-small/rl", "cpu-small/decode",
+            "cpu-small/deepspeed_zero2"}
+
+
+def _check_gates(out: dict) -> None:
+    g = out["gates"]
+    assert g["ok"] and g["rng"]["ok"] and g["logprobs"]["ok"] and g["logprobs"]["max_abs_diff"] <= 1e-4
+    variants = g["greedy"]["variants"]
+    assert set(variants) == {"engine", "engine_static"}
+    assert all(v["exact"] + v["near_ties"] == g["greedy"]["prompts"] and not v["wrong"] for v in variants.values())
 
 
 @pytest.mark.slow
 def test_gpu_check_cpu_smoke():
-    proc = subprocess.run([sys.executable, "-c", RUNNER], cwd=ROOT, capture_output=True, text=True, timeout=800,
-                          check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = subprocess.run([sys.executable, "-c", RUNNER], cwd=ROOT, capture_output=True, text=True,
+                          timeout=900, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["device"] == "cpu" and out["peak_source"] == "measured matmul" and out["peak_tflops"] > 0
+    assert out["ok"] and out["device"] == "cpu" and out["peak_source"] == "measured matmul" and out["peak_tflops"] > 0
+    v = out["versions"]
+    assert v["torch"].startswith("2.") and v["transformers"].startswith("5.") and v["date_utc"]
+    assert set(out["sections"]) == SECTIONS
+    assert all(s["status"] == "ok" and 0 <= s["s"] <= s["budget_s"] for s in out["sections"].values())
+    _check_gates(out)
     r = out["models"]["cpu-small"]
     assert r["params"] > 100_000
     for key in ("tokens_per_s", "mfu", "step_s"):
@@ -38,20 +56,62 @@ def test_gpu_check_cpu_smoke():
     assert r["rl"]["gen_tokens_per_s"] > 0 and r["rl"]["update_mfu"] > 0 and math.isfinite(r["rl"]["grad_norm"])
     assert r["rl"]["update_tokens"] == 4 * (16 + 8)
     d = r["decode"]
-    assert d["generate_tokens_per_s"] > 0 and d["engine_tokens_per_s"] > 0
+    assert d["generate_tokens_per_s"] > 0 and d["engine_tokens_per_s"] > 0 and d["engine_decode_ms_per_step"] > 0
     assert d["engine_vs_generate"] == pytest.approx(d["engine_tokens_per_s"] / d["generate_tokens_per_s"])
     z = r["deepspeed_zero2"]
     assert "skipped" in z or (z["tokens_per_s"] > 0 and z["vs_torch"] > 0)
     assert "[" in proc.stdout.splitlines()[0]  # per-section progress lines come first
 
 
-def test_peak_table_lookup():
+def test_a_section_over_budget_is_stopped_and_reported():
+    mod = _load_gpu_check()
+    import time
+
+    sec = mod.Sections(total_budget_s=60)
+    assert sec.run("slow", 1, time.sleep, 5) is None
+    assert sec.run("fast", 10, lambda: 7) == 7
+    assert sec.record["slow"]["status"].startswith("timeout") and sec.record["slow"]["s"] < 3
+    assert sec.record["fast"]["status"] == "ok"
+    spent = mod.Sections(total_budget_s=0)
+    assert spent.run("late", 10, lambda: 1) is None and spent.record["late"]["status"].startswith("skipped")
+
+
+@pytest.mark.slow
+def test_engine_and_gpu_check_under_transformers_5_17():
+    """The engine's tests and the GPU check's CPU mode, run by a Python with transformers 5.17 installed
+    (the GPU machine's version, which takes the KV cache as `past_key_values`)."""
+    py = side_python("transformers-5.17", ["transformers==5.17.*", "pytest", "pydantic", "numpy", "psutil"])
+    ver = subprocess.run([str(py), "-c", "import transformers; print(transformers.__version__)"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert ver.startswith("5.17."), ver
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONDONTWRITEBYTECODE": "1"}
+    tests = subprocess.run([str(py), "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                            "tests/unit/rollout/test_rollout_hf_engine.py",
+                            "tests/unit/rollout/test_rollout_engine_step.py"],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False)
+    assert tests.returncode == 0, tests.stdout[-4000:] + tests.stderr[-2000:]
+    proc = subprocess.run([str(py), "bench/gpu_check.py", "--cpu", "--quick", "--json"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["ok"] and out["versions"]["transformers"] == ver
+    _check_gates(out)
+    assert out["models"]["cpu-small"]["rl"]["gen_tokens_per_s"] > 0
+
+
+def _load_gpu_check():
     sys.path.insert(0, str(ROOT))
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+def test_peak_table_lookup():
+    mod = _load_gpu_check()
     assert mod.PEAK_TFLOPS["H200"] == 989.0
     import torch
 

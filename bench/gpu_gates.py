@@ -1,0 +1,108 @@
+"""Correctness gates of the GPU check (bench/gpu_check.py): does HFEngine compute what the model computes?
+
+- `greedy_gate`: on a fixed set of prompts, the engine's greedy tokens (continuous batching: more
+  prompts than slots, so requests join mid-batch; each engine variant asked for) equal `model.generate`
+  greedy run on each prompt alone. A divergence counts as a *near tie* (and passes) only when, under a
+  teacher-forced forward of the reference, the two tokens' logits differ by less than `TIE_GAP`: there
+  argmax is decided by rounding, not by the engine. Run in fp32 (TF32 off), where rounding is ~1e-6.
+- `logprob_gate`: sampled outputs (temperature 1, per-request seeds), whose engine logprobs must match
+  `log_softmax` of a teacher-forced forward of prompt + output at every sampled position within `tol`.
+- `rng_gate`: the engine's counter-based uniforms computed on the device equal the pure-Python
+  SplitMix64 reference (int64 multiplication must wrap modulo 2^64 on the device).
+
+Each returns a dict with `ok`. Needs only torch + rstar2_core's rollout modules.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+TIE_GAP = 1e-3          # fp32 logits closer than this: argmax is a rounding decision
+
+
+def fixed_prompts(vocab: int, n: int = 6, seed: int = 1234) -> list[list[int]]:
+    """n prompts of different lengths (3..33 tokens), the same on every run."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [5, 17, 3, 33, 9, 24, 12, 7][:n]
+    return [torch.randint(3, vocab, (k,), generator=g).tolist() for k in lengths]
+
+
+async def _engine_outputs(engine, prompts, params_for):
+    try:
+        return await asyncio.gather(*[engine.generate(p, params_for(i)) for i, p in enumerate(prompts)])
+    finally:
+        await engine.close()
+
+
+def _teacher_forced_logits(model, prompt: list[int], out: list[int]) -> torch.Tensor:
+    """(len(out), vocab) fp32 logits predicting each token of `out` after prompt + out[:i]."""
+    ids = torch.tensor([prompt + list(out)], device=model.device)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].float()
+    return logits[len(prompt) - 1: len(prompt) - 1 + len(out)]
+
+
+def greedy_gate(model, make_engine, variants: dict[str, dict], new_tokens: int, slots: int = 4) -> dict:
+    """variants: name -> extra HFEngine kwargs. make_engine(model, slots, max_len, **kw) -> HFEngine."""
+    from rstar2_core.rollout.types import SamplingParams
+
+    prompts = fixed_prompts(model.config.vocab_size)
+    refs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p], device=model.device)
+            gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None)
+            refs.append(gen[0, len(p):].tolist())
+    res: dict = {"prompts": len(prompts), "new_tokens": new_tokens, "tie_gap": TIE_GAP, "variants": {}}
+    max_len = max(len(p) for p in prompts) + new_tokens + 8
+    for name, kw in variants.items():
+        outs = asyncio.run(_engine_outputs(make_engine(model, slots, max_len, **kw), prompts,
+                                           lambda i: SamplingParams(max_new_tokens=new_tokens, temperature=0.0)))
+        exact, ties, wrong = 0, 0, []
+        for k, (p, ref, out) in enumerate(zip(prompts, refs, outs)):
+            got = list(out.token_ids)
+            if got == ref:
+                exact += 1
+                continue
+            i = next((j for j, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref)))
+            if i < min(len(got), len(ref)):
+                logits = _teacher_forced_logits(model, p, ref[: i + 1])[i]
+                gap = float(logits[ref[i]] - logits[got[i]])
+                if abs(gap) < TIE_GAP:
+                    ties += 1
+                    continue
+                wrong.append({"prompt": k, "first_diff": i, "logit_gap": gap})
+            else:
+                wrong.append({"prompt": k, "lengths": [len(got), len(ref)]})
+        res["variants"][name] = {"exact": exact, "near_ties": ties, "wrong": wrong, "ok": not wrong}
+    res["ok"] = all(v["ok"] for v in res["variants"].values())
+    return res
+
+
+def logprob_gate(model, make_engine, new_tokens: int, tol: float, slots: int = 4, **engine_kw) -> dict:
+    from rstar2_core.rollout.types import SamplingParams
+
+    prompts = fixed_prompts(model.config.vocab_size)
+    max_len = max(len(p) for p in prompts) + new_tokens + 8
+    outs = asyncio.run(_engine_outputs(make_engine(model, slots, max_len, **engine_kw), prompts,
+                                       lambda i: SamplingParams(max_new_tokens=new_tokens, temperature=1.0,
+                                                                seed=100 + i)))
+    worst = 0.0
+    for p, out in zip(prompts, outs):
+        logp = torch.log_softmax(_teacher_forced_logits(model, p, list(out.token_ids)), -1)
+        ref = logp.gather(1, torch.tensor(out.token_ids, device=logp.device)[:, None])[:, 0].cpu()
+        worst = max(worst, float((ref - torch.tensor(out.logprobs)).abs().max()))
+    return {"max_abs_diff": worst, "tol": tol, "tokens": sum(len(o.token_ids) for o in outs), "ok": worst <= tol}
+
+
+def rng_gate(device: torch.device) -> dict:
+    from rstar2_core.rollout.sampling import counter_uniform, reference_uniform, seed_value
+
+    seeds = [0, 1, 2**63 - 1, -(2**63), seed_value(2**64 - 1), 123456789]
+    counters = [0, 1, 7, 2**31, 2**40 + 3, 99]
+    got = counter_uniform(torch.tensor(seeds, device=device), torch.tensor(counters, device=device)).cpu().tolist()
+    want = [reference_uniform(s, c) for s, c in zip(seeds, counters)]
+    return {"pairs": len(seeds), "ok": got == want}

@@ -1,0 +1,56 @@
+"""The engine's call into a transformers causal LM, the same on transformers 5.17 through 5.24.
+
+transformers renamed the cache argument of the models' `forward` from `past_key_values` to `cache`
+(5.24 still accepts the old name with a deprecation warning; 5.17 knows only the old one and
+swallows an unknown `cache=` into `**kwargs`, builds its own cache and fails deep inside SDPA). So
+the name is read once from the model class's `forward` signature, and the cache goes in under it.
+
+`check_model` refuses, with the fix, the models whose attention the engine's masks would get wrong:
+attention implementations other than `sdpa` / `eager` (flash-attention kernels ignore a 4D mask) and
+sliding-window or other non-full attention layers (every layer gets the same full-causal mask).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+CACHE_NAMES = ("cache", "past_key_values")
+
+
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """The name under which `type(model).forward` takes its KV cache."""
+    params = inspect.signature(type(model).forward).parameters
+    for name in CACHE_NAMES:
+        if name in params:
+            return name
+    raise TypeError(f"{type(model).__name__}.forward takes no KV cache argument (looked for {list(CACHE_NAMES)}); "
+                    "HFEngine needs a transformers causal LM")
+
+
+def check_model(model: torch.nn.Module) -> str:
+    """The attention implementation ('sdpa' or 'eager') of a model the engine can run; else ValueError."""
+    cfg = model.config
+    impl = getattr(cfg, "_attn_implementation", None) or "eager"
+    if impl not in ("sdpa", "eager"):
+        raise ValueError(f"HFEngine builds 4D attention masks, which attn_implementation={impl!r} does not take; "
+                         "load the model with attn_implementation='sdpa'")
+    other = sorted({t for t in (getattr(cfg, "layer_types", None) or ()) if t != "full_attention"})
+    if other:
+        raise ValueError(f"HFEngine gives every layer a full causal mask, but this model has {other} layers; "
+                         "use vLLM for it, or a config without sliding-window layers")
+    return impl
+
+
+class ModelCall:
+    """`model(input_ids, position_ids, mask, cache) -> logits` with the cache under the model's own name."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model, self.cache_name = model, cache_kwarg(model)
+
+    def __call__(self, ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None, cache,
+                 logits_to_keep: int = 0) -> torch.Tensor:
+        """ids, position_ids: (rows, q) -> logits (rows, q or logits_to_keep, vocab)."""
+        return self.model(input_ids=ids, position_ids=position_ids, attention_mask=mask, use_cache=True,
+                          logits_to_keep=logits_to_keep, **{self.cache_name: cache}).logits
