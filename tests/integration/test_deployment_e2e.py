@@ -112,10 +112,10 @@ def test_fault_retry_resume_through_the_deployment(services, monkeypatch):
     # the retry ran the frozen config: every RL stage's optimizer ran at the first attempt's peak lr (its
     # LR scheduler's base lr, saved in the stage's final checkpoint; stage 3 resets its optimizer, so it
     # rebuilds it from the config it is given), params = the snapshot, the drift logged
-    from rstar2_core.rl.checkpoint import read_rl_state
+    from rstar2_core.runtime.trainer_state import read_rank_state
 
     for stage in ("rl-stage-1", "rl-stage-2", "rl-stage-3"):
-        sched = read_rl_state(store.load(stage).checkpoint_url)["backend"]["scheduler"]
+        sched = read_rank_state(store.load(stage).checkpoint_url, 0, 1)["scheduler"]
         assert sched["base_lrs"] == [pytest.approx(lr)], (stage, sched["base_lrs"])
     snap = store.read_config_snapshot()
     parent = parents[0].data
@@ -133,6 +133,12 @@ def test_fault_retry_resume_through_the_deployment(services, monkeypatch):
 RAY_RUNTIME = ["cluster.use_ray=true", 'cluster.runtime="ray"', 'rl.backend="deepspeed"', 'sft.backend="deepspeed"',
                'sandbox.backend="ray"', "cluster.trainer_ranks=2", "rollout.num_engines=2", "rl.zero_stage=2",
                "sft.zero_stage=2"]
+
+
+def _worker_log_tail(home: Path, chars: int = 6000) -> str:
+    """The end of the process worker's log (the flow run's traceback), for a failed run's assertion."""
+    log = home / "logs" / "prefect-worker.log"
+    return log.read_text(errors="replace")[-chars:] if log.exists() else f"no worker log at {log}"
 
 
 @pytest.fixture
@@ -170,7 +176,8 @@ def test_full_recipe_through_the_deployment_on_the_ray_runtime(services_no_fault
     cfg = load_config("tiny", overrides)
     with temporary_settings({PREFECT_API_URL: api}):
         fid = asyncio.run(start_run("rstar2/full-recipe", {"profile": "tiny", "overrides": overrides}))
-        assert asyncio.run(watch(fid, timeout_s=1800, quiet=True)) == "Completed"
+        state = asyncio.run(watch(fid, timeout_s=1800, quiet=True))
+        assert state == "Completed", _worker_log_tail(home)
     store = RunStore.for_run(cfg.resolved_storage_root(), str(fid))
     c = tracking.client(cfg)
     runs = [c.get_run(store.tracking_id(stage)) for stage in ("rl-stage-1", "rl-stage-2", "rl-stage-3")]
