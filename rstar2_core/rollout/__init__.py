@@ -4,9 +4,10 @@ and the KV-aware scheduler. See docs/rollout.md.
     from rstar2_core.rollout import HFEngine, RolloutLimits, run_rollout_groups
 """
 
+from rstar2_core.rollout.admission import KVAdmission, LengthModel, StaticAdmission
 from rstar2_core.rollout.agent import run_trajectory
 from rstar2_core.rollout.hf_engine import HFEngine
-from rstar2_core.rollout.scheduler import KVAdmission, rollout_groups, rollout_metrics, run_rollout_groups
+from rstar2_core.rollout.scheduler import rollout_groups, rollout_metrics, run_rollout_groups
 from rstar2_core.rollout.types import (
     Engine,
     GenerationOutput,
@@ -29,8 +30,10 @@ __all__ = [
     "GenerationOutput",
     "HFEngine",
     "KVAdmission",
+    "LengthModel",
     "RolloutLimits",
     "SamplingParams",
+    "StaticAdmission",
     "ToolCallRecord",
     "Trajectory",
     "VLLMEngine",
