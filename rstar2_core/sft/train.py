@@ -29,7 +29,6 @@ import time
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from rstar2_core import storage
@@ -43,6 +42,8 @@ from rstar2_core.models.io import (
     read_meta,
     save_checkpoint,
 )
+from rstar2_core.models.packed_attention import segment_attention
+from rstar2_core.models.token_logprobs import decoder_hidden, token_logprobs
 from rstar2_core.results import StageResult
 from rstar2_core.sft.data import read_sft_rows
 from rstar2_core.sft.packing import IGNORE, PackedRow, collate, encode_conversations, epoch_rows
@@ -53,15 +54,24 @@ KEEP_STEP_CHECKPOINTS = 2
 MetricsFn = Callable[[dict, int], None]
 
 
-def masked_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+def masked_token_loss(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, int]:
     """Sum of next-token cross-entropy over positions whose label is not IGNORE, and their count.
-    logits: (B, T, V); labels: (B, T) aligned with the inputs (shifted here)."""
-    logits = logits[:, :-1].float()
+
+    batch: `packing.collate` output (labels: (B, T) aligned with the inputs, shifted here). The decoder
+    runs with segment attention (or the batch's dense mask), then the LM head and log-softmax only at
+    label positions, chunk by chunk (`models.token_logprobs`): no (B, T, V) logits."""
+    labels = batch["labels"]
     target = labels[:, 1:]
-    n = int((target != IGNORE).sum())
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=IGNORE,
-                           reduction="sum")
-    return loss, n
+    keep = target != IGNORE
+    if "segments" in batch:
+        with segment_attention(model):
+            hidden = decoder_hidden(model, batch["input_ids"], position_ids=batch["position_ids"],
+                                    segments=batch["segments"])
+    else:
+        hidden = decoder_hidden(model, batch["input_ids"], attention_mask=batch.get("attention_mask"),
+                                position_ids=batch["position_ids"])
+    lp = token_logprobs(model, hidden[:, :-1][keep], target[keep])
+    return -lp.sum(), int(keep.sum())
 
 
 def _device() -> str:
@@ -123,7 +133,6 @@ def run_sft(cfg: Config, *, base_model_url: str, sft_data_url: str, out_url: str
         start = int(state["step"])
 
     n_label = sum(sum(m) for _, m in docs)
-    mask_dtype = torch.bfloat16 if getattr(backend, "use_autocast", False) else next(model.parameters()).dtype
     bar = tqdm(total=total_steps, initial=start, desc="sft", unit="step", dynamic_ncols=True)
     metrics: dict[str, float] = {}
     for step in range(start, total_steps):
@@ -134,11 +143,9 @@ def run_sft(cfg: Config, *, base_model_url: str, sft_data_url: str, out_url: str
         lr = float(getattr(backend, "current_lr", sc.lr))
         loss_sum = 0.0
         for i in range(0, len(batch_rows), sc.micro_batch_size):
-            mb = collate(batch_rows[i:i + sc.micro_batch_size], device, mask_dtype)
+            mb = collate(batch_rows[i:i + sc.micro_batch_size], device)
             with backend.autocast():
-                logits = backend.model(input_ids=mb["input_ids"], position_ids=mb["position_ids"],
-                                       attention_mask=mb.get("attention_mask"), use_cache=False).logits
-            loss, _ = masked_token_loss(logits, mb["labels"])
+                loss, _ = masked_token_loss(backend.model, mb)
             backend.backward(loss / max(1, n_tok))
             loss_sum += float(loss.detach())
         grad_norm = backend.step()
