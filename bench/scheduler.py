@@ -99,11 +99,12 @@ def parse_cost(text: str) -> Cost:
     return Cost(a=a / 1e3, b=b / 1e3, c=c / 1e6, p=p / 1e3)
 
 
-def policies(args, capacity: int, prev_lengths: list[int]) -> dict:
-    """The policies compared on one workload (fresh objects: policies keep state)."""
+def policies(args, capacity: int, previous: list) -> dict:
+    """The policies compared on one workload (fresh objects: policies keep state). `previous`: the
+    previous step's trajectories, observed with their groups as `rollout_groups` would have."""
     warm = LengthModel(args.max_len)
-    for n in prev_lengths:
-        warm.observe(n)
+    for t in previous:
+        warm.observe(t.response_tokens, ("previous step", t.group))
     caps = [capacity] * args.engines
     return {
         "static": StaticAdmission(args.engines),
@@ -159,7 +160,7 @@ def main() -> None:
         prev = workload(n, args.mean_len, args.max_len, args.prompt, seed + PREVIOUS_STEP, args.group_size,
                         args.problem_share)
         res = {name: simulate(trajs, pol, args.engines, capacity, cost)
-               for name, pol in policies(args, capacity, [t.response_tokens for t in prev]).items()}
+               for name, pol in policies(args, capacity, prev).items()}
         load = [0] * args.engines
         for t, k in zip(trajs, static_assignment(n, args.engines)):
             load[k] += t.response_tokens

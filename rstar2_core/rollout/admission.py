@@ -29,8 +29,11 @@ loses to static. Instead it admits on the **projected peak** of the engine's KV 
   current length, so a step's early finishers, the short ones, do not bias it), the expected KV of the
   engine over the coming steps is a curve; its peak is far below the sum of final lengths, because the
   short trajectories leave before the long ones grow. A trajectory is admitted while the peak plus
-  `admit_sigmas` standard deviations (trajectories treated as independent) stays within the engine's
-  `kv_capacity_tokens()`. Where the data are thin (fewer than `LengthModel.min_at_risk` trajectories
+  `admit_sigmas` standard deviations stays within the engine's `kv_capacity_tokens()`. The variance
+  treats trajectories as independent, times the design effect of their groups: samples of one GRPO
+  group have alike lengths (a hard problem makes all of them long), so an engine holding m samples
+  per group on average gets 1 + (m - 1) x ICC, the intra-class correlation of lengths the
+  `LengthModel` measures over finished groups. Where the data are thin (fewer than `LengthModel.min_at_risk` trajectories
   got that long) the remaining mass is put at the maximum length: with nothing observed this *is*
   the paper's rule. On an engine with fixed-size slots (`kv_tokens_per_sequence()`, HF) a trajectory
   takes a whole slot and admission counts slots.
@@ -111,21 +114,52 @@ class LengthModel:
         self.max_tokens, self.min_at_risk = max_tokens, min_at_risk
         self.bin_tokens = -(-max_tokens // n_bins)
         self.n_bins = max_tokens // self.bin_tokens + 1
-        self._recent: deque[int] = deque(maxlen=window)
+        self._recent: deque[tuple[object, int]] = deque(maxlen=window)
         self._events = np.zeros(self.n_bins, dtype=np.int64)
+        self._groups: dict[object, list[float]] = {}        # group -> [count, sum, sum of squares]
         self.version = 0
 
     def bin(self, tokens: int) -> int:
         return min(max(tokens, 0), self.max_tokens) // self.bin_tokens
 
-    def observe(self, tokens: int) -> None:
-        """Record a finished trajectory's response length."""
+    def observe(self, tokens: int, group: object = None) -> None:
+        """Record a finished trajectory's response length; `group` (hashable, unique across steps: its
+        GRPO group) lets the model measure how alike the lengths within a group are (`group_correlation`)."""
         tokens = min(max(int(tokens), 0), self.max_tokens)
         if len(self._recent) == self._recent.maxlen:
-            self._events[self.bin(self._recent[0])] -= 1
-        self._recent.append(tokens)
+            old_group, old = self._recent[0]
+            self._events[self.bin(old)] -= 1
+            self._tally(old_group, old, -1)
+        self._recent.append((group, tokens))
         self._events[self.bin(tokens)] += 1
+        self._tally(group, tokens, +1)
         self.version += 1
+
+    def _tally(self, group: object, tokens: int, sign: int) -> None:
+        if group is None:
+            return
+        agg = self._groups.setdefault(group, [0, 0.0, 0.0])
+        agg[0] += sign
+        agg[1] += sign * tokens
+        agg[2] += sign * tokens * tokens
+        if agg[0] == 0:
+            del self._groups[group]
+
+    def group_correlation(self) -> float:
+        """Intra-class correlation of response lengths within groups (one-way ANOVA estimator over the
+        groups with two or more finished samples), in [0, 1]; 0 until 8 such groups were seen."""
+        aggs = [a for a in self._groups.values() if a[0] >= 2]
+        if len(aggs) < 8:
+            return 0.0
+        n = sum(a[0] for a in aggs)
+        total = sum(a[1] for a in aggs)
+        between = sum(a[1] ** 2 / a[0] for a in aggs) - total ** 2 / n
+        within = sum(a[2] - a[1] ** 2 / a[0] for a in aggs)
+        g = len(aggs)
+        msb, msw = between / (g - 1), within / max(1, n - g)
+        n0 = (n - sum(a[0] ** 2 for a in aggs) / n) / (g - 1)
+        denom = msb + (n0 - 1) * msw
+        return float(min(1.0, max(0.0, (msb - msw) / denom))) if denom > 0 else 0.0
 
     @property
     def n_observed(self) -> int:
@@ -233,6 +267,7 @@ class KVAdmission:
         self._curves: list[tuple | None] = [None] * n
         self._table_version = -1
         self._seq = 0
+        self._step = object()              # groups of this call are not the same problems as the last call's
         self.stats = {"holds": 0, "steals": 0}
 
     # ----------------------------------------------------------------------------------- events
@@ -331,7 +366,7 @@ class KVAdmission:
             self._n_held[run.engine] -= 1
         self._ages[run.engine].remove(run)
         self._version[run.engine] += 1
-        self.lengths.observe(kv - run.job.prompt_tokens)
+        self.lengths.observe(kv - run.job.prompt_tokens, (self._step, run.job.group))
 
     # ---------------------------------------------------------------------------------- queries
     def projected(self, e: int, job: Job | None = None, sigmas: float = 0.0) -> float:
@@ -387,6 +422,7 @@ class KVAdmission:
         ratio = np.where(base > 0, s_at / np.where(base > 0, base, 1.0), valid.astype(float))
         length = np.minimum((idx + 1) * lm.bin_tokens, self.max_response)
         spread = ratio * (1.0 - ratio)                                   # Bernoulli variance of running
+        self._icc = lm.group_correlation()
         self._ratio, self._rows = ratio, ratio * length
         self._alive = (ratio > 0).astype(float)                          # could still be running then
         self._full = self._alive * length
@@ -402,6 +438,7 @@ class KVAdmission:
         if cached is None or cached[0] != key:
             lm = self.lengths
             counts, prompts, squares, held = np.zeros(lm.n_bins), np.zeros(lm.n_bins), np.zeros(lm.n_bins), 0.0
+            per_group: dict[int, int] = {}
             for run in self._ages[e]:
                 if run.held:
                     held += run.kv
@@ -410,9 +447,13 @@ class KVAdmission:
                     counts[b] += 1
                     prompts[b] += p
                     squares[b] += p * p
+                    per_group[run.job.group] = per_group.get(run.job.group, 0) + 1
             v0, v1, v2 = self._var
             mean = counts @ self._rows + prompts @ self._ratio
             var = counts @ v2 + prompts @ v1 + squares @ v0
+            if per_group:                  # samples of one group are alike: the design effect of clustering
+                m = sum(c * c for c in per_group.values()) / sum(per_group.values())
+                var = var * (1.0 + (m - 1.0) * self._icc)
             full = counts @ self._full + prompts @ self._alive
             cached = (key, mean, var, full, held)
             self._curves[e] = cached

@@ -39,6 +39,35 @@ def test_survival_is_the_empirical_one_and_keeps_unknown_mass_at_the_maximum():
     assert np.all(cold[:-1] == 1.0)                   # nothing observed: everything reaches the maximum
 
 
+def test_group_correlation_measures_how_alike_a_groups_lengths_are():
+    g = np.random.default_rng(0)
+    alike, apart = LengthModel(MAX), LengthModel(MAX)
+    for group in range(40):
+        level = g.integers(50, 900)
+        for _ in range(4):
+            alike.observe(int(level + g.integers(-10, 10)), ("s", group))
+            apart.observe(int(g.integers(50, 900)), ("s", group))
+    assert alike.group_correlation() > 0.9 and apart.group_correlation() < 0.2
+    assert LengthModel(MAX).group_correlation() == 0.0          # nothing to measure yet
+
+
+def test_alike_groups_make_admission_more_careful():
+    """The same 240 observed lengths, grouped alike or shuffled across groups: with alike groups an engine
+    full of one group's samples may have them all long, so fewer are admitted."""
+    g = np.random.default_rng(1)
+    lengths = [int(x) for x in np.repeat(g.integers(50, 900, 60), 4)]
+    shuffled = [int(x) for x in g.permutation(lengths)]
+
+    def admitted(values) -> int:
+        lm = LengthModel(MAX)
+        for i, n in enumerate(values):
+            lm.observe(n, ("prev", i // 4))
+        pol = KVAdmission([12 * (P + MAX)], max_response_tokens=MAX, lengths=lm, group_affinity=True)
+        pol.add(_jobs(64, group_size=16))
+        return len(pol.admit())
+    assert admitted(lengths) < admitted(shuffled)
+
+
 def test_cold_model_admits_by_the_paper_rule_and_learnt_lengths_admit_more():
     cap = 3 * (P + MAX)
     cold = KVAdmission([cap], max_response_tokens=MAX)
