@@ -192,6 +192,7 @@ class _Run:
     decoding: bool = True    # a request is in flight (since the engine clock read `since`)
     since: int = 0
     held: bool = False
+    bin: int = -1            # the response-length bin it is counted in
 
 
 class StaticAdmission:
@@ -262,9 +263,16 @@ class KVAdmission:
         self._runs: dict[int, _Run] = {}
         self._ages: list[list[_Run]] = [[] for _ in range(n)]           # runs per engine, oldest first
         self._clock = [0] * n              # decode steps each engine has run, as turn ends reveal them
-        self._version = [0] * n
+        self._binned_at = [0] * n          # the clock its running trajectories were binned with
+        nb = self.lengths.n_bins
+        # per engine, running trajectories (not held) by response-length bin: count, prompt sum, prompt^2 sum
+        self._cnt, self._psum, self._psq = np.zeros((n, nb)), np.zeros((n, nb)), np.zeros((n, nb))
+        self._groups: list[dict[int, int]] = [{} for _ in range(n)]     # their groups, for the design effect
+        self._gsq, self._nrun = np.zeros(n), np.zeros(n)                 # sum of squared group counts, count
+        self._held_kv, self._held_bins = np.zeros(n), np.zeros(nb)
         self._n_held = [0] * n
-        self._curves: list[tuple | None] = [None] * n
+        self._dirty = np.ones(n, dtype=bool)
+        self._mean, self._var2, self._full_kv = np.zeros((n, nb)), np.zeros((n, nb)), np.zeros((n, nb))
         self._table_version = -1
         self._seq = 0
         self._step = object()              # groups of this call are not the same problems as the last call's
@@ -314,19 +322,15 @@ class KVAdmission:
     def route(self, job: Job) -> int | None:
         """Engine for a new trajectory (or a new group's first sample, with group affinity): of those it
         fits, the one with the least expected decode work left (ties: the most room left after it)."""
-        fits = [e for e in range(len(self.capacity)) if self._fits(e, job)]
-        if not fits:
+        fits = self._fits_all(job)
+        if not fits.any():
             return None
-        return min(fits, key=lambda e: (self.remaining_work(e), self.projected(e, job) - self.capacity[e]))
+        work, room = self._work_all(), self._projected_all(job, self.admit_sigmas) - np.array(self.capacity)
+        return int(min(np.flatnonzero(fits), key=lambda e: (work[e], room[e])))
 
     def remaining_work(self, e: int) -> float:
-        """Expected response tokens the trajectories on engine e have still to generate."""
-        self._refresh()
-        lm = self.lengths
-        counts = np.zeros(lm.n_bins)
-        for run in self._ages[e]:
-            counts[lm.bin(self._length(run) - run.job.prompt_tokens)] += 1
-        return float(counts @ self._ratio.sum(axis=1)) * lm.bin_tokens
+        """Expected response tokens the running trajectories on engine e have still to generate."""
+        return float(self._work_all()[e])
 
     def resumable(self) -> list[int]:
         """Held trajectories that may take their next turn now (oldest first); they are running again."""
@@ -358,14 +362,16 @@ class KVAdmission:
         if run.decoding:
             self._clock[e] = max(self._clock[e], run.since + max(0, kv - run.kv))
         self._set(run, kv=kv, decoding=False)
+        if 2 * (self._clock[e] - self._binned_at[e]) >= self.lengths.bin_tokens:
+            self._rebin(e)
 
     def release(self, tid: int, kv: int) -> None:
         """The trajectory finished at `kv` tokens: its KV is freed and its length observed."""
         run = self._runs.pop(tid)
+        self._count(run, -1)
         if run.held:
             self._n_held[run.engine] -= 1
         self._ages[run.engine].remove(run)
-        self._version[run.engine] += 1
         self.lengths.observe(kv - run.job.prompt_tokens, (self._step, run.job.group))
 
     # ---------------------------------------------------------------------------------- queries
@@ -379,14 +385,15 @@ class KVAdmission:
         if self.reserve == "max":
             return float(sum(r.kv if r.held else r.job.prompt_tokens + self.max_response for r in self._ages[e])
                          + (job.prompt_tokens + self.max_response if job is not None else 0))
-        mean, var, full, held = self._curve(e)
+        self._curves()
+        mean, var, full = self._mean[e], self._var2[e], self._full_kv[e]
         if job is not None:
             p = job.prompt_tokens
             mean = mean + self._rows[0] + p * self._ratio[0]
             var = var + self._var[2][0] + p * self._var[1][0] + p * p * self._var[0][0]
             full = full + self._full[0] + p * self._alive[0]
         curve = np.minimum(mean + sigmas * np.sqrt(var), full) if sigmas else mean
-        return float(curve.max()) + held
+        return float(curve.max()) + float(self._held_kv[e])
 
     def free(self, e: int) -> float:
         return self.capacity[e] - self.projected(e)
@@ -411,10 +418,7 @@ class KVAdmission:
         if self._table_version == lm.version:
             return
         nb = lm.n_bins
-        censored = np.zeros(nb, dtype=np.int64)
-        for run in self._runs.values():
-            censored[lm.bin(self._length(run) - run.job.prompt_tokens)] += 1
-        s = lm.survival(censored)
+        s = lm.survival((self._cnt.sum(axis=0) + self._held_bins).astype(np.int64))
         idx = np.arange(nb)[:, None] + np.arange(nb)[None, :]          # b + j
         valid = idx < nb
         s_at = np.where(valid, s[np.minimum(idx, nb)], 0.0)
@@ -427,40 +431,89 @@ class KVAdmission:
         self._alive = (ratio > 0).astype(float)                          # could still be running then
         self._full = self._alive * length
         self._var = (spread, 2.0 * length * spread, length * length * spread)   # x prompt^0, ^1, ^2
+        self._work = ratio.sum(axis=1) * lm.bin_tokens                   # expected tokens still to come
         self._table_version = lm.version
+        self._dirty[:] = True
 
-    def _curve(self, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
-        """Engine e's KV over the coming bins of decode steps: mean, variance and the value if every
-        trajectory that could still run did (an upper bound for mean + sigmas); and its held KV."""
+    def _curves(self) -> None:
+        """Bring each changed engine's curves over the coming bins of decode steps up to date: the mean
+        and variance of its KV (the variance times its groups' design effect), and `_full_kv`, its KV
+        if every trajectory that could still run did (the bound for mean + sigmas)."""
         self._refresh()
-        key = (self._table_version, self._version[e], self._clock[e])
-        cached = self._curves[e]
-        if cached is None or cached[0] != key:
-            lm = self.lengths
-            counts, prompts, squares, held = np.zeros(lm.n_bins), np.zeros(lm.n_bins), np.zeros(lm.n_bins), 0.0
-            per_group: dict[int, int] = {}
-            for run in self._ages[e]:
-                if run.held:
-                    held += run.kv
-                else:
-                    b, p = lm.bin(self._length(run) - run.job.prompt_tokens), run.job.prompt_tokens
-                    counts[b] += 1
-                    prompts[b] += p
-                    squares[b] += p * p
-                    per_group[run.job.group] = per_group.get(run.job.group, 0) + 1
-            v0, v1, v2 = self._var
-            mean = counts @ self._rows + prompts @ self._ratio
-            var = counts @ v2 + prompts @ v1 + squares @ v0
-            if per_group:                  # samples of one group are alike: the design effect of clustering
-                m = sum(c * c for c in per_group.values()) / sum(per_group.values())
-                var = var * (1.0 + (m - 1.0) * self._icc)
-            full = counts @ self._full + prompts @ self._alive
-            cached = (key, mean, var, full, held)
-            self._curves[e] = cached
-        return cached[1:]
+        if not self._dirty.any():
+            return
+        d = np.flatnonzero(self._dirty)
+        cnt, psum, psq = self._cnt[d], self._psum[d], self._psq[d]
+        v0, v1, v2 = self._var
+        self._mean[d] = cnt @ self._rows + psum @ self._ratio
+        m = np.divide(self._gsq[d], self._nrun[d], out=np.ones(len(d)), where=self._nrun[d] > 0)
+        design = 1.0 + (m - 1.0) * self._icc                             # samples of one group are alike
+        self._var2[d] = (cnt @ v2 + psum @ v1 + psq @ v0) * design[:, None]
+        self._full_kv[d] = cnt @ self._full + psum @ self._alive
+        self._dirty[d] = False
+
+    def _projected_all(self, job: Job, sigmas: float) -> np.ndarray:
+        """`projected(e, job, sigmas)` for every engine at once."""
+        n = len(self.capacity)
+        if self.reserve == "max" or any(self.per_sequence):
+            return np.array([self.projected(e, job, sigmas) for e in range(n)])
+        self._curves()
+        p = job.prompt_tokens
+        mean = self._mean + (self._rows[0] + p * self._ratio[0])
+        var = self._var2 + (self._var[2][0] + p * self._var[1][0] + p * p * self._var[0][0])
+        full = self._full_kv + (self._full[0] + p * self._alive[0])
+        return np.minimum(mean + sigmas * np.sqrt(var), full).max(axis=1) + self._held_kv
+
+    def _work_all(self) -> np.ndarray:
+        self._refresh()
+        return self._cnt @ self._work
+
+    def _fits_all(self, job: Job) -> np.ndarray:
+        cap = np.array(self.capacity, dtype=float)
+        ok = (job.prompt_tokens + self.max_response <= cap) & (np.array(self._n_held) == 0)
+        return ok & (self._projected_all(job, self.admit_sigmas) <= cap)
+
+    def _fits(self, e: int, job: Job) -> bool:
+        if job.prompt_tokens + self.max_response > self.capacity[e] or self._n_held[e]:
+            return False                 # it could never finish there / held trajectories go first
+        return self.projected(e, job, sigmas=self.admit_sigmas) <= self.capacity[e]
+
+    def _binned_length(self, run: _Run) -> int:
+        """The length the histograms count `run` at: as `_length`, with the clock of the last binning."""
+        at = self._binned_at[run.engine]
+        grown = at - run.since if run.decoding and at > run.since else 0
+        return min(run.kv + grown, run.job.prompt_tokens + self.max_response)
+
+    def _count(self, run: _Run, sign: int) -> None:
+        """Add (+1) or remove (-1) `run` from its engine's histograms."""
+        e, p, g = run.engine, run.job.prompt_tokens, run.job.group
+        if sign > 0:
+            run.bin = self.lengths.bin((run.kv if run.held else self._binned_length(run)) - p)
+        b = run.bin
+        if run.held:
+            self._held_kv[e] += sign * run.kv
+            self._held_bins[b] += sign
+        else:
+            self._cnt[e, b] += sign
+            self._psum[e, b] += sign * p
+            self._psq[e, b] += sign * p * p
+            c = self._groups[e].get(g, 0)
+            self._gsq[e] += 2 * c + 1 if sign > 0 else -(2 * c - 1)
+            self._groups[e][g] = c + sign
+            self._nrun[e] += sign
+        self._dirty[e] = True
+
+    def _rebin(self, e: int) -> None:
+        """Re-bin engine e's trajectories at its current clock (done when it moved half a bin)."""
+        for run in self._ages[e]:
+            self._count(run, -1)
+        self._binned_at[e] = self._clock[e]
+        for run in self._ages[e]:
+            self._count(run, +1)
 
     def _set(self, run: _Run, *, kv: int | None = None, decoding: bool | None = None,
              held: bool | None = None) -> None:
+        self._count(run, -1)
         if kv is not None:
             run.kv = kv
         if decoding is not None:
@@ -470,12 +523,7 @@ class KVAdmission:
         if held is not None and held != run.held:
             run.held = held
             self._n_held[run.engine] += 1 if held else -1
-        self._version[run.engine] += 1
-
-    def _fits(self, e: int, job: Job) -> bool:
-        if job.prompt_tokens + self.max_response > self.capacity[e] or self._n_held[e]:
-            return False                 # it could never finish there / held trajectories go first
-        return self.projected(e, job, sigmas=self.admit_sigmas) <= self.capacity[e]
+        self._count(run, +1)
 
     def _fill_home(self, e: int, out: list[tuple[Job, int]]) -> None:
         for key, queued in list(self._homed[e].items()):
@@ -499,7 +547,7 @@ class KVAdmission:
         self._seq += 1
         self._runs[job.tid] = run
         self._ages[e].append(run)                 # seq grows: the list stays oldest first
-        self._version[e] += 1
+        self._count(run, +1)
         out.append((job, e))
 
 
