@@ -40,7 +40,9 @@ loses to static. Instead it admits on the **projected peak** of the engine's KV 
 - Current lengths without asking the engine: a turn end tells the policy how many tokens that request
   generated, hence how many decode steps the engine has run since the request began (its *clock*); a
   trajectory whose request is in flight is estimated at its length at the turn start plus the
-  engine's steps since then. No engine method beyond `Engine` is needed.
+  engine's steps since then (re-binned when the clock has moved half a length bin). No engine method
+  beyond `Engine` is needed. Cost on the driver: admitting 16,384 trajectories onto 32 engines takes
+  ~8 s of CPU on this project's loaded 2-core machine, a turn boundary ~0.3 ms.
 - **Holds at turn boundaries** (the preemption that recomputes nothing): when an engine's projected
   peak passes its capacity (survivors outgrowing the estimate), a trajectory reaching its next turn
   is held there (`begin_turn` returns False: no request is sent, its KV stays in the engine's cache)
