@@ -186,8 +186,10 @@ class RolloutConfig(_Section):
     num_engines: int = Field(1, ge=1)
     """Engine replicas (Ray actors in production)."""
     scheduler: Literal["kv_aware", "static"] = "kv_aware"
-    """`kv_aware` admits as many trajectories as an engine's free KV cache holds at max length and
-    refills as soon as one finishes (the paper); `static` fixes N per engine (the baseline)."""
+    """`kv_aware` admits trajectories while an engine's projected KV peak (current lengths plus the
+    stage's observed length distribution) fits its cache, holds them at turn boundaries when it
+    would not, and refills as trajectories finish (docs/rollout.md, "Scheduler"); `static` fixes
+    contiguous chunks per engine, all launched at once (the baseline)."""
     max_batch_size: int = Field(64, ge=1)
     """Most sequences decoded together by one engine: the HF engine's KV slots, vLLM's `max_num_seqs`.
     More raises throughput until the KV cache (HF: slots x max length) or memory runs out."""

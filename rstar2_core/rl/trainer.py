@@ -15,10 +15,10 @@ optimizer step per RL step, grad clip from the config):
    a mean of per-micro-batch means).
 3. `backend.step()` clips, steps AdamW and the LR schedule, and zeroes the gradients.
 
-Log-probs (`sequence_logprobs`): one forward over prompt + response per trajectory (right-padded),
-logits shifted by one, divided by the sampling temperature (so they are the log-probs of the
-distribution the engine sampled from; top_p is not modelled: the paper samples with top_p = 1), then
-log-softmax and gather. Shapes: trajectories of prompt length P_b and response length R_b give
+Log-probs (`rl/logprobs.py`: `collate`, `batch_logprobs`, `sequence_logprobs`): a micro-batch's
+trajectories packed in one row with per-trajectory attention, the LM head and log-softmax at response
+positions only, chunk by chunk (no fp32 logits over the vocabulary for all tokens at once), divided by
+the sampling temperature. Shapes: trajectories of prompt length P_b and response length R_b give
 `logprobs: (B, R_max)` with 0 beyond R_b; `loss_mask: (B, R_max)` from `Trajectory.loss_mask` (tool
 output tokens 0).
 
@@ -31,93 +31,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
+from rstar2_core.rl.logprobs import _chunks, batch_logprobs, collate, sequence_logprobs
+from rstar2_core.rl.logprobs import model_device as _model_device
 from rstar2_core.rl.loss import get_policy_loss
 from rstar2_core.rollout.types import Trajectory
 from rstar2_core.runtime.protocol import TrainerStep
 
 OLD_LOGPROB_SOURCES = ("recompute", "engine")
-
-
-@dataclass(frozen=True)
-class PaddedBatch:
-    """Right-padded tensors for a micro-batch. `input_ids, attention_mask: (B, L)`; `gather_pos, loss_mask,
-    engine_logprobs: (B, R_max)` where `gather_pos[b, j]` is the logits position predicting response token j."""
-
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    targets: torch.Tensor
-    gather_pos: torch.Tensor
-    loss_mask: torch.Tensor
-    engine_logprobs: torch.Tensor
-
-
-def collate(trajectories: Sequence[Trajectory], pad_id: int, device: str | torch.device = "cpu") -> PaddedBatch:
-    """Pad `prompt_ids + response_ids` of each trajectory to one `(B, L)` batch (see PaddedBatch)."""
-    if not trajectories:
-        raise ValueError("collate: no trajectories")
-    B = len(trajectories)
-    L = max(len(t.prompt_ids) + len(t.response_ids) for t in trajectories)
-    R = max(max(len(t.response_ids) for t in trajectories), 1)
-    ids = torch.full((B, L), pad_id, dtype=torch.long)
-    att = torch.zeros((B, L), dtype=torch.long)
-    tgt = torch.full((B, R), pad_id, dtype=torch.long)
-    pos = torch.zeros((B, R), dtype=torch.long)
-    mask = torch.zeros((B, R), dtype=torch.float32)
-    eng = torch.zeros((B, R), dtype=torch.float32)
-    for b, t in enumerate(trajectories):
-        P, n = len(t.prompt_ids), len(t.response_ids)
-        if P < 1:
-            raise ValueError("collate: a trajectory has an empty prompt; the first response token needs a "
-                             "prompt token to be predicted from")
-        if not (len(t.loss_mask) == len(t.logprobs) == n):
-            raise ValueError(f"collate: trajectory {b} has response_ids ({n}), loss_mask ({len(t.loss_mask)}) "
-                             f"and logprobs ({len(t.logprobs)}) of different lengths")
-        ids[b, :P + n] = torch.tensor(t.prompt_ids + t.response_ids, dtype=torch.long)
-        att[b, :P + n] = 1
-        if n:
-            tgt[b, :n] = torch.tensor(t.response_ids, dtype=torch.long)
-            pos[b, :n] = torch.arange(P - 1, P - 1 + n)
-            mask[b, :n] = torch.tensor(t.loss_mask, dtype=torch.float32)
-            eng[b, :n] = torch.tensor(t.logprobs, dtype=torch.float32)
-    return PaddedBatch(ids.to(device), att.to(device), tgt.to(device), pos.to(device), mask.to(device),
-                       eng.to(device))
-
-
-def batch_logprobs(model: torch.nn.Module, batch: PaddedBatch, temperature: float = 1.0) -> torch.Tensor:
-    """`(B, R_max)` log-probs of the response tokens under `model` at `temperature` (0 where padded)."""
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
-    logits = out.logits
-    idx = batch.gather_pos.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
-    picked = torch.gather(logits, 1, idx).float() / temperature          # (B, R, V)
-    lp = torch.log_softmax(picked, dim=-1)
-    tok = torch.gather(lp, 2, batch.targets.unsqueeze(-1)).squeeze(-1)   # (B, R)
-    return tok
-
-
-def _chunks(n: int, size: int) -> list[slice]:
-    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
-
-
-def _model_device(model: torch.nn.Module) -> torch.device:
-    p = next(model.parameters(), None)
-    return p.device if p is not None else torch.device("cpu")
-
-
-@torch.no_grad()
-def sequence_logprobs(model: torch.nn.Module, trajectories: Sequence[Trajectory], pad_id: int,
-                      temperature: float = 1.0, micro_batch_size: int = 8) -> list[torch.Tensor]:
-    """Per trajectory, the `(R_b,)` log-probs of its response tokens under `model` (no gradient)."""
-    device = _model_device(model)
-    out: list[torch.Tensor] = []
-    for sl in _chunks(len(trajectories), micro_batch_size):
-        chunk = trajectories[sl]
-        lp = batch_logprobs(model, collate(chunk, pad_id, device), temperature).cpu()
-        out.extend(lp[b, :len(t.response_ids)] for b, t in enumerate(chunk))
-    return out
 
 
 def padding_trajectory(pad_id: int) -> Trajectory:

@@ -17,21 +17,23 @@ from rstar2_core.lazy_exports import lazy_exports
 _EXPORTS = {
     "run_trajectory": "agent",
     "HFEngine": "hf_engine",
-    "KVAdmission": "scheduler", "rollout_groups": "scheduler", "rollout_metrics": "scheduler",
+    "KVAdmission": "admission", "LengthModel": "admission", "StaticAdmission": "admission",
+    "rollout_groups": "scheduler", "rollout_metrics": "scheduler",
     "run_rollout_groups": "scheduler",
     "Engine": "types", "GenerationOutput": "types", "RolloutLimits": "types", "SamplingParams": "types",
     "ToolCallRecord": "types", "Trajectory": "types",
     "VLLMEngine": "vllm_engine",
 }
-__all__ = ["Engine", "GenerationOutput", "HFEngine", "KVAdmission", "RolloutLimits", "SamplingParams",
-           "ToolCallRecord", "Trajectory", "VLLMEngine", "rollout_groups", "rollout_metrics", "run_rollout_groups",
-           "run_trajectory"]
+__all__ = ["Engine", "GenerationOutput", "HFEngine", "KVAdmission", "LengthModel", "RolloutLimits", "SamplingParams",
+           "StaticAdmission", "ToolCallRecord", "Trajectory", "VLLMEngine", "rollout_groups", "rollout_metrics",
+           "run_rollout_groups", "run_trajectory"]
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 if TYPE_CHECKING:
+    from rstar2_core.rollout.admission import KVAdmission, LengthModel, StaticAdmission
     from rstar2_core.rollout.agent import run_trajectory
     from rstar2_core.rollout.hf_engine import HFEngine
-    from rstar2_core.rollout.scheduler import KVAdmission, rollout_groups, rollout_metrics, run_rollout_groups
+    from rstar2_core.rollout.scheduler import rollout_groups, rollout_metrics, run_rollout_groups
     from rstar2_core.rollout.types import (
         Engine,
         GenerationOutput,

@@ -1,101 +1,45 @@
-"""Rollout of groups across several engines: KV-cache-aware admission (the paper) or static N-per-engine.
+"""Rollout of GRPO groups across engines: each trajectory's agent loop runs where and when the policy says.
 
     groups = run_rollout_groups(engines, sandbox, chat, problems, n=16, limits=limits, seed=0)
     # groups[i][j]: j-th trajectory of problems[i]
 
-`kv_aware` (RECIPE.md, "Rollout scheduling"): each trajectory reserves its worst-case KV footprint,
-prompt + max_response_tokens tokens, on one engine (at least `engine.kv_tokens_per_sequence()` when
-the engine reports one: an HF engine's slot is max_seq_len tokens whatever the sequence uses); an engine admits trajectories only while their
-reservations fit its `kv_capacity_tokens()`, the engine with the most free capacity gets the next
-one, and the moment a trajectory finishes its reservation is released and the next waiting one is
-admitted there. A trajectory stays on its engine for all its turns (the engine's prefix cache
-holds its KV between turns), and its tool calls go to the sandbox as soon as they are generated
-(`agent.run_trajectory`). No engine is ever asked to hold more than its KV cache, so nothing is
-preempted or recomputed.
+`rollout_groups` queues the n x len(problems) trajectories (problem-major) in a scheduling policy
+from `admission.py` and starts each one's agent loop (`agent.run_trajectory`) on the engine the
+policy picks, when it picks. The loop sees its engine through a `_TurnGate`, which reports every turn
+boundary to the policy (the sequence length after each generation and before the next) and waits
+while the policy holds the trajectory; tool calls go to the sandbox the moment they are generated.
+A trajectory stays on its engine for all its turns (the engine keeps its KV between turns).
 
-`static` (the baseline, verl-style): the problem-major batch (a group's samples consecutive) is cut
-into one contiguous chunk per engine up front (`static_assignment`: how verl splits its repeated batch
-across rollout workers, and what sending a prompt with vLLM's `n` does) and all of it launched at
-once; each engine queues (HF) or preempts and recomputes (vLLM) what it cannot hold, and an engine
-that finished its share idles while others still work through theirs.
+- `kv_aware` (default, `KVAdmission`): admission on the projected KV use of each engine (the
+  `kv_capacity_tokens()` it reports; whole slots on engines that report `kv_tokens_per_sequence()`,
+  i.e. HF), holds at turn boundaries when an engine's projection passes its capacity, samples routed
+  to the engine with the most room. Pass one `LengthModel` per RL stage (`lengths=`) so each step
+  starts from the lengths the earlier steps observed.
+- `static` (baseline, `StaticAdmission`): contiguous chunks per engine, all launched at once; each
+  engine queues (HF) or preempts and recomputes (vLLM) what it cannot hold.
 
-Departure from the paper: admission reserves the full max length per trajectory (the paper's rule)
-rather than tracking actual KV use; with HF engines capacity is slots x max_seq_len, so this is the
-exact condition for never waiting on a slot mid-trajectory.
+No engine method beyond the `Engine` protocol is needed: the policy learns each engine's decode
+progress from the turn boundaries it observes (admission.py). bench/scheduler.py measures both
+policies through the same objects in a simulation of engines (docs/rollout.md, "Scheduler").
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Coroutine
 from typing import Any, Literal
 
+from rstar2_core.rollout.admission import (
+    Job,
+    KVAdmission,
+    LengthModel,
+    StaticAdmission,
+    engine_kv,
+)
 from rstar2_core.rollout.agent import run_trajectory
-from rstar2_core.rollout.types import Engine, RolloutLimits, Trajectory
+from rstar2_core.rollout.types import Engine, GenerationOutput, RolloutLimits, SamplingParams, Trajectory
 
 SCHEDULERS = ("kv_aware", "static")
-
-
-class KVAdmission:
-    """Pure admission bookkeeping: per-engine capacity (tokens) and what running trajectories reserve."""
-
-    def __init__(self, capacities: Sequence[int], min_reservation: Sequence[int] | None = None):
-        if not capacities or any(c < 1 for c in capacities):
-            raise ValueError(f"every engine needs a positive KV capacity, got {list(capacities)}")
-        self.capacity = list(capacities)
-        self.min_reservation = list(min_reservation or [0] * len(capacities))
-        self.reserved = [0] * len(capacities)
-
-    def free(self, engine: int) -> int:
-        return self.capacity[engine] - self.reserved[engine]
-
-    def cost(self, engine: int, tokens: int) -> int:
-        """What `tokens` reserve on `engine` (an HF engine reserves a whole slot per sequence)."""
-        return max(tokens, self.min_reservation[engine])
-
-    def try_admit(self, tokens: int) -> int | None:
-        """Reserve `tokens` on the engine with the most room left after it; None if none has room."""
-        fits = [k for k in range(len(self.capacity)) if self.cost(k, tokens) <= self.capacity[k]]
-        if not fits:
-            raise ValueError(f"a trajectory needs up to {tokens} KV tokens but no engine holds that many "
-                             f"(capacities {self.capacity}); lower max_response_tokens or raise the engines' "
-                             "KV capacity / max_seq_len")
-        best = max(fits, key=lambda k: self.free(k) - self.cost(k, tokens))
-        if self.free(best) < self.cost(best, tokens):
-            return None
-        self.reserved[best] += self.cost(best, tokens)
-        return best
-
-    def release(self, engine: int, tokens: int) -> None:
-        c = self.cost(engine, tokens)
-        if c > self.reserved[engine]:
-            raise ValueError(f"release of {c} tokens on engine {engine} that reserves only {self.reserved[engine]}")
-        self.reserved[engine] -= c
-
-
-@dataclass(frozen=True)
-class _Job:
-    problem_index: int
-    sample_index: int
-    problem: str
-    seed: int | None
-    tokens: int        # worst-case KV footprint: prompt + max_response_tokens
-
-
-def static_assignment(n_jobs: int, n_engines: int) -> list[int]:
-    """Engine of job i under `static`: contiguous chunks, sizes differing by at most one.
-
-    Jobs are problem-major, so a group's samples land on one engine (or two, at a chunk border), as in
-    verl (prompts repeated n times with `interleave=True`, then one contiguous chunk per rollout worker).
-    """
-    if n_engines < 1:
-        raise ValueError(f"static allocation needs at least one engine, got {n_engines}")
-    base, extra = divmod(n_jobs, n_engines)
-    out: list[int] = []
-    for k in range(n_engines):
-        out.extend([k] * (base + (k < extra)))
-    return out
 
 
 def job_seed(seed: int | None, problem_index: int, sample_index: int) -> int | None:
@@ -103,66 +47,103 @@ def job_seed(seed: int | None, problem_index: int, sample_index: int) -> int | N
     return None if seed is None else (seed * 1_000_033 + problem_index) * 65_537 + sample_index
 
 
-async def rollout_groups(engines: Engine | list[Engine], sandbox: Any, chat: Any, problems: list[str], n: int,
-                         limits: RolloutLimits, seed: int | None = None,
-                         scheduler: Literal["kv_aware", "static"] = "kv_aware") -> list[list[Trajectory]]:
-    """n trajectories per problem, in problem order: `out[i][j]` is sample j of problems[i]."""
+def make_policy(scheduler: str, engines: list[Engine], max_response_tokens: int, longest: int,
+                lengths: LengthModel | None = None) -> KVAdmission | StaticAdmission:
+    """The policy of `scheduler` over `engines`, after checking that the longest trajectory (prompt +
+    max_response_tokens) fits each engine's fixed-size sequence slot, when it has one."""
     if scheduler not in SCHEDULERS:
         raise ValueError(f"unknown scheduler {scheduler!r}; valid: {list(SCHEDULERS)}")
+    capacities, per_sequence = engine_kv(engines)
+    for per_seq in per_sequence:
+        if per_seq and longest > per_seq - 1:
+            raise ValueError(f"a trajectory may reach {longest} tokens (prompt + max_response_tokens) but the "
+                             f"engine holds sequences of at most {per_seq - 1}; raise its max_seq_len or lower "
+                             "max_response_tokens")
+    if scheduler == "static":
+        return StaticAdmission(len(engines))
+    return KVAdmission(capacities, per_sequence, max_response_tokens=max_response_tokens, lengths=lengths)
+
+
+class _TurnGate:
+    """One trajectory's view of its engine: reports each turn boundary to the policy, and before a
+    later turn waits while the policy holds it. Only `generate` is used by the agent loop."""
+
+    def __init__(self, engine: Engine, tid: int, driver: _Driver):
+        self.engine, self.tid, self.driver, self.turns = engine, tid, driver, 0
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationOutput:
+        if self.turns:
+            await self.driver.begin_turn(self.tid, len(prompt_ids))
+        self.turns += 1
+        out = await self.engine.generate(prompt_ids, params)
+        self.driver.policy.end_turn(self.tid, len(prompt_ids) + len(out.token_ids))
+        return out
+
+
+class _Driver:
+    """Runs the policy's decisions: starts admitted trajectories, releases finished ones, resumes held ones."""
+
+    def __init__(self, policy: Any, engines: list[Engine],
+                 start: Callable[[Job, _TurnGate], Coroutine[Any, Any, Trajectory]]):
+        self.policy, self.engines, self.start = policy, engines, start
+        self.tasks: dict[asyncio.Task, Job] = {}
+        self.gates: dict[int, asyncio.Future] = {}
+
+    async def begin_turn(self, tid: int, kv: int) -> None:
+        if not self.policy.begin_turn(tid, kv):
+            self.gates[tid] = asyncio.get_running_loop().create_future()
+            await self.gates[tid]
+
+    def dispatch(self) -> None:
+        for job, k in self.policy.admit():
+            self.tasks[asyncio.ensure_future(self.start(job, _TurnGate(self.engines[k], job.tid, self)))] = job
+        for tid in self.policy.resumable():
+            self.gates.pop(tid).set_result(None)
+
+    async def run(self) -> None:
+        try:
+            self.dispatch()
+            while self.tasks:
+                done, _ = await asyncio.wait(self.tasks, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    job = self.tasks.pop(task)
+                    traj = task.result()            # a configuration error propagates
+                    self.policy.release(job.tid, len(traj.prompt_ids) + len(traj.response_ids))
+                self.dispatch()
+                if self.tasks and len(self.gates) == len(self.tasks):
+                    raise RuntimeError(f"scheduler deadlock: all {len(self.tasks)} running trajectories are held "
+                                       "and the policy resumes none (a bug in the policy)")
+        finally:
+            for task in self.tasks:
+                task.cancel()
+
+
+async def rollout_groups(engines: Engine | list[Engine], sandbox: Any, chat: Any, problems: list[str], n: int,
+                         limits: RolloutLimits, seed: int | None = None,
+                         scheduler: Literal["kv_aware", "static"] = "kv_aware",
+                         lengths: LengthModel | None = None) -> list[list[Trajectory]]:
+    """n trajectories per problem, in problem order: `out[i][j]` is sample j of problems[i].
+
+    `lengths`: the stage's `LengthModel` (kv_aware only; None starts from the max-length assumption)."""
     if n < 1:
         raise ValueError(f"n must be >= 1 trajectories per problem, got {n}")
     engines = list(engines) if isinstance(engines, (list, tuple)) else [engines]
     if not engines:
         raise ValueError("rollout_groups needs at least one engine")
-    jobs = [_Job(i, j, p, job_seed(seed, i, j), len(chat.prompt_ids(p)) + limits.max_response_tokens)
-            for i, p in enumerate(problems) for j in range(n)]
-    longest = max((j.tokens for j in jobs), default=0)
-    for e in engines:
-        per_seq = getattr(e, "kv_tokens_per_sequence", lambda: 0)()
-        if per_seq and longest > per_seq - 1:
-            raise ValueError(f"a trajectory may reach {longest} tokens (prompt + max_response_tokens) but the "
-                             f"engine holds sequences of at most {per_seq - 1}; raise its max_seq_len or lower "
-                             "max_response_tokens")
+    prompt_lens = [len(chat.prompt_ids(p)) for p in problems]
+    longest = max(prompt_lens, default=0) + limits.max_response_tokens
+    policy = make_policy(scheduler, engines, limits.max_response_tokens, longest, lengths)
+    policy.add(Job(i * n + j, i, prompt_lens[i]) for i in range(len(problems)) for j in range(n))
     out: list[list[Trajectory | None]] = [[None] * n for _ in problems]
 
-    async def run(job: _Job, engine: Engine) -> None:
-        out[job.problem_index][job.sample_index] = await run_trajectory(engine, sandbox, chat, job.problem,
-                                                                        limits, job.seed)
+    async def start(job: Job, gate: _TurnGate) -> Trajectory:
+        i, j = divmod(job.tid, n)
+        traj = await run_trajectory(gate, sandbox, chat, problems[i], limits, job_seed(seed, i, j))
+        out[i][j] = traj
+        return traj
 
-    if scheduler == "static":
-        share = static_assignment(len(jobs), len(engines))
-        await asyncio.gather(*(run(job, engines[k]) for job, k in zip(jobs, share)))
-    else:
-        await _kv_aware(jobs, engines, run)
+    await _Driver(policy, engines, start).run()
     return out  # type: ignore[return-value]
-
-
-async def _kv_aware(jobs: list[_Job], engines: list[Engine], run) -> None:
-    admission = KVAdmission([e.kv_capacity_tokens() for e in engines],
-                            [getattr(e, "kv_tokens_per_sequence", lambda: 0)() for e in engines])
-    waiting = list(reversed(jobs))              # pop() takes them in order
-    running: dict[asyncio.Task, tuple[int, _Job]] = {}
-
-    def fill() -> None:
-        while waiting:
-            k = admission.try_admit(waiting[-1].tokens)
-            if k is None:
-                return
-            job = waiting.pop()
-            running[asyncio.ensure_future(run(job, engines[k]))] = (k, job)
-
-    try:
-        fill()
-        while running:
-            done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                k, job = running.pop(task)
-                admission.release(k, job.tokens)
-                task.result()                   # a configuration error propagates
-            fill()
-    finally:
-        for task in running:
-            task.cancel()
 
 
 def run_rollout_groups(*args, **kwargs) -> list[list[Trajectory]]:

@@ -15,13 +15,20 @@ alone; `tests/unit/sft/test_sft_packing.py` compares logits):
   prefix is written once at the start of a row and each conversation's remainder follows with
   positions continuing after the prefix; an explicit additive 4D mask lets a token attend to the
   prefix and to earlier tokens of its own conversation only. Each row then holds ~3x more
-  conversations. Needs an attention implementation that takes an arbitrary mask (eager/sdpa, not
-  flash-attention 2), which is why the plain mode stays the fallback.
+  conversations.
 
 Padding fills the row tail (its own attention group, label -100).
 
+Attention: `collate` describes each row by its `Segments` (prefix length, conversation spans) for the
+segment attention of `models/packed_attention.py`: one SDPA call per conversation over [prefix,
+itself], no dense mask (on this CPU 1.4-1.5x faster per SFT step than the dense mask: docs/models-and-sft.md,
+"SFT speed"); this also makes the shared-prefix mode work with any backend SDPA has. `dense_mask=True`
+builds the explicit (B, 1, T, T) additive mask instead (the reference the segment path is tested and
+benchmarked against).
+
 Shapes: `PackedRow.input_ids`, `labels`, `position_ids`, `groups`: (T,) with T = max_seq_len;
-`collate` stacks them to (B, T) and, for shared-prefix rows, adds `attention_mask`: (B, 1, T, T).
+`collate` stacks them to (B, T) and adds `segments` (one `Segments` per row), or with `dense_mask`,
+for shared-prefix rows, `attention_mask`: (B, 1, T, T).
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from rstar2_core.models.packed_attention import Segments
 
 IGNORE = -100
 PREFIX_GROUP, PAD_GROUP = -1, -2
@@ -176,12 +185,31 @@ def attention_mask_4d(groups: torch.Tensor, dtype: torch.dtype = torch.float32) 
     return mask[:, None]
 
 
-def collate(rows: Sequence[PackedRow], device: str | torch.device = "cpu",
-            dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """input_ids, labels, position_ids: (B, T) long; plus attention_mask (B, 1, T, T) for shared-prefix rows."""
-    out = {k: torch.tensor([getattr(r, k) for r in rows], dtype=torch.long, device=device)
-           for k in ("input_ids", "labels", "position_ids")}
-    if any(r.shared_prefix for r in rows):
+def row_segments(row: PackedRow) -> Segments:
+    """The row's layout for segment attention: its shared prefix, then one span per conversation."""
+    g = row.groups
+    p = 0
+    while p < len(g) and g[p] == PREFIX_GROUP:
+        p += 1
+    spans, s = [], p
+    while s < len(g) and g[s] != PAD_GROUP:
+        e = s
+        while e < len(g) and g[e] == g[s]:
+            e += 1
+        spans.append((s, e))
+        s = e
+    return Segments(p, tuple(spans), len(g))
+
+
+def collate(rows: Sequence[PackedRow], device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+            dense_mask: bool = False) -> dict:
+    """input_ids, labels, position_ids: (B, T) long; plus `segments` (a `Segments` per row), or with
+    `dense_mask` an additive attention_mask (B, 1, T, T) of `dtype` for shared-prefix rows."""
+    out: dict = {k: torch.tensor([getattr(r, k) for r in rows], dtype=torch.long, device=device)
+                 for k in ("input_ids", "labels", "position_ids")}
+    if not dense_mask:
+        out["segments"] = tuple(row_segments(r) for r in rows)
+    elif any(r.shared_prefix for r in rows):
         groups = torch.tensor([r.groups for r in rows], dtype=torch.long, device=device)
         out["attention_mask"] = attention_mask_4d(groups, dtype)
     return out

@@ -17,8 +17,30 @@ from collections.abc import Sequence
 
 import torch
 
+from rstar2_core.models.packed_attention import segment_attention
+from rstar2_core.models.token_logprobs import decoder_hidden, token_logprobs
 from rstar2_core.runtime.protocol import TrainerStep
 from rstar2_core.sft.packing import IGNORE, PackedRow, collate
+
+
+def masked_token_loss(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, int]:
+    """Sum of next-token cross-entropy over positions whose label is not IGNORE, and their count.
+
+    batch: `packing.collate` output (labels: (B, T) aligned with the inputs, shifted here). The decoder
+    runs with segment attention (or the batch's dense mask), then the LM head and log-softmax only at
+    label positions, chunk by chunk (`models.token_logprobs`): no (B, T, V) logits."""
+    labels = batch["labels"]
+    target = labels[:, 1:]
+    keep = target != IGNORE
+    if "segments" in batch:
+        with segment_attention(model):
+            hidden = decoder_hidden(model, batch["input_ids"], position_ids=batch["position_ids"],
+                                    segments=batch["segments"])
+    else:
+        hidden = decoder_hidden(model, batch["input_ids"], attention_mask=batch.get("attention_mask"),
+                                position_ids=batch["position_ids"])
+    lp = token_logprobs(model, hidden[:, :-1][keep], target[keep])
+    return -lp.sum(), int(keep.sum())
 
 
 def padding_row(pad_id: int) -> PackedRow:
@@ -33,13 +55,12 @@ def label_tokens(row: PackedRow) -> int:
 
 def sft_update(backend, rows: Sequence[PackedRow], *, micro_batch_size: int, pad_id: int,
                total_tokens: int | None = None, num_micro_batches: int | None = None,
-               loss_scale: float = 1.0) -> dict[str, float]:
-    """Forward/backward over `rows` in micro-batches, then one `backend.step()`. `total_tokens`: the
+               loss_scale: float = 1.0, dense_mask: bool = False) -> dict[str, float]:
+    """Forward/backward over `rows` in micro-batches, then one `backend.step()`. `dense_mask` runs the
+    reference attention (a dense (B, 1, T, T) block mask instead of segment attention; bench/sft.py). `total_tokens`: the
     batch's label tokens over all ranks (default: these rows'). Returns this rank's `sft/loss_sum`
     (summed token losses), `sft/label_tokens`, `sft/real_tokens`, `sft/grad_norm`, `sft/lr` (the lr of
     this step)."""
-    from rstar2_core.sft.train import masked_token_loss
-
     model = backend.model
     p0 = next(model.parameters())
     device = p0.device
@@ -56,11 +77,9 @@ def sft_update(backend, rows: Sequence[PackedRow], *, micro_batch_size: int, pad
     loss_sum = 0.0
     model.train()
     for chunk in chunks:
-        mb = collate(chunk, device, mask_dtype)
+        mb = collate(chunk, device, mask_dtype, dense_mask=dense_mask)
         with backend.autocast():
-            logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"],
-                           attention_mask=mb.get("attention_mask"), use_cache=False).logits
-        loss, _ = masked_token_loss(logits, mb["labels"])
+            loss, _ = masked_token_loss(model, mb)
         backend.backward(loss * (loss_scale / max(1, total)))
         loss_sum += float(loss.detach())
     grad_norm = backend.step()

@@ -32,7 +32,6 @@ import time
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from rstar2_core import storage
@@ -44,24 +43,13 @@ from rstar2_core.results import StageResult
 from rstar2_core.runtime import TrainerSpec
 from rstar2_core.runtime.checkpoint import publish_policy_checkpoint
 from rstar2_core.sft.data import read_sft_rows
-from rstar2_core.sft.packing import IGNORE, PackedRow, encode_conversations, epoch_rows
+from rstar2_core.sft.packing import PackedRow, encode_conversations, epoch_rows
 from rstar2_core.sft.step import SFT_STEP
 
 STAGE = "sft"
 STATE_FILE = "trainer_state.pt"
 KEEP_STEP_CHECKPOINTS = 2
 MetricsFn = Callable[[dict, int], None]
-
-
-def masked_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Sum of next-token cross-entropy over positions whose label is not IGNORE, and their count.
-    logits: (B, T, V); labels: (B, T) aligned with the inputs (shifted here)."""
-    logits = logits[:, :-1].float()
-    target = labels[:, 1:]
-    n = int((target != IGNORE).sum())
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=IGNORE,
-                           reduction="sum")
-    return loss, n
 
 
 def _save_step(trainer, tokenizer, steps_url: str, step: int, loss: float) -> None:

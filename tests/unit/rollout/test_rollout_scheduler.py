@@ -1,6 +1,8 @@
-"""Scheduler: KV-aware admission never over-admits (property test), refills as trajectories finish,
-keeps a trajectory on one engine across turns; results come back in problem order and do not depend
-on the scheduler (per-trajectory seeds)."""
+"""Scheduler: `rollout_groups` drives the admission policy on real engine calls. KV-aware admission
+learns lengths and admits more than the paper's rule without the engines' live KV passing their
+capacity, holds trajectories at turn boundaries when the projection passes it, keeps a trajectory on
+one engine across turns; results come back in problem order and do not depend on the scheduler
+(per-trajectory seeds)."""
 
 from __future__ import annotations
 
@@ -9,69 +11,75 @@ import re
 from dataclasses import dataclass, field
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from rollout_fakes import ScriptedSandbox, call_text, tiny_model
 
 from rstar2_core.chat.tokens import ANSWER_CLOSE, TOOL_CALL_CLOSE
+from rstar2_core.rollout import scheduler
+from rstar2_core.rollout.admission import LengthModel
 from rstar2_core.rollout.hf_engine import HFEngine
-from rstar2_core.rollout.scheduler import KVAdmission, rollout_groups, rollout_metrics, run_rollout_groups
+from rstar2_core.rollout.scheduler import rollout_groups, rollout_metrics, run_rollout_groups
 from rstar2_core.rollout.types import GenerationOutput, RolloutLimits
-
-
-@settings(max_examples=200, deadline=None)
-@given(caps=st.lists(st.integers(1, 5000), min_size=1, max_size=6),
-       mins=st.lists(st.integers(0, 800), min_size=6, max_size=6),
-       ops=st.lists(st.tuples(st.booleans(), st.integers(1, 2000)), max_size=80))
-def test_kv_admission_never_over_admits(caps, mins, ops):
-    adm = KVAdmission(caps, mins[: len(caps)])
-    running: list[tuple[int, int]] = []
-    for admit, tokens in ops:
-        if admit or not running:
-            if all(adm.cost(k, tokens) > caps[k] for k in range(len(caps))):
-                with pytest.raises(ValueError, match="no engine holds"):
-                    adm.try_admit(tokens)
-                continue
-            k = adm.try_admit(tokens)
-            if k is None:       # refused only when no engine has room for it
-                assert all(adm.free(j) < adm.cost(j, tokens) for j in range(len(caps)))
-            else:
-                running.append((k, tokens))
-        else:
-            k, tokens = running.pop(tokens % len(running))
-            adm.release(k, tokens)
-        for j in range(len(caps)):
-            held = sum(adm.cost(j, t) for e, t in running if e == j)
-            assert adm.reserved[j] == held <= caps[j]
 
 
 @dataclass
 class ToolLoopEngine:
-    """Writes `turns` tool calls (code naming the turn seed, so every trajectory's text is unique), then
-    answers. Tracks concurrent requests and which sequences it has served."""
+    """A paged engine double: writes `turns` tool calls (filler tokens, then code naming the turn seed,
+    so every trajectory's text is unique), then answers, taking `step_s` per token. Tracks concurrent requests, requests of later
+    turns, and its live KV: every unfinished trajectory's sequence, in flight (its prompt from the start
+    of the request, the generated tokens from its end) or cached between turns."""
 
     name: str
     capacity: int
     turns: int = 2
-    delay_s: float = 0.01
+    filler: int = 0
+    spread: int = 0              # plus (seed % spread) filler tokens: lengths vary between trajectories
+    step_s: float = 2e-4         # per generated token: every request advances a token a step, as in an engine
     tokenizer: object = None
     active: int = 0
     peak: int = 0
+    later_active: int = 0
+    later_peak: int = 0
     served: list[tuple[int, ...]] = field(default_factory=list)
+    live: dict[object, int] = field(default_factory=dict)   # cached sequence or in-flight request -> tokens
+    peak_kv: int = 0
+    peak_live: int = 0
+    first_wave: int = 0          # requests that arrived before any request had completed
+    completed: int = 0
     foreign_turns: int = 0
 
     async def generate(self, prompt_ids, params):
+        prompt = tuple(prompt_ids)
         turn = self.tokenizer.decode(prompt_ids).count("<tool_response>")
-        if turn and not any(tuple(prompt_ids[: len(s)]) == s for s in self.served):
+        own = [s for s in self.live if turn and isinstance(s, tuple) and prompt[: len(s)] == s]
+        if turn and not own:
             self.foreign_turns += 1      # a later turn whose earlier turns ran on another engine
-        self.active += 1
-        self.peak = max(self.peak, self.active)
-        await asyncio.sleep(self.delay_s)
-        self.active -= 1
+        for s in own:
+            del self.live[s]
         text = call_text(f"print({params.seed})") if turn < self.turns else "<answer>\\boxed{1}</answer>"
-        ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
-        self.served.append(tuple(prompt_ids) + ids)
+        filler = self.filler + (params.seed % self.spread if self.spread else 0)
+        ids = tuple([self.tokenizer.encode("a", add_special_tokens=False)[0]] * filler
+                    + self.tokenizer.encode(text, add_special_tokens=False))
+        request = object()
+        self.first_wave += not self.completed
+        self._book(request, len(prompt))                           # prefilled
+        self.active += 1
+        self.later_active += bool(turn)
+        self.peak, self.later_peak = max(self.peak, self.active), max(self.later_peak, self.later_active)
+        await asyncio.sleep(self.step_s * len(ids))
+        self.active -= 1
+        self.later_active -= bool(turn)
+        del self.live[request]
+        self.completed += 1
+        self._book(prompt + ids, len(prompt) + len(ids))           # generated: its KV is there now
+        self.served.append(prompt + ids)
+        if turn >= self.turns:
+            del self.live[prompt + ids]                          # answered: the trajectory is done
         return GenerationOutput(ids, (-1.0,) * len(ids), "stop", TOOL_CALL_CLOSE if turn < self.turns else ANSWER_CLOSE)
+
+    def _book(self, seq: object, tokens: int) -> None:
+        self.live[seq] = tokens
+        self.peak_kv = max(self.peak_kv, sum(self.live.values()))
+        self.peak_live = max(self.peak_live, len(self.live))
 
     def kv_capacity_tokens(self):
         return self.capacity
@@ -83,28 +91,38 @@ class ToolLoopEngine:
         pass
 
 
-def test_kv_aware_respects_capacity_keeps_engines_and_orders_results(chat, tokenizer):
-    problems = [f"What is {i} + {i}?" for i in range(5)]
-    limits = RolloutLimits(max_turns=4, max_response_tokens=600)
-    per_traj = max(len(chat.prompt_ids(p)) for p in problems) + 600
-    engines = [ToolLoopEngine("a", capacity=3 * per_traj, tokenizer=tokenizer),
-               ToolLoopEngine("b", capacity=2 * per_traj + 10, tokenizer=tokenizer)]
-    groups = asyncio.run(rollout_groups(engines, ScriptedSandbox(), chat, problems, n=4, limits=limits, seed=11))
-    assert [len(g) for g in groups] == [4] * 5
-    assert all(t.finish == "answer" and t.n_tool_calls == 2 for g in groups for t in g)
-    for i, g in enumerate(groups):   # problem order, and each trajectory on its own seed
-        assert all(f"What is {i} + {i}?" in tokenizer.decode(list(t.prompt_ids)) for t in g)
-        assert len({t.response_text for t in g}) == 4
-    assert engines[0].peak <= 3 and engines[1].peak <= 2
-    assert engines[0].peak + engines[1].peak == 5             # both engines were filled to capacity
-    assert engines[0].foreign_turns == engines[1].foreign_turns == 0
+def test_kv_aware_learns_lengths_within_capacity_keeps_engines_and_orders_results(chat, tokenizer):
+    """The paper's rule runs 3 and 2 trajectories at once (prompt + 1,500 tokens each); learning the
+    lengths (within step 1, then from it in step 2) runs more, and live KV stays within capacity."""
+    problems = [f"What is {i} + {i}?" for i in range(20)]
+    limits = RolloutLimits(max_turns=4, max_response_tokens=1500)      # a trajectory writes ~220-400
+    per_traj = max(len(chat.prompt_ids(p)) for p in problems) + 1500
+    lengths = LengthModel(1500, min_at_risk=4)                         # 80 trajectories a step: thin data
+    steps = []
+    for seed in (11, 12):
+        engines = [ToolLoopEngine("a", capacity=3 * per_traj, spread=60, tokenizer=tokenizer),
+                   ToolLoopEngine("b", capacity=2 * per_traj + 10, spread=60, tokenizer=tokenizer)]
+        groups = asyncio.run(rollout_groups(engines, ScriptedSandbox(), chat, problems, n=4, limits=limits,
+                                            seed=seed, lengths=lengths))
+        steps.append(engines)
+        assert [len(g) for g in groups] == [4] * 20
+        assert all(t.finish == "answer" and t.n_tool_calls == 2 for g in groups for t in g)
+        for i, g in enumerate(groups):   # problem order, and each trajectory on its own seed
+            assert all(f"What is {i} + {i}?" in tokenizer.decode(list(t.prompt_ids)) for t in g)
+            assert len({t.response_text for t in g}) == 4
+        for e in engines:
+            assert e.foreign_turns == 0                        # a trajectory stays on its engine
+            assert e.peak_kv <= e.capacity                     # live KV never passed the capacity
+    assert [e.first_wave for e in steps[0]] == [3, 2]          # nothing known yet: the paper's rule
+    assert steps[1][0].first_wave > 3 and steps[1][1].first_wave > 2   # step 2 starts from step 1's lengths
+    assert lengths.n_observed == 160
     m = rollout_metrics(groups)
-    assert m["rollout/trajectories"] == 20 and m["rollout/tool_calls_per_trajectory"] == 2
+    assert m["rollout/trajectories"] == 80 and m["rollout/tool_calls_per_trajectory"] == 2
     assert m["rollout/finish_answer_share"] == 1.0
 
     static = [ToolLoopEngine("a", capacity=per_traj, tokenizer=tokenizer),
               ToolLoopEngine("b", capacity=per_traj, tokenizer=tokenizer)]
-    asyncio.run(rollout_groups(static, ScriptedSandbox(), chat, problems, n=4, limits=limits, seed=11,
+    asyncio.run(rollout_groups(static, ScriptedSandbox(), chat, problems[:5], n=4, limits=limits, seed=11,
                                scheduler="static"))
     assert static[0].peak == static[1].peak == 10              # everything launched at once, 10 per engine
     seen = [{i for i in range(5) for ids in e.served if f"What is {i} + {i}?" in tokenizer.decode(list(ids))}
@@ -112,13 +130,42 @@ def test_kv_aware_respects_capacity_keeps_engines_and_orders_results(chat, token
     assert seen == [{0, 1, 2}, {2, 3, 4}]                      # contiguous chunks: a group stays together
 
 
-def test_bad_scheduler_settings_name_the_fix(chat, tokenizer):
+def test_trajectories_outgrowing_the_stage_lengths_are_held_at_turn_boundaries(chat, tokenizer, monkeypatch):
+    """The stage's lengths say ~60 tokens, so 6 are admitted where 4 fit at the maximum length; each turn
+    then writes ~250 (a mid-turn overshoot the policy cannot see coming). From the first boundary on
+    the projection passes the capacity: the young are held, and later turns never run more than the 4
+    that fit, oldest first."""
+    problems = [f"What is {i} + {i}?" for i in range(3)]
+    limits = RolloutLimits(max_turns=4, max_response_tokens=600)
+    per_traj = max(len(chat.prompt_ids(p)) for p in problems) + 600
+    lengths = LengthModel(600)
+    for _ in range(100):
+        lengths.observe(60)
+    made = []
+    real = scheduler.make_policy
+    monkeypatch.setattr(scheduler, "make_policy", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+    engine = ToolLoopEngine("a", capacity=4 * per_traj, turns=1, filler=250, tokenizer=tokenizer)
+    groups = asyncio.run(rollout_groups([engine], ScriptedSandbox(), chat, problems, n=4, limits=limits, seed=3,
+                                        lengths=lengths))
+    assert all(t.finish == "answer" and t.n_tool_calls == 1 for g in groups for t in g)
+    assert engine.first_wave == 6                              # admitted on the (wrong) short lengths
+    assert made[0].stats["holds"] > 0 and engine.later_peak <= 4
+    assert lengths.n_observed == 112                           # the stage's model learnt this step's lengths
+
+
+def test_bad_scheduler_settings_name_the_fix(chat, tokenizer, model):
     eng = ToolLoopEngine("a", capacity=100, tokenizer=tokenizer)
     limits = RolloutLimits(max_turns=2, max_response_tokens=500)
     with pytest.raises(ValueError, match="no engine holds"):
         asyncio.run(rollout_groups(eng, ScriptedSandbox(), chat, ["1+1?"], n=1, limits=limits))
     with pytest.raises(ValueError, match="unknown scheduler 'fifo'"):
         asyncio.run(rollout_groups(eng, ScriptedSandbox(), chat, ["1+1?"], n=1, limits=limits, scheduler="fifo"))
+    with pytest.raises(ValueError, match="one LengthModel per stage"):
+        asyncio.run(rollout_groups(ToolLoopEngine("a", capacity=10 ** 6, tokenizer=tokenizer), ScriptedSandbox(),
+                                   chat, ["1+1?"], n=1, limits=limits, lengths=LengthModel(1000)))
+    hf = HFEngine(model, tokenizer, max_batch_size=2, max_seq_len=300)
+    with pytest.raises(ValueError, match="raise its max_seq_len"):
+        asyncio.run(rollout_groups(hf, ScriptedSandbox(), chat, ["1+1?"], n=1, limits=limits))
 
 
 def test_hf_engines_give_the_same_groups_under_both_schedulers(chat, tokenizer, model):

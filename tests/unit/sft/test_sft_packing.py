@@ -2,10 +2,13 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from rstar2_core.chat import ChatFormat
+from rstar2_core.models import token_logprobs
 from rstar2_core.models.io import load_model_and_tokenizer
+from rstar2_core.models.packed_attention import Segments, segment_attention
 from rstar2_core.sft.data import read_sft_rows
 from rstar2_core.sft.packing import (
     IGNORE,
@@ -16,7 +19,7 @@ from rstar2_core.sft.packing import (
     epoch_rows,
     pack,
 )
-from rstar2_core.sft.train import masked_token_loss
+from rstar2_core.sft.step import masked_token_loss
 
 
 def _docs(lengths, seed=0):
@@ -76,6 +79,12 @@ def test_packed_attention_equals_each_conversation_alone():
         # without the restarting positions the second conversation would see the first one
         crossed = model(input_ids=b["input_ids"], use_cache=False).logits[0]
         assert not torch.allclose(crossed[6:15], packed[6:15], atol=1e-3)
+        assert b["segments"] == (Segments(0, ((0, 6), (6, 15), (15, 20)), 24),)
+        with segment_attention(model):
+            segmented = model(input_ids=b["input_ids"], position_ids=b["position_ids"], segments=b["segments"],
+                              use_cache=False).logits[0]
+        assert torch.allclose(segmented[:20], packed[:20], atol=1e-5)
+    assert model.config._attn_implementation == "sdpa"      # switched back after the block
 
 
 def test_shared_prefix_rows_equal_each_conversation_alone():
@@ -86,11 +95,17 @@ def test_shared_prefix_rows_equal_each_conversation_alone():
     rows = epoch_rows(docs, 1, seed=0, max_seq_len=48, pad_id=0)
     assert len(rows) == 1 and rows[0].shared_prefix and rows[0].n_docs == 3
     assert rows[0].n_real == len(prefix) + 20               # the prefix is written once
-    b = collate(rows)
-    assert b["attention_mask"].shape == (1, 1, 48, 48)
+    b = collate(rows, dense_mask=True)
+    assert b["attention_mask"].shape == (1, 1, 48, 48) and "segments" not in b
+    seg = collate(rows)
+    assert "attention_mask" not in seg and seg["segments"][0].prefix == len(prefix)
     with torch.no_grad():
         packed = model(input_ids=b["input_ids"], position_ids=b["position_ids"],
                        attention_mask=b["attention_mask"], use_cache=False).logits[0]
+        with segment_attention(model):
+            segmented = model(input_ids=seg["input_ids"], position_ids=seg["position_ids"],
+                              segments=seg["segments"], use_cache=False).logits[0]
+        assert torch.allclose(segmented[:rows[0].n_real], packed[:rows[0].n_real], atol=1e-5)
         seq = b["input_ids"][0].tolist()
         off = len(prefix)
         seen = 0
@@ -144,11 +159,42 @@ def test_mask_answer_hides_only_the_boxed_digits(sft_assets):
         encode_conversations([dict(row, mask_answer=True, answer="12")], chat, 4096)
 
 
-def test_masked_loss_ignores_prompt_and_tool_positions():
-    logits = torch.randn(1, 6, 10, requires_grad=True)
+def test_masked_loss_is_the_cross_entropy_of_label_positions_only():
+    model = _model()
+    ids = torch.randint(3, 60, (1, 6), generator=torch.Generator().manual_seed(1))
     labels = torch.tensor([[IGNORE, IGNORE, 3, IGNORE, 4, 5]])
-    loss, n = masked_token_loss(logits, labels)
-    assert n == 3
-    loss.backward()
-    # position t predicts label t+1: only positions 1, 3, 4 receive gradient
-    assert [bool(g.abs().sum() > 0) for g in logits.grad[0]] == [False, True, False, True, True, False]
+    batch = {"input_ids": ids, "labels": labels, "position_ids": torch.arange(6)[None]}
+    loss, n = masked_token_loss(model, batch)
+    logits = model(input_ids=ids, use_cache=False).logits
+    plain = F.cross_entropy(logits[0, :-1], labels[0, 1:], ignore_index=IGNORE, reduction="sum")
+    assert n == 3 and torch.allclose(loss, plain, atol=1e-5)
+    # position t predicts label t+1: the loss moves when the logits at positions 1, 3, 4 do, not at 0, 2
+    assert torch.allclose(loss, -(logits[0, [1, 3, 4]].log_softmax(-1)[torch.arange(3), torch.tensor([3, 4, 5])]).sum(),
+                          atol=1e-5)
+
+
+def test_segment_loss_equals_the_dense_mask_loss_on_real_rows(sft_assets, monkeypatch):
+    """Same rows (shared prefix, 2-6 conversations each), fp32: the segment-attention, chunked loss and its
+    gradients equal the dense-mask path within 1e-5 relative."""
+    base, data_url, _ = sft_assets
+    model, tok = load_model_and_tokenizer(base, dtype="float32")
+    model.train()
+    chat = ChatFormat(tok)
+    docs, _ = encode_conversations(read_sft_rows(data_url), chat, 1024)
+    rows = epoch_rows(docs, 1, seed=0, max_seq_len=1024, pad_id=tok.pad_token_id)[:2]
+    assert all(r.shared_prefix for r in rows) and sum(r.n_docs for r in rows) > 2
+    monkeypatch.setattr(token_logprobs, "CHUNK_ELEMENTS", 64 * model.config.vocab_size)   # chunks of 64 tokens
+
+    def run(**kw):
+        model.zero_grad(set_to_none=True)
+        loss, n = masked_token_loss(model, collate(rows, **kw))
+        loss.backward()
+        return loss.detach(), n, {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+    seg_loss, seg_n, seg_grads = run()
+    dense_loss, dense_n, dense_grads = run(dense_mask=True)
+    assert seg_n == dense_n > 100
+    assert torch.allclose(seg_loss, dense_loss, rtol=1e-5)
+    assert seg_grads.keys() == dense_grads.keys()
+    for k in dense_grads:
+        assert torch.allclose(seg_grads[k], dense_grads[k], rtol=1e-4, atol=1e-6), k

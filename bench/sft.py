@@ -1,0 +1,211 @@
+"""Benchmark: SFT step throughput with segment attention vs the dense block mask, and RL log-probs chunked vs plain.
+
+1. SFT (the code that runs: `sft.step.sft_update`, the step every trainer runs, on the profile's backend). The tiny
+   profile's model (`configs/tiny.toml`: 64 wide, 3 layers, vocab 1,024) and packed rows built from
+   real synthetic demonstrations (1,024 tokens, the shared system turn once per row, 4 rows a step as
+   the profile's batch). The same rows run through `packing.collate(rows)` (segment attention: one SDPA
+   per conversation, `models/packed_attention.py`) and `packing.collate(rows, dense_mask=True)` (the
+   dense (B, 1, T, T) additive mask), alternating step by step so machine load hits both alike.
+   tokens/s counts real (non-padding) tokens; each figure is the median step time.
+2. RL log-probs at a long length: one micro-batch of `--lp-trajectories` trajectories totalling
+   `--lp-tokens` tokens, a small model with a Llama-2-sized vocabulary (32,000), forward + backward of
+   `rl.logprobs.batch_logprobs` (packed, chunked) against the plain computation it replaced (padded
+   batch, full (B, L, V) logits, log-softmax, gather), each in its own subprocess: peak resident
+   memory above the process's baseline (getrusage high-water mark minus RSS before the computation),
+   and seconds.
+
+Run:  python bench/sft.py [--quick] [--json] [--threads N]
+`--json` prints one JSON object last: `sft.segments_tokens_per_s`, `sft.dense_tokens_per_s`,
+`sft.ratio` (segments / dense), `logprobs.{chunked,plain}_peak_mb`, `logprobs.{chunked,plain}_s`,
+`logprobs.memory_ratio` (plain / chunked), `logprobs.max_abs_diff`, and the setup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+VOCAB_LP = 32_000
+
+
+def build_rows(n_sft: int, workdir: Path):
+    """(config, model, tokenizer, packed rows) of the tiny profile with `n_sft` tool demonstrations."""
+    from rstar2_core.chat import ChatFormat
+    from rstar2_core.config import load_config
+    from rstar2_core.models import load_model_and_tokenizer, prepare_base_model
+    from rstar2_core.sft.data import build_sft_dataset, read_sft_rows
+    from rstar2_core.sft.packing import encode_conversations, epoch_rows
+
+    cfg = load_config("tiny", [f"data.synthetic.n_sft={n_sft}"])
+    base = prepare_base_model(cfg, (workdir / "base").as_uri())
+    ref = build_sft_dataset(cfg, (workdir / "sft.jsonl").as_uri())
+    model, tok = load_model_and_tokenizer(base, dtype="float32")
+    chat = ChatFormat(tok)
+    docs, _ = encode_conversations(read_sft_rows(ref.url), chat, cfg.sft.max_seq_len)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else chat.im_end_id
+    rows = epoch_rows(docs, 1, cfg.sft.seed, cfg.sft.max_seq_len, pad, cfg.sft.pack)
+    return cfg, model, rows, pad
+
+
+def bench_sft(args) -> dict:
+    from rstar2_core.models.backend import make_backend
+    from rstar2_core.sft.step import sft_update
+
+    with tempfile.TemporaryDirectory() as tmp:
+        print("[sft bench] building the tiny profile's model and SFT rows ...", flush=True)
+        cfg, model, rows, pad_id = build_rows(args.n_sft, Path(tmp))
+    sc = cfg.sft
+    model.train()
+    backend = make_backend(model, sc, total_steps=10 ** 6, warmup_steps=0, schedule="constant")
+    batches = [rows[i:i + sc.batch_size] for i in range(0, len(rows) - sc.batch_size + 1, sc.batch_size)]
+    if not batches:
+        raise SystemExit(f"only {len(rows)} rows; raise --n-sft")
+    times: dict[str, list[float]] = {"segments": [], "dense": []}
+    t0 = time.perf_counter()
+    total = 2 * (args.steps + 1)
+    for k in range(total):
+        mode = ("segments", "dense")[k % 2]
+        batch = batches[(k // 2) % len(batches)]
+        start = time.perf_counter()
+        sft_update(backend, batch, micro_batch_size=sc.micro_batch_size, pad_id=pad_id, dense_mask=mode == "dense")
+        dt = time.perf_counter() - start
+        if k >= 2:                                   # the first step of each mode is a warm-up
+            times[mode].append(dt)
+        el = time.perf_counter() - t0
+        print(f"[sft bench] step {k + 1}/{total} ({mode}): {dt * 1e3:.0f} ms  "
+              f"[{el:.0f} s, ETA {el / (k + 1) * (total - k - 1):.0f} s]", flush=True)
+    real = statistics.mean(sum(r.n_real for r in b) for b in batches)
+    out = {m: real / statistics.median(times[m]) for m in times}
+    return {"segments_tokens_per_s": round(out["segments"], 1), "dense_tokens_per_s": round(out["dense"], 1),
+            "ratio": round(out["segments"] / out["dense"], 3),
+            "segments_step_ms": round(statistics.median(times["segments"]) * 1e3, 1),
+            "dense_step_ms": round(statistics.median(times["dense"]) * 1e3, 1),
+            "steps_each": args.steps, "rows_per_step": sc.batch_size, "row_tokens": sc.max_seq_len,
+            "real_tokens_per_step": round(real), "conversations_per_row": round(
+                statistics.mean(r.n_docs for r in rows), 2), "rows": len(rows)}
+
+
+def _lp_setup(args):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from rstar2_core.rollout.types import Trajectory
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=VOCAB_LP, hidden_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, intermediate_size=176,
+                                         max_position_embeddings=args.lp_tokens + 8, tie_word_embeddings=True))
+    g = torch.Generator().manual_seed(1)
+    per = args.lp_tokens // args.lp_trajectories
+    trajs = []
+    for b in range(args.lp_trajectories):
+        n = per - 64 - 37 * b                      # lengths differ a little, as in a GRPO batch
+        ids = torch.randint(1, VOCAB_LP, (64 + n,), generator=g).tolist()
+        trajs.append(Trajectory(tuple(ids[:64]), tuple(ids[64:]), (1,) * n, (0.0,) * n, "", (), 1, 0, "eos", False))
+    return model, trajs
+
+
+def _plain_logprobs(model, trajs, temperature: float) -> torch.Tensor:
+    """The computation `batch_logprobs` replaced: right-padded batch, full logits, log-softmax, gather."""
+    L = max(len(t.prompt_ids) + len(t.response_ids) for t in trajs)
+    R = max(len(t.response_ids) for t in trajs)
+    ids = torch.zeros((len(trajs), L), dtype=torch.long)
+    att = torch.zeros((len(trajs), L), dtype=torch.long)
+    pos = torch.zeros((len(trajs), R), dtype=torch.long)
+    tgt = torch.zeros((len(trajs), R), dtype=torch.long)
+    for b, t in enumerate(trajs):
+        P, n = len(t.prompt_ids), len(t.response_ids)
+        ids[b, :P + n], att[b, :P + n] = torch.tensor(t.prompt_ids + t.response_ids), 1
+        pos[b, :n], tgt[b, :n] = torch.arange(P - 1, P - 1 + n), torch.tensor(t.response_ids)
+    logits = model(input_ids=ids, attention_mask=att, use_cache=False).logits
+    picked = torch.gather(logits, 1, pos[..., None].expand(-1, -1, logits.shape[-1])).float() / temperature
+    return torch.gather(torch.log_softmax(picked, -1), 2, tgt[..., None]).squeeze(-1)
+
+
+def _rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def lp_child(args) -> None:
+    """One measurement in this fresh process: print {"peak_mb", "s", "checksum"}."""
+    from rstar2_core.rl.logprobs import batch_logprobs, collate
+
+    torch.set_num_threads(args.threads)
+    model, trajs = _lp_setup(args)
+    model.train()
+    batch = collate(trajs, 0)
+    base = _rss_mb()
+    t0 = time.perf_counter()
+    if args.child == "chunked":
+        lp = batch_logprobs(model, batch, 0.7)
+    else:
+        lp = _plain_logprobs(model, trajs, 0.7)
+    (lp * batch.valid).sum().backward()
+    dt = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"peak_mb": round(peak - base, 1), "s": round(dt, 3),
+                      "values": [round(float(x), 5) for x in lp.detach()[batch.valid][:64]]}))
+
+
+def bench_logprobs(args) -> dict:
+    res = {}
+    for mode in ("chunked", "plain"):
+        print(f"[sft bench] log-probs, {mode}, {args.lp_tokens} tokens x vocab {VOCAB_LP} (subprocess) ...", flush=True)
+        cmd = [sys.executable, __file__, "--child", mode, "--lp-tokens", str(args.lp_tokens),
+               "--lp-trajectories", str(args.lp_trajectories), "--threads", str(args.threads)]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        res[mode] = json.loads(out.stdout.strip().splitlines()[-1])
+    diff = max(abs(a - b) for a, b in zip(res["chunked"]["values"], res["plain"]["values"]))
+    return {"tokens": args.lp_tokens, "trajectories": args.lp_trajectories, "vocab": VOCAB_LP,
+            "chunked_peak_mb": res["chunked"]["peak_mb"], "plain_peak_mb": res["plain"]["peak_mb"],
+            "memory_ratio": round(res["plain"]["peak_mb"] / max(res["chunked"]["peak_mb"], 1e-9), 2),
+            "chunked_s": res["chunked"]["s"], "plain_s": res["plain"]["s"],
+            "time_ratio": round(res["plain"]["s"] / res["chunked"]["s"], 3), "max_abs_diff": diff}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer rows and steps, 4,096 log-prob tokens (two chunks)")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--steps", type=int, default=12, help="timed SFT steps per layout")
+    ap.add_argument("--n-sft", type=int, default=96, help="tool demonstrations to build rows from")
+    ap.add_argument("--lp-tokens", type=int, default=8192)
+    ap.add_argument("--lp-trajectories", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (1: on a shared, loaded machine 2 ran up to ~10x slower)")
+    ap.add_argument("--child", choices=("chunked", "plain"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        lp_child(args)
+        return
+    if args.quick:
+        args.steps, args.n_sft, args.lp_tokens = min(args.steps, 3), min(args.n_sft, 32), min(args.lp_tokens, 4096)
+    torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    out = {"sft": bench_sft(args), "logprobs": bench_logprobs(args), "threads": args.threads,
+           "torch": torch.__version__, "wall_s": None, "date": time.strftime("%Y-%m-%d", time.gmtime())}
+    out["wall_s"] = round(time.perf_counter() - t0, 1)
+    s, lp = out["sft"], out["logprobs"]
+    print(f"[sft bench] SFT step: segments {s['segments_tokens_per_s']} tokens/s vs dense mask "
+          f"{s['dense_tokens_per_s']}: ratio {s['ratio']}x; log-probs at {lp['tokens']} tokens: peak "
+          f"{lp['chunked_peak_mb']} MB chunked vs {lp['plain_peak_mb']} MB plain ({lp['memory_ratio']}x), "
+          f"{lp['chunked_s']} s vs {lp['plain_s']} s")
+    if args.json:
+        print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

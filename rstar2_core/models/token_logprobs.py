@@ -1,0 +1,97 @@
+"""Log-probabilities of given tokens without materialising the vocabulary's logits for every position.
+
+    hidden = decoder_hidden(model, input_ids, position_ids=pos, segments=layout)   # (B, T, H)
+    lp = token_logprobs(model, hidden[rows, cols], targets, temperature=0.6)        # (N,) fp32
+
+The plain computation, `log_softmax(model(...).logits.float() / T)` then a gather, holds a (B, T, V)
+fp32 tensor (V = 152K for Qwen3: 600 KB per token, 5 GB for an 8K-token micro-batch) and keeps it for
+the backward. Here the decoder runs without its LM head (`model.get_decoder()`: the base model of
+any transformers causal LM, final norm included), and the head + log-softmax run only at the N
+positions asked for, `chunk_tokens` at a time. With gradients, each chunk is wrapped in
+`torch.utils.checkpoint` (non-reentrant), so its logits are freed after the forward and recomputed in
+the backward: at most one chunk's logits are alive, at the price of one more LM-head matmul per
+chunk. The LM head is called as a module (`model.get_output_embeddings()`), so tied embeddings,
+autocast and DeepSpeed ZeRO-3's parameter gathering work as in the model's own forward.
+
+On CUDA, with the `kernels` extra installed (liger-kernel >= 0.8.5, Triton), the same quantity comes
+from Liger's fused linear cross-entropy with `reduction="none"` (in 0.8.5 its backward recomputes the
+chunk gradients with the per-token upstream gradients; older releases were not checked): used only
+when importable, on CUDA, with an unpartitioned LM-head weight (not ZeRO-3) and unless
+`RSTAR2_NO_LIGER` is set. Written against Liger's documented API and untested here (no GPU, and the
+package needs Triton).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+CHUNK_ELEMENTS = 1 << 26        # logits per chunk (64M: 256 MB in fp32)
+
+
+def decoder_hidden(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                   position_ids: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+    """(B, T, H) last hidden states of the causal LM (after its final norm), without the LM head.
+    kwargs (e.g. `segments=`) go to the model's attention."""
+    decoder = model.get_decoder()
+    out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                  **kwargs)
+    return out.last_hidden_state
+
+
+def _chunk_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
+                    temperature: float) -> torch.Tensor:
+    logits = head(hidden).float()
+    if temperature != 1.0:
+        logits = logits.div_(temperature)       # in place: the matmul does not keep its output for backward
+    return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def _liger():
+    if os.environ.get("RSTAR2_NO_LIGER"):
+        return None
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+    except ImportError:
+        return None
+    return liger_fused_linear_cross_entropy
+
+
+def _liger_usable(head: torch.nn.Module, hidden: torch.Tensor) -> bool:
+    weight = getattr(head, "weight", None)
+    return (hidden.is_cuda and isinstance(head, torch.nn.Linear) and weight is not None
+            and not hasattr(weight, "ds_id") and _liger() is not None)
+
+
+def token_logprobs(model: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                   chunk_tokens: int | None = None) -> torch.Tensor:
+    """`log softmax(lm_head(hidden) / temperature)[targets]` in fp32, chunk by chunk of tokens.
+
+    hidden: (N, H); targets: (N,) token ids -> (N,). `chunk_tokens` defaults to CHUNK_ELEMENTS / vocab;
+    when N fits one chunk, no checkpoint is taken (nothing to save by recomputing)."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
+    head = model.get_output_embeddings()
+    n = hidden.shape[0]
+    if n == 0:   # still through the head: the (empty) result stays in the graph, so a zero-weight micro-batch
+        # touches every parameter and issues the collectives its data-parallel peers issue (ZeRO-2/3)
+        return _chunk_logprobs(head, hidden, targets, temperature)
+    if _liger_usable(head, hidden):
+        fused = _liger()
+        nll = fused(hidden / temperature, head.weight, targets, bias=head.bias, reduction="none")
+        return -nll.float()
+    vocab = head.weight.shape[0] if getattr(head, "weight", None) is not None else model.config.vocab_size
+    chunk = chunk_tokens or max(1, CHUNK_ELEMENTS // max(1, vocab))
+    if n <= chunk:
+        return _chunk_logprobs(head, hidden, targets, temperature)
+    grad = torch.is_grad_enabled()
+    parts = []
+    for s in range(0, n, chunk):
+        h, t = hidden[s:s + chunk], targets[s:s + chunk]
+        if grad:
+            parts.append(checkpoint(_chunk_logprobs, head, h, t, temperature, use_reentrant=False))
+        else:
+            parts.append(_chunk_logprobs(head, h, t, temperature))
+    return torch.cat(parts)

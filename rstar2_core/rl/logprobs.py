@@ -1,0 +1,117 @@
+"""Log-probs of sampled tokens for the RL update: trajectories packed into one row, segment attention,
+the LM head only at response positions, chunk by chunk.
+
+    batch = collate(trajectories, pad_id, device)
+    logprobs = batch_logprobs(model, batch, temperature)       # (B, R_max), 0 beyond each response
+
+`collate` packs a micro-batch's `prompt_ids + response_ids` back to back in one row (positions restart
+per trajectory), so no compute goes to padding: GRPO lengths are long-tailed, and right-padding B
+trajectories to the longest costs B x L_max tokens where this costs their sum. Attention runs per
+trajectory (`models.packed_attention`, causal SDPA, no mask). `batch_logprobs` takes the decoder's
+hidden states at the positions that predict response tokens and computes `log_softmax(logits / T)`
+there only, chunk by chunk with checkpointed chunks (`models.token_logprobs`): the fp32 logits of the
+whole vocabulary for all tokens never exist at once, in the forward or the backward. Equal to the
+plain padded computation (tests/unit/rl/test_rl_logprobs.py: values and gradients, fp32).
+
+Temperature: logits are divided by the sampling temperature, so these are the log-probs of the
+distribution the engine sampled from (top_p is not modelled: the paper samples with top_p = 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from rstar2_core.models.packed_attention import Segments, segment_attention
+from rstar2_core.models.token_logprobs import decoder_hidden, token_logprobs
+from rstar2_core.rollout.types import Trajectory
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """A micro-batch packed in one row. `input_ids, position_ids: (1, S)` with S the sum of the
+    trajectories' lengths; `segments`: their spans; `gather_pos, targets, loss_mask, engine_logprobs,
+    valid: (B, R_max)` where `gather_pos[b, j]` is the row position whose hidden state predicts response
+    token j of trajectory b, and `valid` marks j < len(response_b)."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    segments: tuple[Segments, ...]
+    targets: torch.Tensor
+    gather_pos: torch.Tensor
+    loss_mask: torch.Tensor
+    engine_logprobs: torch.Tensor
+    valid: torch.Tensor
+
+
+def collate(trajectories: Sequence[Trajectory], pad_id: int, device: str | torch.device = "cpu") -> PackedBatch:
+    """Pack `prompt_ids + response_ids` of each trajectory into one row (see PackedBatch)."""
+    if not trajectories:
+        raise ValueError("collate: no trajectories")
+    B = len(trajectories)
+    R = max(max(len(t.response_ids) for t in trajectories), 1)
+    tgt = torch.full((B, R), pad_id, dtype=torch.long)
+    pos = torch.zeros((B, R), dtype=torch.long)
+    mask = torch.zeros((B, R), dtype=torch.float32)
+    eng = torch.zeros((B, R), dtype=torch.float32)
+    valid = torch.zeros((B, R), dtype=torch.bool)
+    ids: list[int] = []
+    positions: list[int] = []
+    spans = []
+    for b, t in enumerate(trajectories):
+        P, n = len(t.prompt_ids), len(t.response_ids)
+        if P < 1:
+            raise ValueError("collate: a trajectory has an empty prompt; the first response token needs a "
+                             "prompt token to be predicted from")
+        if not (len(t.loss_mask) == len(t.logprobs) == n):
+            raise ValueError(f"collate: trajectory {b} has response_ids ({n}), loss_mask ({len(t.loss_mask)}) "
+                             f"and logprobs ({len(t.logprobs)}) of different lengths")
+        start = len(ids)
+        ids += list(t.prompt_ids) + list(t.response_ids)
+        positions += range(P + n)
+        spans.append((start, start + P + n))
+        if n:
+            tgt[b, :n] = torch.tensor(t.response_ids, dtype=torch.long)
+            pos[b, :n] = torch.arange(start + P - 1, start + P - 1 + n)
+            mask[b, :n] = torch.tensor(t.loss_mask, dtype=torch.float32)
+            eng[b, :n] = torch.tensor(t.logprobs, dtype=torch.float32)
+            valid[b, :n] = True
+    row = torch.tensor([ids], dtype=torch.long)
+    return PackedBatch(row.to(device), torch.tensor([positions], dtype=torch.long).to(device),
+                       (Segments(0, tuple(spans), len(ids)),), tgt.to(device), pos.to(device), mask.to(device),
+                       eng.to(device), valid.to(device))
+
+
+def batch_logprobs(model: torch.nn.Module, batch: PackedBatch, temperature: float = 1.0,
+                   chunk_tokens: int | None = None) -> torch.Tensor:
+    """`(B, R_max)` log-probs of the response tokens under `model` at `temperature` (0 where padded)."""
+    with segment_attention(model):
+        hidden = decoder_hidden(model, batch.input_ids, position_ids=batch.position_ids, segments=batch.segments)
+    at = batch.gather_pos[batch.valid]
+    lp = token_logprobs(model, hidden[0, at], batch.targets[batch.valid], temperature, chunk_tokens)
+    out = torch.zeros(batch.valid.shape, dtype=lp.dtype, device=lp.device)
+    return out.masked_scatter(batch.valid, lp)
+
+
+def _chunks(n: int, size: int) -> list[slice]:
+    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+@torch.no_grad()
+def sequence_logprobs(model: torch.nn.Module, trajectories: Sequence[Trajectory], pad_id: int,
+                      temperature: float = 1.0, micro_batch_size: int = 8) -> list[torch.Tensor]:
+    """Per trajectory, the `(R_b,)` log-probs of its response tokens under `model` (no gradient)."""
+    device = model_device(model)
+    out: list[torch.Tensor] = []
+    for sl in _chunks(len(trajectories), micro_batch_size):
+        chunk = trajectories[sl]
+        lp = batch_logprobs(model, collate(chunk, pad_id, device), temperature).cpu()
+        out.extend(lp[b, :len(t.response_ids)] for b, t in enumerate(chunk))
+    return out
