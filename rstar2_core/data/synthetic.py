@@ -273,14 +273,16 @@ class Demonstration:
 
 
 def execute_requests(reqs: Sequence[ExecutionRequest], sandbox_cfg) -> list[ExecutionResult]:
-    """Run `reqs` through the sandbox (`make_sandbox(sandbox_cfg).run_batch`): demonstrations show the
-    tool output the agent loop would get, produced the way it would get it."""
+    """Run `reqs` through the sandbox service (`make_sandbox(...).run_batch`): demonstrations show the
+    tool output the agent loop would get, produced the way it would get it. Always the local service,
+    in the data task's process, whatever `sandbox.backend` the RL stages use: these are the task's own
+    reference programs, run once while the data is built, and the service and its limits are the same."""
     import asyncio
 
     from rstar2_core.sandbox import make_sandbox
 
     async def _run() -> list[ExecutionResult]:
-        async with make_sandbox(sandbox_cfg) as sb:
+        async with make_sandbox(sandbox_cfg.model_copy(update={"backend": "local"})) as sb:
             return list(await sb.run_batch(list(reqs)))
 
     return asyncio.run(_run())

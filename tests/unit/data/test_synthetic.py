@@ -134,3 +134,12 @@ def test_wrong_reference_output_is_rejected_and_counted():
     rejected: dict[str, int] = {}
     demos = sft_demonstrations(0, 7, 0.0, execute=off_by_one, render=render_tool_result, rejected=rejected)
     assert demos == [] and rejected == {"reference_code_wrong": 7}
+
+
+def test_demonstrations_run_on_the_local_service_whatever_backend_the_stages_use():
+    # a recipe on the Ray runtime sets sandbox.backend="ray" for its RL stages; building the SFT data still
+    # runs the reference programs here, on the local service
+    p = generate_problems(0, 1, "sft")[0]
+    [r] = execute_requests([ExecutionRequest(code=reference_code(p), id=p.id)],
+                           SandboxConfig(timeout_s=10.0, backend="ray"))
+    assert r.status is Status.OK and r.stdout.strip() == p.answer
