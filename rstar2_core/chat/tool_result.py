@@ -4,7 +4,8 @@
                                        exit_code=0, duration_s=0.012))
     -> "1024\\n\\n[execution time: 0.012 s]"
 
-Success shows stdout, then stderr (warnings) under a `[stderr]` line, then the execution time.
+Success shows stdout, then stderr (warnings) under a `[stderr]` line, then the execution time (unless
+`timing=False`: wall-clock text makes rollouts unrepeatable).
 Failures open with one line naming the reason (per `Status`, or per `ToolCallError.kind`), followed by
 whatever the program printed, so the model can fix the code. Over-long text is middle-truncated: the
 first `head_chars` and last `tail_chars` characters are kept around a line saying how many characters
@@ -53,25 +54,26 @@ def _body(result: ExecutionResult) -> str:
     return "\n".join(parts)
 
 
-def _render_execution(result: ExecutionResult) -> str:
+def _render_execution(result: ExecutionResult, timing_line: bool) -> str:
     body = _body(result)
-    timing = f"[execution time: {result.duration_s:.3f} s]"
+    timing = f"[execution time: {result.duration_s:.3f} s]" if timing_line else ""
     if result.status is Status.OK:
         if not body:
             body = "[no output: use print() to show values]"
-        return f"{body}\n{timing}"
+        return f"{body}\n{timing}" if timing else body
     exit_txt = f" (exit code {result.exit_code})" if result.exit_code is not None else ""
     headline = _FAILURE_HEADLINE[result.status].format(exit=exit_txt, secs=f"{result.duration_s:.1f}")
     return "\n".join(p for p in (headline, body, timing) if p)
 
 
 def render_tool_result(item: ExecutionResult | ToolCallError, head_chars: int = 128, tail_chars: int = 128,
-                       max_chars: int = 1024) -> str:
-    """The text inside one `<tool_response>` for an executed call or a call that did not parse."""
+                       max_chars: int = 1024, timing: bool = True) -> str:
+    """The text inside one `<tool_response>` for an executed call or a call that did not parse. `timing`:
+    end an executed call's text with its execution time (`rollout.tool_response_timing`)."""
     if isinstance(item, ToolCallError):
         text = item.message
     elif isinstance(item, ExecutionResult):
-        text = _render_execution(item)
+        text = _render_execution(item, timing)
     else:
         raise TypeError(f"render_tool_result takes an ExecutionResult or a ToolCallError, got {type(item).__name__}")
     return middle_truncate(text, head_chars, tail_chars, max_chars)

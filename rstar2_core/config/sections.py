@@ -203,6 +203,11 @@ class RolloutConfig(_Section):
     """... and this many trailing characters (middle truncation)."""
     tool_response_max_chars: int = Field(1024, ge=1)
     """A tool response longer than this is middle-truncated to head + tail characters."""
+    tool_response_timing: bool = True
+    """Whether a tool response ends with the program's `[execution time: ... s]` (the paper's format). The
+    time is wall-clock, so with it on two runs of the same seeds differ in those tokens and in everything
+    sampled after them; off makes rollouts (and a resumed stage) repeat bit for bit, at the price of
+    a format the paper's model was not trained on."""
     tensor_parallel_size: int = Field(1, ge=1)
     """vLLM tensor parallelism per engine. 14B on MI300X: 2."""
     gpu_memory_utilization: float = Field(0.85, gt=0.0, le=1.0)

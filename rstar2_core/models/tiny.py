@@ -52,7 +52,7 @@ def corpus_texts(cfg: Config, n: int = TOKENIZER_CORPUS_DEMOS) -> list[str]:
                                execute=lambda reqs: execute_requests(reqs, cfg.sandbox),
                                render=lambda r: render_tool_result(
                                    r, cfg.rollout.tool_response_head_chars, cfg.rollout.tool_response_tail_chars,
-                                   cfg.rollout.tool_response_max_chars))
+                                   cfg.rollout.tool_response_max_chars, cfg.rollout.tool_response_timing))
     boot = bootstrap_tokenizer()
     chat = ChatFormat(boot)
     return [boot.decode(chat.render_trajectory(d.problem, d.turn_lists())[0]) for d in demos]

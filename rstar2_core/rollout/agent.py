@@ -155,7 +155,8 @@ async def run_trajectory(engine: Engine, sandbox: Any, chat: Any, problem: str, 
             bad = next(r for r in results if isinstance(r, ExecutionResult) and r.status.is_infra)
             finish, infra = "infra_error", f"sandbox internal: {bad.stderr[:200]}"
             break
-        texts = [render_tool_result(r, limits.tool_head_chars, limits.tool_tail_chars, limits.tool_max_chars)
+        texts = [render_tool_result(r, limits.tool_head_chars, limits.tool_tail_chars, limits.tool_max_chars,
+                                    limits.tool_timing)
                  for r in results]
         tool_ids = chat.tool_response_ids(texts)
         room = limits.max_response_tokens - len(b.ids)

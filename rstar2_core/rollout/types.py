@@ -104,6 +104,7 @@ class RolloutLimits:
     tool_head_chars: int = 128
     tool_tail_chars: int = 128
     tool_max_chars: int = 1024
+    tool_timing: bool = True        # tool responses end with the execution time (rollout.tool_response_timing)
 
     def __post_init__(self) -> None:
         if self.max_turns < 1 or self.max_response_tokens < 1:
@@ -117,4 +118,5 @@ class RolloutLimits:
         cfg.rl.temperature)`; evaluation passes its own temperature/top_p."""
         return cls(max_turns, max_response_tokens, temperature,
                    rollout_cfg.top_p if top_p is None else top_p, rollout_cfg.tool_response_head_chars,
-                   rollout_cfg.tool_response_tail_chars, rollout_cfg.tool_response_max_chars)
+                   rollout_cfg.tool_response_tail_chars, rollout_cfg.tool_response_max_chars,
+                   rollout_cfg.tool_response_timing)

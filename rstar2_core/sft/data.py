@@ -88,7 +88,7 @@ def build_sft_dataset(cfg: Config, out_url: str) -> DatasetRef:
             syn.seed, syn.n_sft, syn.fail_first_share, rejected=rejected, **demo_options(syn),
             execute=lambda reqs: execute_requests(reqs, cfg.sandbox),
             render=lambda r: render_tool_result(r, ro.tool_response_head_chars, ro.tool_response_tail_chars,
-                                                ro.tool_response_max_chars))
+                                                ro.tool_response_max_chars, ro.tool_response_timing))
         counts.update({f"rejected/{k}": v for k, v in rejected.items()})
         for d in demos:
             row = d.to_json()

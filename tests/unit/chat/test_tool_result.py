@@ -79,3 +79,13 @@ def test_middle_truncate_edges():
         middle_truncate("x", head_chars=-1)
     with pytest.raises(TypeError):
         render_tool_result("stdout text")
+
+
+def test_timing_off_drops_the_wall_clock_line_only():
+    ok, slow = res(stdout="1024\n"), res(stdout="1024\n", duration_s=3.5)
+    assert render_tool_result(ok, timing=False) == render_tool_result(slow, timing=False) == "1024"
+    failed = res(status=Status.ERROR, stdout="", stderr="ZeroDivisionError\n", exit_code=1)
+    text = render_tool_result(failed, timing=False)
+    assert text.startswith("Error: the program failed (exit code 1).") and text.endswith("ZeroDivisionError")
+    assert "execution time" not in text
+    assert render_tool_result(res(stdout=""), timing=False) == "[no output: use print() to show values]"

@@ -31,7 +31,9 @@ pytestmark = pytest.mark.slow
 OVERRIDES = ["rl.prompts_per_step=3", "rl.grpo.group_size=4", "rl.grpo.oversample=2", "rl.stages.0.steps=3",
              "rl.stages.0.max_response_tokens=200", "rl.stages.0.max_turns=3", "rl.lr=1e-3", "rl.warmup_steps=2",
              "rl.micro_batch_size=8", "rl.checkpoint_every=1", "rl.keep_checkpoints=2", "rollout.max_batch_size=24",
-             "sandbox.workers=2"]
+             "sandbox.workers=2", "rl.temperature=0.6", "rollout.tool_response_timing=false"]
+# (at 0.6 the toy policy's tool calls parse and run; without the wall-clock timing line the local and Ray
+# runs see the same tool responses)
 RAY = ['cluster.runtime="ray"', 'rl.backend="deepspeed"', 'sft.backend="deepspeed"', 'sandbox.backend="ray"',
        "cluster.trainer_ranks=2", "rollout.num_engines=2"]
 ACTORS = ("ray::TrainerShardActor", "ray::EngineActor", "ray::SandboxActor")

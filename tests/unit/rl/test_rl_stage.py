@@ -18,9 +18,10 @@ pytestmark = pytest.mark.slow
 OVERRIDES = ["rl.prompts_per_step=3", "rl.grpo.group_size=4", "rl.grpo.oversample=2", "rl.stages.0.steps=4",
              "rl.stages.0.max_response_tokens=200", "rl.stages.0.max_turns=3", "rl.lr=1e-3", "rl.warmup_steps=2",
              "rl.micro_batch_size=8", "rl.checkpoint_every=1", "rl.keep_checkpoints=2", "rollout.max_batch_size=24",
-             "sandbox.workers=2", "rl.temperature=0.6"]
+             "sandbox.workers=2", "rl.temperature=0.6", "rollout.tool_response_timing=false"]
 # The toy policy writes a parseable tool call ~5% of the time at temperature 1.0 and ~half the time at 0.6:
-# these tests need the sandbox to run calls, not the paper's exploration temperature.
+# these tests need the sandbox to run calls, not the paper's exploration temperature. Tool responses
+# without the (wall-clock) execution time, so that a resumed stage can repeat the straight run bit for bit.
 
 
 @pytest.fixture
