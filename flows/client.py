@@ -2,6 +2,8 @@
 progress while it runs, retry a failed run exactly as the UI's Retry button does, print the summary.
 
     python -m flows.client run rstar2/full-recipe --param profile=tiny --set rl.stages.0.steps=2
+    python -m flows.client run rstar2/full-recipe --env RSTAR2_FAULT_INJECT=rl-stage-1:step=2 \
+        --set pipeline.task_retries=0
     python -m flows.client retry <flow-run-id>
     python -m flows.client summary <flow-run-id>
 
@@ -9,6 +11,10 @@ The UI's Retry (flow run page -> "Retry") sets the failed run's state to Schedul
 "AwaitingRetry" with the message "Retry from the UI" and force=False; a worker then runs the same
 flow run again (same id, run_count + 1) with the run's frozen config snapshot, not the profile on disk
 (docs/pipeline.md, "What a retry runs"). `retry_flow_run` sends exactly that.
+
+`--env NAME=VALUE` sets an environment variable of this flow run's process only (the deployment's job
+variable `env`; the worker and other runs do not see it), so a fault can be injected into one run
+without restarting the worker; a retry of the run keeps it (the fault still fires once per run).
 """
 
 from __future__ import annotations
@@ -36,10 +42,12 @@ from rstar2_cli.common import add_override_args
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 
 
-async def start_run(deployment: str, parameters: dict) -> UUID:
+async def start_run(deployment: str, parameters: dict, env: dict[str, str] | None = None) -> UUID:
+    """A new flow run of `deployment`; `env` becomes the environment of its process (job variable `env`)."""
     async with get_client() as c:
         dep = await c.read_deployment_by_name(deployment)
-        fr = await c.create_flow_run_from_deployment(dep.id, parameters=parameters)
+        fr = await c.create_flow_run_from_deployment(dep.id, parameters=parameters,
+                                                     job_variables={"env": dict(env)} if env else None)
         return fr.id
 
 
@@ -113,6 +121,16 @@ async def summary_markdown(flow_run_id: UUID) -> str | None:
         return arts[-1].data if arts else None
 
 
+def _parse_env(items: list[str]) -> dict[str, str]:
+    env = {}
+    for it in items:
+        k, sep, v = it.partition("=")
+        if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
+            raise SystemExit(f"--env {it!r}: expected NAME=VALUE, e.g. RSTAR2_FAULT_INJECT=rl-stage-1:step=2")
+        env[k] = v
+    return env
+
+
 def _parse_params(items: list[str], overrides: list[str]) -> dict:
     params: dict = {}
     for it in items:
@@ -133,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("deployment", nargs="?", default="rstar2/full-recipe")
     r.add_argument("--param", action="append", default=[], metavar="NAME=JSON")
     add_override_args(r)
+    r.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                   help="environment variable of this flow run's process only (repeatable)")
     r.add_argument("--timeout", type=float, default=3600)
     r.add_argument("--id-file", help="write the flow run id here")
     t = sub.add_parser("retry", help="retry a failed flow run as the UI does, and watch it")
@@ -143,11 +163,11 @@ def main(argv: list[str] | None = None) -> int:
     ui = os.environ.get("PREFECT_API_URL", "http://127.0.0.1:4200/api").removesuffix("/api")
     if a.cmd == "run":
         params = _parse_params(a.param, a.overrides)
-        fid = asyncio.run(start_run(a.deployment, params))
+        fid = asyncio.run(start_run(a.deployment, params, _parse_env(a.env)))
         if a.id_file:
             with open(a.id_file, "w") as f:
                 f.write(str(fid))
-        print(f"flow run {fid}: {ui}/runs/flow-run/{fid}", flush=True)
+        print(f"flow run {fid}: {ui}/v2/runs/flow-run/{fid}", flush=True)
         total = expected_tasks(params) if a.deployment.endswith("full-recipe") else None
         state = asyncio.run(watch(fid, a.timeout, total=total))
     elif a.cmd == "retry":

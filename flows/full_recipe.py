@@ -26,7 +26,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from rstar2_cli.common import add_profile_args
 from tasks.context import RecipeContext, stage_label
-from tasks.recipe import close_recipe, open_recipe, register_best, summary_markdown
+from tasks.recipe import close_recipe, open_recipe, register_best
 from tasks.runners import placement, task_runner
 from tasks.stages import (
     base_model,
@@ -37,6 +37,7 @@ from tasks.stages import (
     rl_stage,
     sft,
 )
+from tasks.summary import render_summary
 
 
 def _configured(t, cfg):
@@ -108,7 +109,7 @@ def full_recipe(profile: str = "tiny", overrides: list[str] | None = None, run_i
     runner = task_runner(cfg)
     summary = recipe_stages.with_options(task_runner=runner, flow_run_name=f"{cfg.profile} stages {ctx.run_id[:8]}")(ctx)
     order = ["sft"] + [s.name for s in cfg.rl.stages]
-    table = summary_markdown(summary, order)
+    table = render_summary(cfg, ctx.store(cfg), summary, order, ctx.parent_run_id)
     create_markdown_artifact(key="recipe-summary", markdown=table, description=f"recipe run {ctx.run_id}")
     ctx.store(cfg).save("summary", {**summary, "markdown": table}, attempt=ctx.attempt)
     print(table)

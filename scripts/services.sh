@@ -3,6 +3,13 @@
 # $RSTAR2_HOME/prefect, 127.0.0.1), the process work pool `rstar2-local` with one worker polling every
 # second, and the MLflow UI (127.0.0.1, the same SQLite DB the flows log to).
 #
+# Idle cost (bench/services_idle.py; figures in docs/pipeline.md): ~5% of one core in all, most of it the
+# Prefect server's own task loop. The MLflow server runs without its GenAI job runner (LLM judges, prompt
+# optimisation: 8 Huey consumer processes that cost ~23 CPU-seconds in the first minute, while the demo's
+# run starts, and 0.008 CPU-s/s idle). Turning off Prefect server services the pipeline does not use
+# (late runs, pause expiry, repossessor, triggers, foreman) and polling every 5 s instead of 1 s saved
+# nothing measurable, so the server runs its defaults and the worker polls every second.
+#
 #   scripts/services.sh up      start what is not running; writes $RSTAR2_HOME/services.env
 #   scripts/services.sh down    stop what `up` started (by the PIDs in $RSTAR2_HOME/pids/)
 #   scripts/services.sh status
@@ -59,6 +66,15 @@ up() {
     start prefect-server env PREFECT_SERVER_API_HOST=127.0.0.1 PREFECT_UI_API_URL="http://127.0.0.1:$PREFECT_PORT/api" \
       "$BIN/prefect" server start --host 127.0.0.1 --port "$PREFECT_PORT"
   fi
+  local db_pid=""
+  if [ -z "${RSTAR2_NO_MLFLOW_UI:-}" ] && ! alive mlflow-ui; then
+    # create/migrate the DB once, before the MLflow server starts, so that the server and the flows never
+    # migrate it concurrently; meanwhile the Prefect server starts
+    mkdir -p "$RSTAR2_HOME/mlartifacts"
+    "$PY" -c "import sys; from mlflow.tracking import MlflowClient; MlflowClient(sys.argv[1]).search_experiments()" \
+      "sqlite:///$RSTAR2_HOME/mlflow.db" > "$LOGS/mlflow-db.log" 2>&1 &
+    db_pid=$!
+  fi
   export PREFECT_API_URL="http://127.0.0.1:$PREFECT_PORT/api"
   wait_http "$PREFECT_API_URL/health" "Prefect server" 240
   "$BIN/prefect" work-pool inspect rstar2-local >/dev/null 2>&1 || \
@@ -68,13 +84,13 @@ up() {
       PREFECT_WORKER_PREFETCH_SECONDS=5 RSTAR2_REPO="$RSTAR2_REPO" \
       "$BIN/prefect" worker start --pool rstar2-local --type process --name "rstar2-local-worker"
   fi
-  if [ -z "${RSTAR2_NO_MLFLOW_UI:-}" ] && ! alive mlflow-ui; then
+  if [ -n "$db_pid" ]; then
+    if ! wait "$db_pid"; then
+      echo "[services] creating the MLflow DB $RSTAR2_HOME/mlflow.db failed:" >&2; tail -5 "$LOGS/mlflow-db.log" >&2
+      return 1
+    fi
     MLFLOW_PORT=$(free_port "${RSTAR2_MLFLOW_PORT:-5000}")
-    mkdir -p "$RSTAR2_HOME/mlartifacts"
-    # create/migrate the DB once here, so that the server and the flows never migrate it concurrently
-    "$PY" -c "import sys; from mlflow.tracking import MlflowClient; MlflowClient(sys.argv[1]).search_experiments()" \
-      "sqlite:///$RSTAR2_HOME/mlflow.db" >/dev/null 2>&1
-    start mlflow-ui "$BIN/mlflow" server --host 127.0.0.1 --port "$MLFLOW_PORT" --workers 1 \
+    start mlflow-ui env MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false "$BIN/mlflow" server --host 127.0.0.1 --port "$MLFLOW_PORT" --workers 1 \
       --backend-store-uri "sqlite:///$RSTAR2_HOME/mlflow.db" --default-artifact-root "$RSTAR2_HOME/mlartifacts"
   fi
   cat > "$ENVF" <<ENVEOF

@@ -1,15 +1,14 @@
 """Recipe-level steps around the stage tasks: validate inputs before any compute, freeze the run's config,
-open/close the MLflow parent run, decide the promotion of the best checkpoint and register it, render the
-summary table.
+open/close the MLflow parent run, decide the promotion of the best checkpoint and register it.
 
     preflight(cfg)              bad data/benchmark URLs, unknown resource keys, unreachable storage -> ConfigError
     open_recipe(...)            -> RecipeContext (config snapshot written once, parent MLflow run created once)
     register_best(ctx, reports) -> summary dict (idempotent per recipe run)
+
+The summary a user reads (table, timings, plot) is tasks/summary.py.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
@@ -168,21 +167,3 @@ def register_best(ctx: RecipeContext, reports: dict[str, EvalReport]) -> dict:
            "config_digest": ctx.config_digest}
     store.save("register", out, attempt=ctx.attempt)
     return out
-
-
-def summary_markdown(summary: dict[str, Any], order: list[str]) -> str:
-    """The recipe's stage table (pass@1 per benchmark, stages in recipe order), the promotion decision with
-    its numbers and the registration line."""
-    rows = {s["stage"]: s for s in summary["stages"]}
-    benches = sorted({b for s in summary["stages"] for b in s["pass1"]})
-    lines = [f"| stage | {' | '.join(f'{b} pass@1' for b in benches)} |", "|---|" + "---|" * len(benches)]
-    for st in [s for s in order if s in rows]:
-        lines.append(f"| {st} | " + " | ".join(f"{rows[st]['pass1'].get(b, float('nan')):.3f}" for b in benches) + " |")
-    reg, promo = summary["registration"], summary["promotion"]
-    conf = (promo.get("vs_sft") or {}).get("confidence")
-    how = f"paired bootstrap, {conf:.0%} interval" if conf else "paired bootstrap"
-    lines += ["", f"best: {reg['stage']} ({summary['primary_benchmark']} pass@1 {reg['primary_pass1']:.3f})",
-              f"promotion ({summary['primary_benchmark']}, {how}): {promo['line']}",
-              reg["line"] + ("" if reg["aliases"] else ": registered without aliases"),
-              f"checkpoint: {reg['checkpoint_url']}"]
-    return "\n".join(lines)

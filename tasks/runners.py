@@ -8,11 +8,18 @@ process.
 `remote_options` context; a kind without an entry gets Ray's default (1 CPU). With
 `cluster.runtime = "ray"` the stage tasks (sft, rl, hard_subset, eval) also ask for the cluster's one
 `rstar2_runtime` unit, so they drive their runtimes one at a time (rstar2_core/cluster/ray_init.py).
+
+Threads: a stage task on Ray computes with as many torch intra-op threads as the CPUs it reserves
+(`use_task_threads`), so that tasks running side by side (an evaluation beside the next RL stage) split
+the cores instead of oversubscribing them, and a task given the whole node (the tiny profile's SFT) uses
+it. Ray's own hint (`OMP_NUM_THREADS` from the first task a worker runs) is not enough: Ray reuses a
+worker across tasks of different sizes, and torch reads the variable once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Iterator
 
@@ -59,3 +66,22 @@ def placement(cfg: Config, kind: str) -> Iterator[None]:
 
     with remote_options(**opts):
         yield
+
+
+def task_threads(cfg: Config, kind: str) -> int | None:
+    """torch intra-op threads of a stage task of `kind`: the CPUs it reserves on Ray, rounded down, at least
+    1 (Ray's default reservation is 1 CPU); None without Ray, where the tasks share the flow process and
+    its threads."""
+    if not cfg.cluster.use_ray:
+        return None
+    r = cfg.cluster.resources.get(kind)
+    return max(1, math.floor(r.num_cpus)) if r is not None else 1
+
+
+def use_task_threads(cfg: Config, kind: str) -> None:
+    """Set this process's torch intra-op threads to `task_threads(cfg, kind)` (no-op without Ray)."""
+    n = task_threads(cfg, kind)
+    if n is not None:
+        import torch
+
+        torch.set_num_threads(n)

@@ -7,6 +7,7 @@ Each task is a thin wrapper that adds what the core does not know about:
   instead of recomputed, so the UI's Retry of a failed flow run only redoes unfinished stages;
 - retries on infrastructure errors only (tasks/retry.py), `cfg.pipeline.task_retries` times; a
   retried stage resumes from its last step checkpoint because it gets the same `out_url`;
+- torch intra-op threads = the CPUs the task reserves on Ray (tasks/runners.py, `use_task_threads`);
 - MLflow lineage (tasks/tracking.py): a nested run per stage, kept across retries (its id is stored
   in the run's state and handed to the RL core as `tracking_run_id`), metrics via `log_metrics`,
   datasets as inputs, checkpoints as URL tags, a PNG of the metric curves.
@@ -36,6 +37,7 @@ from rstar2_core.sft.train import run_sft
 from tasks import tracking
 from tasks.context import RecipeContext
 from tasks.retry import retry_on_infrastructure_error
+from tasks.runners import use_task_threads
 
 
 def _stage_task(**kw):
@@ -44,12 +46,14 @@ def _stage_task(**kw):
                 cache_policy=NO_CACHE, persist_result=False, task_run_name="{label}", **kw)
 
 
-def _run_tracked(ctx: RecipeContext, key: str, params: dict[str, Any],
+def _run_tracked(ctx: RecipeContext, kind: str, key: str, params: dict[str, Any],
                  compute: Callable[[Config, Callable, str], Any],
                  inputs: tuple[tuple[str, DatasetRef], ...] = ()) -> Any:
-    """Return stage `key`'s stored result, or compute it inside its (re)opened nested MLflow run."""
+    """Return stage `key`'s stored result, or compute it inside its (re)opened nested MLflow run with the
+    torch threads of its task `kind` (tasks/runners.py)."""
     log = get_run_logger()
     cfg = ctx.config()
+    use_task_threads(cfg, kind)
     store = ctx.store(cfg)
     done = store.load(key)
     if done is not None:
@@ -85,7 +89,7 @@ def curate_data(ctx: RecipeContext, label: str = "curate") -> DatasetRef:
         with label_check_sampler(cfg) as sampler:
             return curate(cfg, ctx.store(cfg).url("data", "curated"), log_metrics=log_metrics, sampler=sampler)
 
-    return _run_tracked(ctx, "curate", {"sources": len(ctx.config().data.sources)}, compute)
+    return _run_tracked(ctx, "curate", "curate", {"sources": len(ctx.config().data.sources)}, compute)
 
 
 @_stage_task(name="build-sft-data")
@@ -93,7 +97,7 @@ def build_sft_data(ctx: RecipeContext, label: str = "sft-data") -> DatasetRef:
     def compute(cfg, _log, _run):
         return build_sft_dataset(cfg, ctx.store(cfg).url("data", "sft"))
 
-    return _run_tracked(ctx, "sft-data", {}, compute)
+    return _run_tracked(ctx, "sft_data", "sft-data", {}, compute)
 
 
 @_stage_task(name="base-model")
@@ -101,7 +105,7 @@ def base_model(ctx: RecipeContext, label: str = "base-model") -> dict:
     def compute(cfg, _log, _run):
         return {"checkpoint_url": prepare_base_model(cfg, ctx.store(cfg).url("checkpoints", "base"))}
 
-    return _run_tracked(ctx, "base-model", {"model.kind": ctx.config().model.kind}, compute)
+    return _run_tracked(ctx, "base_model", "base-model", {"model.kind": ctx.config().model.kind}, compute)
 
 
 @_stage_task(name="sft")
@@ -112,7 +116,7 @@ def sft(ctx: RecipeContext, base_model: dict, sft_data: DatasetRef, label: str =
 
     cfg = ctx.config()
     params = {**tracking.flatten(cfg.sft.model_dump(mode="json"), "sft."), "base_model_url": base_model["checkpoint_url"]}
-    return _run_tracked(ctx, "sft", params, compute, inputs=(("sft-data", sft_data),))
+    return _run_tracked(ctx, "sft", "sft", params, compute, inputs=(("sft-data", sft_data),))
 
 
 @_stage_task(name="rl-stage")
@@ -126,7 +130,7 @@ def rl_stage(ctx: RecipeContext, stage_index: int, init: StageResult, data: Data
                             resume=True, tracking_run_id=run_id)
 
     params = {**tracking.flatten(st.model_dump(mode="json"), "stage."), "init_checkpoint_url": init.checkpoint_url}
-    return _run_tracked(ctx, st.name, params, compute, inputs=((f"{st.name}-data", data),))
+    return _run_tracked(ctx, "rl", st.name, params, compute, inputs=((f"{st.name}-data", data),))
 
 
 @_stage_task(name="hard-subset")
@@ -140,7 +144,7 @@ def hard_subset(ctx: RecipeContext, stage_index: int, policy: StageResult, data:
         return select_hard_subset(cfg, stage_index, checkpoint_url=policy.checkpoint_url, data_url=data.url,
                                   out_url=ctx.store(cfg).url("data", key))
 
-    return _run_tracked(ctx, key, {"k": st.hard_subset_k, "policy": policy.checkpoint_url}, compute,
+    return _run_tracked(ctx, "hard_subset", key, {"k": st.hard_subset_k, "policy": policy.checkpoint_url}, compute,
                         inputs=(("pool", data),))
 
 
@@ -164,4 +168,4 @@ def evaluate_checkpoint(ctx: RecipeContext, stage: str, checkpoint: StageResult 
             c.set_tag(run_id, f"benchmark.{bench}.digest", str(digest))
         return report
 
-    return _run_tracked(ctx, key, {"checkpoint_url": url, "benchmarks": benchmarks, "k": k}, compute)
+    return _run_tracked(ctx, "eval", key, {"checkpoint_url": url, "benchmarks": benchmarks, "k": k}, compute)

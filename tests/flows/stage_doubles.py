@@ -3,9 +3,10 @@
 
 They follow the contracts in docs/CONTRACTS.md where the pipeline depends on them: artifacts at
 `out_url` published atomically with `_COMPLETE`, RL stages that checkpoint every step under `out_url`,
-resume from the last step checkpoint, call `maybe_inject_fault(stage.name, step, out_url)` at each step start and
-log one metric per step; evaluation returns an `EvalReport` with per-problem rows (checkpoint "quality"
-q: the first round(q * N_PROBLEMS) problems solved k/k, the rest 0/k). Every call is appended to
+resume from the last step checkpoint, call `maybe_inject_fault(stage.name, step, out_url)` at each step start
+and log the summary plot's rollout metrics per step at global steps (counted across stages), SFT that logs
+`sft/loss`; evaluation returns an `EvalReport` with per-problem rows (checkpoint "quality" q: the first
+round(q * N_PROBLEMS) problems solved k/k, the rest 0/k). Every call is appended to
 $RSTAR2_HOME/calls.jsonl with the config values it ran with, so tests can count calls and check what
 reached the core.
 """
@@ -76,7 +77,7 @@ def run_sft(cfg, *, base_model_url, sft_data_url, out_url, log_metrics=None, res
     _note("sft", lr=cfg.sft.lr)
     for s in range(1, 3):
         if log_metrics:
-            log_metrics({"actor/loss": 1.0 / s}, s)
+            log_metrics({"sft/loss": 1.0 / s}, s)
     return StageResult(name="sft", checkpoint_url=_checkpoint(out_url, {"stage": "sft", "quality": QUALITY["sft"]}),
                        metrics={"actor/loss": 0.5}, steps=2)
 
@@ -89,10 +90,13 @@ def run_rl_stage(cfg, stage_index, *, init_checkpoint_url, data_url, out_url, lo
     start = max((int(u.rsplit("-", 1)[1]) for u in done), default=0)
     _note("rl", stage=st.name, start=start, tracking_run_id=tracking_run_id, lr=cfg.rl.lr, steps=st.steps,
           max_turns=st.max_turns)
+    offset = sum(s.steps for s in cfg.rl.stages[:stage_index])  # the real stage logs at global steps
     for step in range(start + 1, st.steps + 1):
         maybe_inject_fault(st.name, step, out_url)
         if log_metrics:
-            log_metrics({"rollout/reward_mean": step / st.steps}, step)
+            log_metrics({"rollout/reward_mean": step / st.steps, "rollout/pass_rate": step / st.steps,
+                         "rollout/pos_tool_error_ratio": 0.5 / step, "rollout/kept_pos_tool_error_ratio": 0.0},
+                        offset + step)
         _checkpoint(storage.join(steps_dir, f"step-{step:06d}"), {"step": step, "run_id": tracking_run_id})
     quality = round(0.3 + 0.1 * stage_index, 6)
     url = _checkpoint(storage.join(out_url, "final"), {"stage": st.name, "quality": quality})

@@ -12,7 +12,7 @@ from rstar2_core.results import DatasetRef, StageResult
 from tasks.context import stage_label
 from tasks.retry import is_infrastructure_error
 from tasks.run_store import RunStore
-from tasks.runners import placement, ray_init_kwargs, resources
+from tasks.runners import placement, ray_init_kwargs, resources, task_threads
 from tasks.tracking import flatten, metric_key
 
 
@@ -69,6 +69,8 @@ def test_resources_and_ray_settings():
     assert resources(cfg, "rl") == {"num_cpus": 2.0}
     assert resources(cfg, "eval") == {"num_cpus": 1.0, "num_gpus": 1.0}
     assert resources(cfg, "curate") == {}
+    assert (task_threads(cfg, "rl"), task_threads(cfg, "eval"), task_threads(cfg, "curate")) == (2, 1, 1)
+    assert task_threads(load_config("tiny", ["cluster.use_ray=false"]), "rl") is None
     with pytest.raises(ValueError, match="unknown task kind"):
         resources(cfg, "nope")
     kw = ray_init_kwargs(cfg)

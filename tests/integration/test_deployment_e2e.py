@@ -1,11 +1,13 @@
 """End to end through real services: scripts/services.sh starts a Prefect server and a process worker
-(as `make demo` does), prefect.yaml is deployed, and `rstar2/full-recipe` runs the tiny recipe (shrunk
-by overrides) with a fault injected in RL stage 1. Between the failure and the retry the profile on disk
-is edited (`[rl] lr`). The failed flow run is retried through the API exactly as the UI's Retry button
-does; the test then checks that finished stages were not recomputed, RL stage 1 resumed from its step
-checkpoint into the same MLflow run with no step lost or repeated, the resumed and later RL stages
-trained with the run's frozen lr (not the edited one), MLflow's params are the run's config snapshot,
-one model version was registered and MLflow holds one parent run with its nested stage runs."""
+(as `make demo` does), prefect.yaml is deployed, and the failure rehearsal `scripts/demo.sh --quick --fault
+rl-stage-1:step=2` (what `make demo-fault` runs) runs `rstar2/full-recipe` at the quick demo's sizes
+(scripts/demo-quick.overrides) with the fault injected into that flow run only. Between the failure and the
+retry the profile on disk is edited (`[rl] lr`). The failed flow run is retried through the API exactly as
+the UI's Retry button does; the test then checks that finished stages were not recomputed, RL stage 1
+resumed from its step checkpoint into the same MLflow run with no step lost or repeated, the resumed and
+later RL stages trained with the run's frozen lr (not the edited one), MLflow's params are the run's config
+snapshot, one model version was registered, MLflow holds one parent run with its nested stage runs, and the
+run's summary (stage table, promotion, plot) is printed."""
 
 from __future__ import annotations
 
@@ -15,21 +17,17 @@ import shutil
 import socket
 import subprocess
 from pathlib import Path
+from uuid import UUID
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# The tiny recipe, shrunk: a few steps per stage, a small evaluation, threads instead of Ray.
-E2E_OVERRIDES = [
-    "cluster.use_ray=false", "pipeline.task_retries=0",
-    "data.synthetic.n_sft=16", "data.synthetic.n_rl=16", "data.synthetic.n_eval=8",
-    "sft.epochs=1", "sft.batch_size=8", "sft.micro_batch_size=8", "sft.max_seq_len=1024",
-    "rl.prompts_per_step=2", "rl.grpo.group_size=2", "rl.grpo.oversample=2", "rl.micro_batch_size=4",
-    "rl.stages.0.steps=3", "rl.stages.1.steps=1", "rl.stages.2.steps=1", "rl.stages.2.hard_subset_k=2",
-    "rl.stages.0.max_response_tokens=64", "rl.stages.1.max_response_tokens=64", "rl.stages.2.max_response_tokens=64",
-    "eval.k=1", "eval.max_tokens=64", "eval.max_turns=2", "eval.benchmarks.0.limit=4", "pipeline.eval_stages=rl",
-]
+# The quick demo's sizes (what `make demo-quick` runs), with threads instead of Ray and no task retries.
+QUICK = [x.strip() for x in (ROOT / "scripts" / "demo-quick.overrides").read_text().splitlines()
+         if x.strip() and not x.lstrip().startswith("#")]
+E2E_EXTRA = ["pipeline.eval_stages=rl"]
+E2E_OVERRIDES = ["cluster.use_ray=false", "pipeline.task_retries=0", *QUICK, *E2E_EXTRA]
 
 
 def _free_port() -> int:
@@ -44,9 +42,9 @@ def services(tmp_path):
     profiles = tmp_path / "configs"  # the worker reads the profiles here; the test edits one mid-run
     shutil.copytree(ROOT / "configs", profiles)
     env = {**os.environ, "RSTAR2_HOME": str(home), "RSTAR2_PREFECT_PORT": str(_free_port()),
-           "RSTAR2_NO_MLFLOW_UI": "1", "RSTAR2_FAULT_INJECT": "rl-stage-1:step=2",
-           "RSTAR2_CONFIG_DIR": str(profiles)}
+           "RSTAR2_NO_MLFLOW_UI": "1", "RSTAR2_CONFIG_DIR": str(profiles)}
     env.pop("PREFECT_API_URL", None)
+    env.pop("RSTAR2_FAULT_INJECT", None)  # the rehearsal injects it into its own flow run
     subprocess.run(["bash", "scripts/services.sh", "up"], cwd=ROOT, env=env, check=True, timeout=600)
     try:
         api = next(line.split("=", 1)[1] for line in (home / "services.env").read_text().splitlines()
@@ -55,7 +53,7 @@ def services(tmp_path):
         subprocess.run([str(ROOT / ".venv/bin/prefect"), "--no-prompt", "deploy", "--name", "full-recipe"],
                        cwd=ROOT, env={**env, "RSTAR2_REPO": str(ROOT)}, check=True, timeout=300,
                        capture_output=True)
-        yield home, api, profiles
+        yield home, api, profiles, env
     finally:
         subprocess.run(["bash", "scripts/services.sh", "down"], cwd=ROOT, env=env, timeout=120, check=False)
 
@@ -64,20 +62,29 @@ def services(tmp_path):
 def test_fault_retry_resume_through_the_deployment(services, monkeypatch):
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from flows.client import retry_flow_run, start_run, watch
+    from flows.client import retry_flow_run, watch
+    from rstar2_core import storage
     from rstar2_core.config import load_config
     from tasks import tracking
     from tasks.run_store import RunStore
 
-    home, api, profiles = services
+    home, api, profiles, env = services
     monkeypatch.setenv("RSTAR2_HOME", str(home))
     monkeypatch.setenv("RSTAR2_CONFIG_DIR", str(profiles))
     cfg = load_config("tiny", E2E_OVERRIDES)
     lr = cfg.rl.lr
+    demo = subprocess.run(["bash", "scripts/demo.sh", "--quick", "--fault", "rl-stage-1:step=2"], check=False, cwd=ROOT,
+                          env={**env, "RSTAR2_DEMO_OVERRIDES": " ".join(["cluster.use_ray=false", *E2E_EXTRA])},
+                          capture_output=True, text=True, timeout=900)
+    assert demo.returncode == 1, demo.stdout[-3000:] + demo.stderr[-3000:]
+    assert "QUICK MODE" in demo.stdout and "fault rl-stage-1:step=2" in demo.stdout
+    assert "injected fault in rl-stage-1 at step 2" in demo.stdout, demo.stdout[-3000:]
+    fid = (home / "last-flow-run").read_text().strip()
+    assert f"python -m flows.client retry {fid}" in demo.stdout and f"/v2/runs/flow-run/{fid}" in demo.stdout
     with temporary_settings({PREFECT_API_URL: api}):
-        fid = asyncio.run(start_run("rstar2/full-recipe", {"profile": "tiny", "overrides": E2E_OVERRIDES}))
-        assert asyncio.run(watch(fid, timeout_s=900, quiet=True)) == "Failed"
         store = RunStore.for_run(cfg.resolved_storage_root(), str(fid))
+        assert store.read_config_snapshot()["overrides"] == [*QUICK, "pipeline.task_retries=0", "cluster.use_ray=false",
+                                                             *E2E_EXTRA]
         first = {k: store.record(k) for k in ("curate", "sft-data", "base-model", "sft")}
         assert all(r is not None and r["attempt"] == 1 for r in first.values()), first
         assert store.record("rl-stage-1") is None
@@ -89,7 +96,13 @@ def test_fault_retry_resume_through_the_deployment(services, monkeypatch):
         assert load_config("tiny", E2E_OVERRIDES).rl.lr == 1e-3
 
         asyncio.run(retry_flow_run(fid))  # the UI's Retry
-        assert asyncio.run(watch(fid, timeout_s=900, quiet=True)) == "Completed"
+        assert asyncio.run(watch(UUID(fid), timeout_s=900, quiet=True)) == "Completed"
+    summary = subprocess.run([str(ROOT / ".venv/bin/python"), "-m", "flows.client", "summary", fid], check=False,
+                             cwd=ROOT,
+                             env={**env, "PREFECT_API_URL": api}, capture_output=True, text=True, timeout=300)
+    assert "| rl-stage-3 |" in summary.stdout and "promotion (synthetic" in summary.stdout, summary.stdout
+    plot = storage.to_local_path(store.url("summary", "recipe.png"))
+    assert f"plot: {plot}" in summary.stdout and plot.exists()
 
     # finished stages were reused, not recomputed
     assert {k: store.record(k) for k in first} == first
