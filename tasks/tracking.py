@@ -62,20 +62,30 @@ def client(cfg: Config):
     return _client(cfg.resolved_tracking_uri())
 
 
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+"""The experiment tag that tells MLflow 3's UI this is model training (runs table, nested runs, metric
+charts), not a GenAI app (traces, "evaluation runs"). UIs that choose the view from the sidebar's
+workflow switch instead read `?workflowType=machine_learning` in the link the demo prints (scripts/demo.sh)."""
+
+
 def experiment_id(cfg: Config) -> str:
-    """Id of `cfg.tracking.experiment`, created with its artifacts under the state folder."""
+    """Id of `cfg.tracking.experiment`, created with its artifacts under the state folder and tagged as
+    a model-training experiment (`EXPERIMENT_KIND`)."""
     c = client(cfg)
     exp = c.get_experiment_by_name(cfg.tracking.experiment)
-    if exp is not None:
-        return exp.experiment_id
-    location = (cfg.resolved_state_dir() / "mlartifacts").as_uri()
-    try:
-        return c.create_experiment(cfg.tracking.experiment, artifact_location=location)
-    except Exception:  # created concurrently by another process: read it back
+    if exp is None:
+        location = (cfg.resolved_state_dir() / "mlartifacts").as_uri()
+        try:
+            c.create_experiment(cfg.tracking.experiment, artifact_location=location, tags=dict([EXPERIMENT_KIND]))
+        except Exception:  # created concurrently by another process: read it back
+            pass
         exp = c.get_experiment_by_name(cfg.tracking.experiment)
         if exp is None:
-            raise
-        return exp.experiment_id
+            raise RuntimeError(f"MLflow experiment {cfg.tracking.experiment!r} could not be created at "
+                               f"{cfg.resolved_tracking_uri()}")
+    if exp.tags.get(EXPERIMENT_KIND[0]) is None:   # an experiment made before the tag existed, or by hand
+        c.set_experiment_tag(exp.experiment_id, *EXPERIMENT_KIND)
+    return exp.experiment_id
 
 
 def log_params(cfg: Config, run_id: str, params: dict[str, Any]) -> None:

@@ -42,8 +42,11 @@ def test_recipe_runs_every_stage_and_registers_the_best(state):
     store = RunStore.for_run(cfg.resolved_storage_root(), "run-a")
     assert EvalReport.load(mv.tags["eval_report_url"]) == store.load("eval-rl-stage-3")  # the champion's report
     parent = store.tracking_id("parent")
-    children = c.search_runs([tracking.experiment_id(cfg)], f"tags.mlflow.parentRunId = '{parent}'")
+    exp = tracking.experiment_id(cfg)
+    children = c.search_runs([exp], f"tags.mlflow.parentRunId = '{parent}'")
     names = {r.info.run_name for r in children}
+    # MLflow's UI opens it as model training (runs table, nested runs, charts), not as a GenAI app
+    assert c.get_experiment(exp).tags["mlflow.experimentKind"] == "custom_model_development"
     assert {"curate", "sft", "rl-stage-1", "rl-stage-2", "rl-stage-3", "rl-stage-3-hard-subset",
             "eval-sft", "eval-rl-stage-3"} <= names
     # the parent run's params and digest are the run's config snapshot
