@@ -75,14 +75,17 @@ def experiment_id(cfg: Config) -> str:
     exp = c.get_experiment_by_name(cfg.tracking.experiment)
     if exp is None:
         location = (cfg.resolved_state_dir() / "mlartifacts").as_uri()
+        from mlflow.exceptions import MlflowException
+
+        err: MlflowException | None = None
         try:
             c.create_experiment(cfg.tracking.experiment, artifact_location=location, tags=dict([EXPERIMENT_KIND]))
-        except Exception:  # created concurrently by another process: read it back
-            pass
+        except MlflowException as e:  # created concurrently by another process: read it back
+            err = e
         exp = c.get_experiment_by_name(cfg.tracking.experiment)
         if exp is None:
             raise RuntimeError(f"MLflow experiment {cfg.tracking.experiment!r} could not be created at "
-                               f"{cfg.resolved_tracking_uri()}")
+                               f"{cfg.resolved_tracking_uri()}") from err
     if exp.tags.get(EXPERIMENT_KIND[0]) is None:   # an experiment made before the tag existed, or by hand
         c.set_experiment_tag(exp.experiment_id, *EXPERIMENT_KIND)
     return exp.experiment_id
