@@ -7,10 +7,13 @@ progress while it runs, retry a failed run exactly as the UI's Retry button does
     python -m flows.client retry <flow-run-id>
     python -m flows.client summary <flow-run-id>
 
-The UI's Retry (flow run page -> "Retry") sets the failed run's state to Scheduled named
-"AwaitingRetry" with the message "Retry from the UI" and force=False; a worker then runs the same
-flow run again (same id, run_count + 1) with the run's frozen config snapshot, not the profile on disk
-(docs/pipeline.md, "What a retry runs"). `retry_flow_run` sends exactly that.
+The UI's Retry sets the failed run's state to Scheduled named "AwaitingRetry" with the message "Retry
+from the UI": the new UI (`/v2/...`, what http://127.0.0.1:4200 opens; flow run page -> the "..." menu
+-> Retry -> confirm) sends it with force=True, the classic UI (`/runs/flow-run/<id>` -> "Retry") with
+force=False. Either way a worker then runs the same flow run again (same id, run_count + 1) with the
+run's frozen config snapshot, not the profile on disk (docs/pipeline.md, "What a retry runs").
+`retry_flow_run(id, ui="v2" | "classic")` sends exactly what that UI sends; the deployment test
+retries through both and checks they resume the same way.
 
 `--env NAME=VALUE` sets an environment variable of this flow run's process only (the deployment's job
 variable `env`; the worker and other runs do not see it), so a fault can be injected into one run
@@ -51,11 +54,19 @@ async def start_run(deployment: str, parameters: dict, env: dict[str, str] | Non
         return fr.id
 
 
-async def retry_flow_run(flow_run_id: UUID | str) -> None:
-    """What the Prefect UI's Retry button sends (prefect/server/ui: retryFlowRun)."""
+UI_RETRY_FORCE = {"v2": True, "classic": False}
+"""The `force` flag each Prefect UI's Retry sends (prefect/server/ui-v2: the flow run menu's retry
+dialog; prefect/server/ui: retryFlowRun)."""
+
+
+async def retry_flow_run(flow_run_id: UUID | str, ui: str = "v2") -> None:
+    """What the Retry of Prefect's `ui` ("v2": the new UI, the default page; "classic") sends."""
+    if ui not in UI_RETRY_FORCE:
+        raise ValueError(f"retry_flow_run: ui={ui!r}; valid: {sorted(UI_RETRY_FORCE)}")
     async with get_client() as c:
         await c.set_flow_run_state(UUID(str(flow_run_id)),
-                                   Scheduled(name="AwaitingRetry", message="Retry from the UI"), force=False)
+                                   Scheduled(name="AwaitingRetry", message="Retry from the UI"),
+                                   force=UI_RETRY_FORCE[ui])
 
 
 async def _task_lines(c, flow_run_id: UUID) -> list[str]:
@@ -157,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--id-file", help="write the flow run id here")
     t = sub.add_parser("retry", help="retry a failed flow run as the UI does, and watch it")
     t.add_argument("flow_run_id")
+    t.add_argument("--ui", choices=sorted(UI_RETRY_FORCE), default="v2",
+                   help="send what this Prefect UI's Retry sends (default v2, the UI the server opens)")
     s = sub.add_parser("summary", help="print the recipe summary of a finished run")
     s.add_argument("flow_run_id")
     a = ap.parse_args(argv)
@@ -172,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         state = asyncio.run(watch(fid, a.timeout, total=total))
     elif a.cmd == "retry":
         fid = UUID(a.flow_run_id)
-        asyncio.run(retry_flow_run(fid))
+        asyncio.run(retry_flow_run(fid, a.ui))
         state = asyncio.run(watch(fid))
     else:
         fid, state = UUID(a.flow_run_id), "Completed"

@@ -75,3 +75,24 @@ def toy_policy(tmp_path_factory):
         return build_toy_policy(tmp_path_factory.mktemp("toy_policy"))
     finally:
         torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def dist_env():
+    """One single-rank gloo group (env://) for the whole session: DeepSpeed caches its process groups, so a
+    group destroyed after one module and created again for the next leaves it holding a dead one."""
+    import socket
+
+    import torch
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp = pytest.MonkeyPatch()
+    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
+                 "LOCAL_RANK": "0"}.items():
+        mp.setenv(k, v)
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    mp.undo()

@@ -107,9 +107,15 @@ def register() -> None:
 
 @contextlib.contextmanager
 def segment_attention(model: torch.nn.Module) -> Iterator[None]:
-    """Run the model's forwards inside with `SEGMENTS` attention (pass `segments=` to them)."""
+    """Run the model's forwards inside with `SEGMENTS` attention (pass `segments=` to them). With gradient
+    checkpointing the backward re-runs the layers and looks the attention up again: keep the backward
+    inside the block too (rl_update and sft_update do)."""
     register()
     config = model.get_decoder().config     # the HF config its attention layers read (not a DeepSpeed engine's)
+    windowed = [t for t in (getattr(config, "layer_types", None) or []) if t != "full_attention"]
+    if windowed or getattr(config, "use_sliding_window", False):
+        raise ValueError(f"segment attention implements full causal attention only; this model has "
+                         f"{sorted(set(windowed)) or ['sliding_window']} layers")
     before = config._attn_implementation
     config._attn_implementation = SEGMENTS
     try:

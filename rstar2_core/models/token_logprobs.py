@@ -34,11 +34,21 @@ CHUNK_ELEMENTS = 1 << 26        # logits per chunk (64M: 256 MB in fp32)
 def decoder_hidden(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                    position_ids: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
     """(B, T, H) last hidden states of the causal LM (after its final norm), without the LM head.
-    kwargs (e.g. `segments=`) go to the model's attention."""
-    decoder = model.get_decoder()
-    out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
-                  **kwargs)
-    return out.last_hidden_state
+    kwargs (e.g. `segments=`) go to the model's attention.
+
+    The call goes through `model(...)` itself, with the LM head swapped for an identity for its
+    duration: a DeepSpeed engine's forward does bookkeeping the backward relies on (ZeRO-3's micro-step
+    count, which decides whether a micro-batch's gradients add to the previous ones; the backward
+    prologue hooks), which calling the inner decoder directly would skip."""
+    inner = getattr(model, "module", model)     # a DeepSpeed engine wraps the transformers model
+    head = inner.get_output_embeddings()
+    inner.set_output_embeddings(torch.nn.Identity())
+    try:
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                    **kwargs)
+    finally:
+        inner.set_output_embeddings(head)
+    return out.logits
 
 
 def _chunk_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
@@ -82,7 +92,11 @@ def token_logprobs(model: torch.nn.Module, hidden: torch.Tensor, targets: torch.
         fused = _liger()
         nll = fused(hidden / temperature, head.weight, targets, bias=head.bias, reduction="none")
         return -nll.float()
-    vocab = head.weight.shape[0] if getattr(head, "weight", None) is not None else model.config.vocab_size
+    weight = getattr(head, "weight", None)
+    # a ZeRO-3 partitioned weight is an empty tensor; its full shape is `ds_shape`
+    vocab = getattr(weight, "ds_shape", weight.shape)[0] if weight is not None else 0
+    if not vocab:
+        vocab = int(getattr(model, "module", model).config.vocab_size)
     chunk = chunk_tokens or max(1, CHUNK_ELEMENTS // max(1, vocab))
     if n <= chunk:
         return _chunk_logprobs(head, hidden, targets, temperature)

@@ -61,6 +61,7 @@ from rstar2_core.rl.checkpoint import (
 from rstar2_core.rl.data import RLProblem, batch_indices, load_problems
 from rstar2_core.rl.step import rl_step
 from rstar2_core.rl.trainer import RL_STEP
+from rstar2_core.rollout.admission import LengthModel
 from rstar2_core.rollout.types import RolloutLimits
 from rstar2_core.runtime import TrainerSpec
 from rstar2_core.runtime.checkpoint import publish_policy_checkpoint
@@ -122,6 +123,9 @@ async def _run(cfg: Config, stage_index: int, init_url: str, data_url: str, out_
     tok = chat.tokenizer
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     limits = RolloutLimits.from_config(cfg.rollout, stage.max_turns, stage.max_response_tokens, rl.temperature)
+    # one length model per stage attempt: admission learns from this stage's earlier steps (a resumed
+    # attempt relearns; what is admitted when changes, the tokens do not: per-trajectory seeds)
+    lengths = LengthModel(stage.max_response_tokens) if cfg.rollout.scheduler == "kv_aware" else None
     spec = TrainerSpec("rl", total_steps, rl.warmup_steps, "constant", RL_STEP)
     start_step, cursor, run_id, last_metrics, totals = 0, 0, tracking_run_id, {}, {}
     async with open_runtime(cfg, policy_url=policy, trainer=spec,
@@ -166,7 +170,7 @@ async def _run(cfg: Config, stage_index: int, init_url: str, data_url: str, out_
                     return url
 
                 outcome = await rl_step(rt, chat, batch, cfg=cfg, limits=limits, seed=step_seed(rl.seed, gstep),
-                                        pad_id=pad_id, publish=publish)
+                                        pad_id=pad_id, publish=publish, lengths=lengths)
                 cursor = next_cursor
                 metrics = {**outcome.metrics, "rollout/step": float(step), "data/cursor": float(cursor),
                            "data/rejected_rows": float(sum(rejected.values()))}

@@ -98,8 +98,11 @@ def infra_failures(groups: Sequence[Sequence[Trajectory]], grades: Grades) -> di
 
 
 async def rl_step(rt: Any, chat: Any, batch: Sequence[RLProblem], *, cfg: Any, limits: RolloutLimits, seed: int,
-                  pad_id: int, publish: Callable[[dict[str, float]], str | None] | None = None) -> StepOutcome:
-    """One GRPO-RoC step on runtime `rt` (see the module docstring)."""
+                  pad_id: int, publish: Callable[[dict[str, float]], str | None] | None = None,
+                  lengths: Any = None) -> StepOutcome:
+    """One GRPO-RoC step on runtime `rt` (see the module docstring). `lengths`: the stage's
+    `rollout.LengthModel` (KV-aware admission learns response lengths from the earlier steps; None starts
+    every step from the max-length rule)."""
     from rstar2_core.rollout import rollout_groups
 
     rl, grpo = cfg.rl, cfg.rl.grpo
@@ -107,7 +110,7 @@ async def rl_step(rt: Any, chat: Any, batch: Sequence[RLProblem], *, cfg: Any, l
     before = rt.usage()
     groups = await rollout_groups(rt.engines, rt.sandbox, chat, [p.problem for p in batch],
                                   grpo.group_size * grpo.oversample, limits, seed=seed,
-                                  scheduler=cfg.rollout.scheduler)
+                                  scheduler=cfg.rollout.scheduler, lengths=lengths)
     t1 = time.perf_counter()
     after_rollout = rt.usage()
     grades = grade_groups(rt.grader, groups, [p.answer for p in batch])

@@ -34,6 +34,7 @@ from collections.abc import Sequence
 
 import torch
 
+from rstar2_core.models.packed_attention import segment_attention
 from rstar2_core.rl.logprobs import _chunks, batch_logprobs, collate, sequence_logprobs
 from rstar2_core.rl.logprobs import model_device as _model_device
 from rstar2_core.rl.loss import get_policy_loss
@@ -101,11 +102,12 @@ def rl_update(backend, trajectories: Sequence[Trajectory], advantages: Sequence[
             gap_sum += float(((old - batch.engine_logprobs).abs() * batch.loss_mask).sum())
         else:
             old = batch.engine_logprobs
-        with backend.autocast() if hasattr(backend, "autocast") else contextlib.nullcontext():
-            lp = batch_logprobs(model, batch, temperature)
-        loss, m = loss_fn(lp, old, torch.tensor(advs[i], dtype=torch.float32, device=device), batch.loss_mask,
-                          clip_low=clip_low, clip_high=clip_high, total_tokens=total)
-        backend.backward(loss * loss_scale if loss_scale != 1.0 else loss)
+        with segment_attention(model):    # the backward too: gradient checkpointing re-runs the layers there
+            with backend.autocast() if hasattr(backend, "autocast") else contextlib.nullcontext():
+                lp = batch_logprobs(model, batch, temperature)
+            loss, m = loss_fn(lp, old, torch.tensor(advs[i], dtype=torch.float32, device=device), batch.loss_mask,
+                              clip_low=clip_low, clip_high=clip_high, total_tokens=total)
+            backend.backward(loss * loss_scale if loss_scale != 1.0 else loss)
         for k in sums:
             sums[k] += m[k] * m["actor/tokens"]
     lr = float(getattr(backend, "current_lr", float("nan")))  # the lr this step uses

@@ -77,6 +77,7 @@ class _TurnGate:
         self.turns += 1
         out = await self.engine.generate(prompt_ids, params)
         self.driver.policy.end_turn(self.tid, len(prompt_ids) + len(out.token_ids))
+        self.driver.dispatch()      # a turn end moves the projection: it may admit or resume others now
         return out
 
 
@@ -143,6 +144,10 @@ async def rollout_groups(engines: Engine | list[Engine], sandbox: Any, chat: Any
         return traj
 
     await _Driver(policy, engines, start).run()
+    missing = sum(t is None for g in out for t in g)
+    if missing:
+        raise RuntimeError(f"scheduler stopped with {missing} of {len(problems) * n} trajectories never admitted "
+                           "while nothing ran (a bug in the policy)")
     return out  # type: ignore[return-value]
 
 

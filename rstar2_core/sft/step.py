@@ -13,6 +13,7 @@ batch's token mean.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -78,9 +79,11 @@ def sft_update(backend, rows: Sequence[PackedRow], *, micro_batch_size: int, pad
     model.train()
     for chunk in chunks:
         mb = collate(chunk, device, mask_dtype, dense_mask=dense_mask)
-        with backend.autocast():
-            loss, _ = masked_token_loss(model, mb)
-        backend.backward(loss * (loss_scale / max(1, total)))
+        # the backward inside the attention switch too: gradient checkpointing re-runs the layers there
+        with segment_attention(model) if "segments" in mb else contextlib.nullcontext():
+            with backend.autocast():
+                loss, _ = masked_token_loss(model, mb)
+            backend.backward(loss * (loss_scale / max(1, total)))
         loss_sum += float(loss.detach())
     grad_norm = backend.step()
     return {"sft/loss_sum": loss_sum, "sft/label_tokens": float(local),

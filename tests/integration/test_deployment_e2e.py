@@ -59,7 +59,8 @@ def services(tmp_path):
 
 
 @pytest.mark.slow
-def test_fault_retry_resume_through_the_deployment(services, monkeypatch):
+@pytest.mark.parametrize("ui", ["v2", "classic"])   # what each Prefect UI's Retry sends (force=True / False)
+def test_fault_retry_resume_through_the_deployment(services, monkeypatch, ui):
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from flows.client import retry_flow_run, watch
@@ -95,7 +96,7 @@ def test_fault_retry_resume_through_the_deployment(services, monkeypatch):
         tiny.write_text(tiny.read_text().replace("\nlr = 3e-4\n", "\nlr = 1e-3\n"))
         assert load_config("tiny", E2E_OVERRIDES).rl.lr == 1e-3
 
-        asyncio.run(retry_flow_run(fid))  # the UI's Retry
+        asyncio.run(retry_flow_run(fid, ui))  # the UI's Retry
         assert asyncio.run(watch(UUID(fid), timeout_s=900, quiet=True)) == "Completed"
     summary = subprocess.run([str(ROOT / ".venv/bin/python"), "-m", "flows.client", "summary", fid], check=False,
                              cwd=ROOT,

@@ -22,18 +22,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def dist_env():
-    mp = pytest.MonkeyPatch()
-    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0",
-                 "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
-        mp.setenv(k, v)
-    yield
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    mp.undo()
-
-
 def _tiny_model(seed: int = 0):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 

@@ -119,24 +119,6 @@ def test_backward_keeps_at_most_one_chunk_of_logits():
     assert n_tokens > 20 and chunked == 0 and plain >= n_tokens * V
 
 
-@pytest.fixture(scope="module")
-def dist_env():
-    """One single-rank gloo group for the module: DeepSpeed keeps its groups across backends."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp = pytest.MonkeyPatch()
-    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
-                 "LOCAL_RANK": "0"}.items():
-        mp.setenv(k, v)
-    yield
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    mp.undo()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
 def test_chunked_logprobs_train_the_same_under_deepspeed_zero(dist_env, stage, tmp_path):
@@ -170,6 +152,63 @@ def test_chunked_logprobs_train_the_same_under_deepspeed_zero(dist_env, stage, t
         else:
             got = ds.model.module.state_dict()
         for k, v in ref.model.state_dict().items():
+            torch.testing.assert_close(got[k], v, rtol=1e-4, atol=1e-5)
+    finally:
+        ds.close()
+
+
+def _update_weights(backend, trajs, micro_batch_size):
+    from rstar2_core.rl.trainer import rl_update
+
+    advs = [1.0, -0.5, 0.25, -1.0, 0.5][:len(trajs)]
+    m = rl_update(backend, trajs, advs, pad_id=PAD, temperature=0.7, micro_batch_size=micro_batch_size)
+    inner = getattr(backend.model, "module", backend.model)
+    return m, {k: v.detach().clone() for k, v in inner.state_dict().items()}
+
+
+def test_gradient_checkpointing_gives_the_same_update_on_packed_micro_batches():
+    """The backward re-runs checkpointed layers: they must see the same segment attention as the forward."""
+    from rstar2_core.models.backend import TorchBackend
+
+    kw = {"lr": 1e-2, "total_steps": 10, "warmup_steps": 0, "schedule": "constant", "weight_decay": 0.0,
+          "grad_clip": 10.0}
+    trajs = _trajectories()
+    ref_m, ref_w = _update_weights(TorchBackend(_model("qwen2"), **kw), trajs, 3)
+    model = _model("qwen2")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    m, w = _update_weights(TorchBackend(model, **kw), trajs, 3)
+    assert m["actor/grad_norm"] == pytest.approx(ref_m["actor/grad_norm"], rel=1e-5) and ref_m["actor/grad_norm"] > 0
+    for k, v in ref_w.items():
+        torch.testing.assert_close(w[k], v, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_rl_update_over_several_micro_batches_matches_torch_under_deepspeed_zero(dist_env, stage):
+    """Micro-batch gradients accumulate under ZeRO-2/3 as on the Torch backend (the forward goes through the
+    DeepSpeed engine, whose bookkeeping decides whether a micro-batch's gradients add or replace)."""
+    pytest.importorskip("deepspeed")
+    from rstar2_core.models.backend import TorchBackend
+    from rstar2_core.models.deepspeed_backend import DeepSpeedBackend
+
+    kw = {"lr": 1e-2, "total_steps": 10, "warmup_steps": 0, "schedule": "constant", "weight_decay": 0.0,
+          "grad_clip": 10.0}
+    trajs = _trajectories()
+    ref_m, ref_w = _update_weights(TorchBackend(_model("qwen2-tied"), **kw), trajs, 2)
+    ds = DeepSpeedBackend(_model("qwen2-tied"), zero_stage=stage, **kw)
+    try:
+        m, _ = _update_weights(ds, trajs, 2)
+        assert m["actor/micro_batches"] == 3.0
+        assert m["actor/grad_norm"] == pytest.approx(ref_m["actor/grad_norm"], rel=1e-4)
+        if stage == 3:
+            import tempfile
+
+            with tempfile.TemporaryDirectory() as tmp:
+                ds.save_hf(tmp)
+                got = Qwen2ForCausalLM.from_pretrained(tmp).state_dict()
+        else:
+            got = ds.model.module.state_dict()
+        for k, v in ref_w.items():
             torch.testing.assert_close(got[k], v, rtol=1e-4, atol=1e-5)
     finally:
         ds.close()
