@@ -5,9 +5,9 @@
 
 The plain computation, `log_softmax(model(...).logits.float() / T)` then a gather, holds a (B, T, V)
 fp32 tensor (V = 152K for Qwen3: 600 KB per token, 5 GB for an 8K-token micro-batch) and keeps it for
-the backward. Here the decoder runs without its LM head (`model.get_decoder()`: the base model of
-any transformers causal LM, final norm included), and the head + log-softmax run only at the N
-positions asked for, `chunk_tokens` at a time. With gradients, each chunk is wrapped in
+the backward. Here the model's own forward runs with its LM head swapped for an identity, so it
+returns the last hidden states (final norm included; `decoder_hidden`), and the head + log-softmax
+run only at the N positions asked for, `chunk_tokens` at a time. With gradients, each chunk is wrapped in
 `torch.utils.checkpoint` (non-reentrant), so its logits are freed after the forward and recomputed in
 the backward: at most one chunk's logits are alive, at the price of one more LM-head matmul per
 chunk. The LM head is called as a module (`model.get_output_embeddings()`), so tied embeddings,
