@@ -7,8 +7,11 @@ tiny profile's from-scratch model and synthetic RL problems, from the same check
 batches: `local` = one in-process HF engine and one TorchBackend (cluster.runtime = "local"); `ray` =
 `--engines` HF engine actors, `--trainers` DeepSpeed ZeRO-2 trainer shards (gloo) and the sandbox
 actor pool on a local Ray (cluster.runtime = "ray", weight sync through the object store). The reward
-is vs_trl.py's timing-only reward (1 when the completion contains the gold answer's last digit): a
-random-init model gets it about half the time, so groups have signal and every step really updates.
+is a timing-only one (`ParityGrader`: 1 when the completion has an even number of characters): it is
+right about half the time whatever the random-init model writes, so every group has reward variance,
+survives the zero-variance drop, and every step really updates and syncs. (A reward on the answer's
+last digit, as in vs_trl.py, is met by almost every 96-token random completion: all groups then drop
+and the steps measure rollouts only.)
 
 Keys (JSON object printed last with --json): `local.step_s`, `ray.step_s` (medians over the steps after
 the first), `local.rollout_tokens_per_s`, `ray.rollout_tokens_per_s` (sampled tokens / rollout seconds),
@@ -56,9 +59,20 @@ def base_checkpoint(cfg) -> str:
     return url if storage.is_complete(url) else prepare_base_model(cfg, url)
 
 
-def run_arm(cfg, url: str, problems, args, label: str) -> dict:
-    from vs_trl import TimingGrader
+class ParityGrader:
+    """`grade_many` with the timing-only reward above (the runtime's grader slot)."""
 
+    def grade_many(self, items):
+        from rstar2_core.reward.grade import GradeResult
+
+        out = []
+        for text, _gold in items:
+            ok = len(text) % 2 == 0
+            out.append(GradeResult(1.0 if ok else 0.0, None, "correct" if ok else "wrong"))
+        return out
+
+
+def run_arm(cfg, url: str, problems, args, label: str) -> dict:
     from rstar2_core.chat import ChatFormat
     from rstar2_core.cluster import open_runtime
     from rstar2_core.models.io import load_tokenizer
@@ -78,7 +92,7 @@ def run_arm(cfg, url: str, problems, args, label: str) -> dict:
         async with open_runtime(cfg, policy_url=url, max_model_len=engine_seq_len(chat, problems, args.tokens),
                                 grader=False, trainer=TrainerSpec("rl", args.steps, 0, "constant", RL_STEP)) as rt:
             start = time.perf_counter() - t0
-            rt.grader = TimingGrader()
+            rt.grader = ParityGrader()
             for step in range(args.steps):
                 batch = problems[step * args.prompts:(step + 1) * args.prompts]
                 out = await rl_step(rt, chat, batch, cfg=cfg, limits=limits, seed=step_seed(0, step + 1), pad_id=pad)

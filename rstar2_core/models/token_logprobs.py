@@ -71,7 +71,8 @@ def _liger():
 
 def _liger_usable(head: torch.nn.Module, hidden: torch.Tensor) -> bool:
     weight = getattr(head, "weight", None)
-    return (hidden.is_cuda and isinstance(head, torch.nn.Linear) and weight is not None
+    # no bias: dividing the hidden states by the temperature is not (hW + b) / T with one
+    return (hidden.is_cuda and isinstance(head, torch.nn.Linear) and weight is not None and head.bias is None
             and not hasattr(weight, "ds_id") and _liger() is not None)
 
 
@@ -90,7 +91,7 @@ def token_logprobs(model: torch.nn.Module, hidden: torch.Tensor, targets: torch.
         return _chunk_logprobs(head, hidden, targets, temperature)
     if _liger_usable(head, hidden):
         fused = _liger()
-        nll = fused(hidden / temperature, head.weight, targets, bias=head.bias, reduction="none")
+        nll = fused(hidden / temperature, head.weight, targets, reduction="none")
         return -nll.float()
     weight = getattr(head, "weight", None)
     # a ZeRO-3 partitioned weight is an empty tensor; its full shape is `ds_shape`

@@ -15,7 +15,7 @@ from rollout_fakes import ScriptedSandbox, call_text, tiny_model
 
 from rstar2_core.chat.tokens import ANSWER_CLOSE, TOOL_CALL_CLOSE
 from rstar2_core.rollout import scheduler
-from rstar2_core.rollout.admission import LengthModel
+from rstar2_core.rollout.admission import Job, LengthModel
 from rstar2_core.rollout.hf_engine import HFEngine
 from rstar2_core.rollout.scheduler import rollout_groups, rollout_metrics, run_rollout_groups
 from rstar2_core.rollout.types import GenerationOutput, RolloutLimits
@@ -187,3 +187,74 @@ def test_hf_engines_give_the_same_groups_under_both_schedulers(chat, tokenizer, 
     assert [[t.response_ids for t in g] for g in kv] == [[t.response_ids for t in g] for g in st_]
     assert len({t.response_ids for g in kv for t in g}) > 1
     assert all(len(t.response_ids) <= 12 and re.search(r"\S", t.response_text) for g in kv for t in g)
+
+
+class _SecondAfterFirstTurn:
+    """A policy that admits trajectory 1 only once trajectory 0 has finished a turn (as KV-aware admission
+    does when a turn end lowers an engine's projection)."""
+
+    def __init__(self, jobs, admit_second=True):
+        self.jobs, self.turns_ended, self.admitted, self.admit_second = list(jobs), 0, set(), admit_second
+
+    def admit(self):
+        out = []
+        for job in self.jobs:
+            ok = job.tid == 0 or (self.turns_ended and self.admit_second)
+            if ok and job.tid not in self.admitted:
+                self.admitted.add(job.tid)
+                out.append((job, 0))
+        return out
+
+    def resumable(self):
+        return []
+
+    def begin_turn(self, tid, kv):
+        return True
+
+    def end_turn(self, tid, kv):
+        self.turns_ended += 1
+
+    def release(self, tid, kv):
+        pass
+
+
+def test_a_turn_end_can_admit_the_next_trajectory_before_any_finishes():
+    events: list[str] = []
+
+    class Engine:
+        async def generate(self, prompt_ids, params):
+            await asyncio.sleep(0.01)
+            return GenerationOutput(token_ids=(1, 2), logprobs=(0.0, 0.0), finish_reason="stop")
+
+    async def start(job, gate):
+        events.append(f"start {job.tid}")
+        for _ in range(3):
+            await gate.generate([0] * 4, None)
+        events.append(f"end {job.tid}")
+
+    class Done:
+        prompt_ids, response_ids = (0,) * 4, (1, 2)
+
+    async def start_done(job, gate):
+        await start(job, gate)
+        return Done()
+
+    jobs = [Job(0, 0, 4), Job(1, 1, 4)]
+    asyncio.run(scheduler._Driver(_SecondAfterFirstTurn(jobs), [Engine()], start_done).run())
+    assert events.index("start 1") < events.index("end 0"), events
+
+
+def test_a_policy_that_stops_admitting_is_an_error_not_missing_groups(chat, monkeypatch):
+    class Engine:
+        async def generate(self, prompt_ids, params):
+            return GenerationOutput(token_ids=tuple(chat.eos_token_ids[:1]), logprobs=(0.0,), finish_reason="stop")
+
+    def policy(*a, **k):
+        p = _SecondAfterFirstTurn([], admit_second=False)
+        p.add = lambda jobs: p.jobs.extend(jobs)
+        return p
+
+    monkeypatch.setattr(scheduler, "make_policy", policy)
+    limits = RolloutLimits(max_turns=2, max_response_tokens=16)
+    with pytest.raises(RuntimeError, match="1 of 2 trajectories never admitted"):
+        asyncio.run(rollout_groups([Engine()], ScriptedSandbox(), chat, ["What is 1 + 1?"], n=2, limits=limits))
