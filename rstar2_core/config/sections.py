@@ -190,6 +190,13 @@ class RolloutConfig(_Section):
     stage's observed length distribution) fits its cache, holds them at turn boundaries when it
     would not, and refills as trajectories finish (docs/rollout.md, "Scheduler"); `static` fixes
     contiguous chunks per engine, all launched at once (the baseline)."""
+    group_affinity: bool = False
+    """`kv_aware` only: keep a GRPO group's samples on one engine, so its prompt is prefilled and cached
+    once, instead of routing each sample to the engine with the least expected work (an engine left with
+    nothing of its own groups takes queued samples of another's at the end of a step). Off by
+    default: a group's lengths are correlated, so its engine carries their sum (bench/scheduler.py:
+    1.26x over static vs 1.38x per sample, GPU-like costs); on where a long shared prompt's prefill
+    outweighs that."""
     max_batch_size: int = Field(64, ge=1)
     """Most sequences decoded together by one engine: the HF engine's KV slots, vLLM's `max_num_seqs`.
     More raises throughput until the KV cache (HF: slots x max length) or memory runs out."""
@@ -230,6 +237,13 @@ class RolloutConfig(_Section):
     trainer gets the whole GPU for activations. Costs a host round trip of the weights per step, and
     vLLM's sleep mode is unreliable on ROCm (PEERS.md); off = engines keep
     rollout.gpu_memory_utilization of the GPU throughout and the trainer lives in the rest."""
+
+    @model_validator(mode="after")
+    def _affinity_needs_kv_aware(self) -> RolloutConfig:
+        if self.group_affinity and self.scheduler != "kv_aware":
+            raise ValueError('group_affinity applies to scheduler = "kv_aware" only (static allocation cuts the '
+                             'batch into fixed chunks); set scheduler = "kv_aware" or group_affinity = false')
+        return self
 
 
 # ----------------------------------------------------------------------------------------------- SFT

@@ -29,11 +29,11 @@ from rstar2_core.config import Config, SandboxConfig
 
 class PolicySampler:
     def __init__(self, engines: Any, chat: Any, sandbox_cfg: SandboxConfig | None, scheduler: str = "kv_aware",
-                 *, runtime: Any = None, loop: asyncio.AbstractEventLoop | None = None):
+                 *, runtime: Any = None, loop: asyncio.AbstractEventLoop | None = None, group_affinity: bool = False):
         self.engines = list(engines) if isinstance(engines, (list, tuple)) else [engines]
         self.chat = chat
         self.sandbox_cfg = sandbox_cfg
-        self.scheduler = scheduler
+        self.scheduler, self.group_affinity = scheduler, group_affinity
         self._runtime = runtime
         self._loop = loop or asyncio.new_event_loop()
         self._sandbox: Any = runtime.sandbox if runtime is not None else None
@@ -56,7 +56,7 @@ class PolicySampler:
             loop.close()
             raise
         return cls(rt.engines, ChatFormat(rt.tokenizer, with_tools=True), cfg.sandbox, cfg.rollout.scheduler,
-                   runtime=rt, loop=loop)
+                   runtime=rt, loop=loop, group_affinity=cfg.rollout.group_affinity)
 
     def sample(self, problems: Sequence[str], n: int, limits: Any, seed: int) -> list[list[Any]]:
         """n trajectories per problem, in problem order (list[list[Trajectory]])."""
@@ -71,7 +71,7 @@ class PolicySampler:
             await sandbox.__aenter__()
             self._sandbox = sandbox
         return await rollout_groups(self.engines, self._sandbox, self.chat, problems, n, limits, seed=seed,
-                                    scheduler=self.scheduler)
+                                    scheduler=self.scheduler, group_affinity=self.group_affinity)
 
     def close(self) -> None:
         if self._loop.is_closed():

@@ -90,7 +90,8 @@ async def _count_solved(cfg: Config, stage_index: int, checkpoint_url: str, prob
                           file=sys.stderr, disable=None):
             part = problems[start:start + chunk]
             groups = await rollout_groups(rt.engines, rt.sandbox, chat, [p.problem for p in part], k, limits,
-                                          seed=step_seed(cfg.rl.seed, -1 - start), scheduler=cfg.rollout.scheduler)
+                                          seed=step_seed(cfg.rl.seed, -1 - start), scheduler=cfg.rollout.scheduler,
+                                          group_affinity=cfg.rollout.group_affinity)
             grades = grade_groups(rt.grader, groups, [p.answer for p in part])
             for group, rs in zip(groups, grades.rewards):
                 # an infra-failed rollout is not a success: the problem cannot reach k/k

@@ -110,7 +110,8 @@ async def rl_step(rt: Any, chat: Any, batch: Sequence[RLProblem], *, cfg: Any, l
     before = rt.usage()
     groups = await rollout_groups(rt.engines, rt.sandbox, chat, [p.problem for p in batch],
                                   grpo.group_size * grpo.oversample, limits, seed=seed,
-                                  scheduler=cfg.rollout.scheduler, lengths=lengths)
+                                  scheduler=cfg.rollout.scheduler, lengths=lengths,
+                                  group_affinity=cfg.rollout.group_affinity)
     t1 = time.perf_counter()
     after_rollout = rt.usage()
     grades = grade_groups(rt.grader, groups, [p.answer for p in batch])

@@ -48,7 +48,7 @@ def job_seed(seed: int | None, problem_index: int, sample_index: int) -> int | N
 
 
 def make_policy(scheduler: str, engines: list[Engine], max_response_tokens: int, longest: int,
-                lengths: LengthModel | None = None) -> KVAdmission | StaticAdmission:
+                lengths: LengthModel | None = None, group_affinity: bool = False) -> KVAdmission | StaticAdmission:
     """The policy of `scheduler` over `engines`, after checking that the longest trajectory (prompt +
     max_response_tokens) fits each engine's fixed-size sequence slot, when it has one."""
     if scheduler not in SCHEDULERS:
@@ -60,8 +60,11 @@ def make_policy(scheduler: str, engines: list[Engine], max_response_tokens: int,
                              f"engine holds sequences of at most {per_seq - 1}; raise its max_seq_len or lower "
                              "max_response_tokens")
     if scheduler == "static":
+        if group_affinity:
+            raise ValueError("group_affinity applies to the kv_aware scheduler only")
         return StaticAdmission(len(engines))
-    return KVAdmission(capacities, per_sequence, max_response_tokens=max_response_tokens, lengths=lengths)
+    return KVAdmission(capacities, per_sequence, max_response_tokens=max_response_tokens, lengths=lengths,
+                       group_affinity=group_affinity)
 
 
 class _TurnGate:
@@ -122,10 +125,12 @@ class _Driver:
 async def rollout_groups(engines: Engine | list[Engine], sandbox: Any, chat: Any, problems: list[str], n: int,
                          limits: RolloutLimits, seed: int | None = None,
                          scheduler: Literal["kv_aware", "static"] = "kv_aware",
-                         lengths: LengthModel | None = None) -> list[list[Trajectory]]:
+                         lengths: LengthModel | None = None, group_affinity: bool = False
+                         ) -> list[list[Trajectory]]:
     """n trajectories per problem, in problem order: `out[i][j]` is sample j of problems[i].
 
-    `lengths`: the stage's `LengthModel` (kv_aware only; None starts from the max-length assumption)."""
+    `lengths`: the stage's `LengthModel` (kv_aware only; None starts from the max-length assumption);
+    `group_affinity`: keep each problem's samples on one engine (kv_aware only; `rollout.group_affinity`)."""
     if n < 1:
         raise ValueError(f"n must be >= 1 trajectories per problem, got {n}")
     engines = list(engines) if isinstance(engines, (list, tuple)) else [engines]
@@ -133,7 +138,7 @@ async def rollout_groups(engines: Engine | list[Engine], sandbox: Any, chat: Any
         raise ValueError("rollout_groups needs at least one engine")
     prompt_lens = [len(chat.prompt_ids(p)) for p in problems]
     longest = max(prompt_lens, default=0) + limits.max_response_tokens
-    policy = make_policy(scheduler, engines, limits.max_response_tokens, longest, lengths)
+    policy = make_policy(scheduler, engines, limits.max_response_tokens, longest, lengths, group_affinity)
     policy.add(Job(i * n + j, i, prompt_lens[i]) for i in range(len(problems)) for j in range(n))
     out: list[list[Trajectory | None]] = [[None] * n for _ in problems]
 

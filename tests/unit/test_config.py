@@ -162,3 +162,9 @@ def test_weight_sync_auto_resolves_per_runtime():
     assert resolved_weight_sync(load_config("qwen3-14b-mi300x", ['rollout.weight_sync="auto"'])) == "ipc"
     sep = ['cluster.layout="separate"', "cluster.trainer_gpus=32", "rollout.num_engines=16", 'rollout.weight_sync="auto"']
     assert resolved_weight_sync(load_config("qwen3-14b-mi300x", sep)) == "nccl"
+
+
+def test_group_affinity_with_the_static_scheduler_is_refused_with_the_fix():
+    with pytest.raises(ConfigError, match="group_affinity applies to scheduler"):
+        load_config("tiny", ['rollout.scheduler="static"', "rollout.group_affinity=true"])
+    assert load_config("tiny", ["rollout.group_affinity=true"]).rollout.group_affinity is True

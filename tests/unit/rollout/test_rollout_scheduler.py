@@ -258,3 +258,26 @@ def test_a_policy_that_stops_admitting_is_an_error_not_missing_groups(chat, monk
     limits = RolloutLimits(max_turns=2, max_response_tokens=16)
     with pytest.raises(RuntimeError, match="1 of 2 trajectories never admitted"):
         asyncio.run(rollout_groups([Engine()], ScriptedSandbox(), chat, ["What is 1 + 1?"], n=2, limits=limits))
+
+
+def test_group_affinity_keeps_each_problem_on_one_engine_and_is_refused_with_static(chat, tokenizer):
+    problems = [f"What is {i} + {i}?" for i in range(6)]
+    limits = RolloutLimits(max_turns=3, max_response_tokens=600)
+    per_traj = max(len(chat.prompt_ids(p)) for p in problems) + 600
+
+    def engines_of_problem(group_affinity):
+        engines = [ToolLoopEngine(n, capacity=8 * per_traj, spread=40, tokenizer=tokenizer) for n in "ab"]
+        asyncio.run(rollout_groups(engines, ScriptedSandbox(), chat, problems, n=4, limits=limits, seed=3,
+                                   group_affinity=group_affinity))
+        return [{k for k, e in enumerate(engines) for ids in e.served
+                 if f"What is {i} + {i}?" in tokenizer.decode(list(ids))} for i in range(6)]
+
+    # a group's samples share its home engine (an engine left with nothing of its own takes queued samples
+    # of another's groups at the end); per sample, groups spread over the engines
+    affine = sum(len(on) - 1 for on in engines_of_problem(True))
+    per_sample = sum(len(on) - 1 for on in engines_of_problem(False))
+    assert affine < per_sample and affine <= 2, (affine, per_sample)
+    with pytest.raises(ValueError, match="kv_aware scheduler only"):
+        asyncio.run(rollout_groups([ToolLoopEngine("a", capacity=8 * per_traj, tokenizer=tokenizer)],
+                                   ScriptedSandbox(), chat, problems[:1], n=2, limits=limits, scheduler="static",
+                                   group_affinity=True))
