@@ -145,26 +145,13 @@ def upload_dir(local_dir: Path, url: str) -> None:
 def write_dir_atomic(local_dir: Path, url: str, meta: dict | None = None) -> None:
     """Publish a local folder at `url`: local targets are renamed into place; remote ones are
     uploaded file by file and the `_COMPLETE` marker (with `meta`) is written last."""
-    marker = json.dumps(meta or {}, sort_keys=True, default=str)
-    local = to_local_path(url)
+    staging = begin_dir(url)
+    local = to_local_path(staging)
     if local is not None:
-        local.parent.mkdir(parents=True, exist_ok=True)
-        tmp = local.parent / f".{local.name}.{uuid.uuid4().hex[:8]}.tmp"
-        shutil.copytree(local_dir, tmp)
-        (tmp / COMPLETE_MARKER).write_text(marker)
-        if local.exists():
-            old = local.parent / f".{local.name}.{uuid.uuid4().hex[:8]}.old"
-            os.replace(local, old)
-            os.replace(tmp, local)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, local)
-        return
-    if exists(join(url, COMPLETE_MARKER)):
-        fs, path = fs_for(url)
-        fs.rm(join(path, COMPLETE_MARKER))
-    upload_dir(local_dir, url)
-    write_text_atomic(join(url, COMPLETE_MARKER), marker)
+        shutil.copytree(local_dir, local, dirs_exist_ok=True)
+    else:
+        upload_dir(local_dir, staging)
+    commit_dir(staging, url, meta)
 
 
 def begin_dir(url: str) -> str:
