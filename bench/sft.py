@@ -3,10 +3,12 @@
 1. SFT (the code that runs: `sft.step.sft_update`, the step every trainer runs, on the profile's backend). The tiny
    profile's model (`configs/tiny.toml`: 64 wide, 3 layers, vocab 1,024) and packed rows built from
    real synthetic demonstrations (1,024 tokens, the shared system turn once per row, 4 rows a step as
-   the profile's batch). The same rows run through `packing.collate(rows)` (segment attention: one SDPA
-   per conversation, `models/packed_attention.py`) and `packing.collate(rows, dense_mask=True)` (the
-   dense (B, 1, T, T) additive mask), alternating step by step so machine load hits both alike.
-   tokens/s counts real (non-padding) tokens; each figure is the median step time.
+   the profile's batch). The same rows run three ways, in turn step by step so machine load hits all
+   alike: `merged` (what SFT runs: the micro-batch as one row with the system turn once,
+   `packing.merge_shared_prefix`, then segment attention), `segments` (`merge_prefix=False`: the rows as
+   they are, segment attention: one SDPA per conversation, `models/packed_attention.py`) and `dense`
+   (`dense_mask=True`: the dense (B, 1, T, T) additive mask). tokens/s counts the rows' real
+   (non-padding) tokens, the same count for all three; each figure is the median step time.
 2. RL log-probs at a long length: one micro-batch of `--lp-trajectories` trajectories totalling
    `--lp-tokens` tokens, a small model with a Llama-2-sized vocabulary (32,000), forward + backward of
    `rl.logprobs.batch_logprobs` (packed, chunked) against the plain computation it replaced (padded
@@ -15,8 +17,8 @@
    and seconds.
 
 Run:  python bench/sft.py [--quick] [--json] [--threads N]
-`--json` prints one JSON object last: `sft.segments_tokens_per_s`, `sft.dense_tokens_per_s`,
-`sft.ratio` (segments / dense), `logprobs.{chunked,plain}_peak_mb`, `logprobs.{chunked,plain}_s`,
+`--json` prints one JSON object last: `sft.{merged,segments,dense}_tokens_per_s`, `sft.ratio` (segments / dense),
+`sft.merge_ratio` (merged / segments), `logprobs.{chunked,plain}_peak_mb`, `logprobs.{chunked,plain}_s`,
 `logprobs.memory_ratio` (plain / chunked), `logprobs.max_abs_diff`, and the setup.
 """
 
@@ -71,26 +73,27 @@ def bench_sft(args) -> dict:
     batches = [rows[i:i + sc.batch_size] for i in range(0, len(rows) - sc.batch_size + 1, sc.batch_size)]
     if not batches:
         raise SystemExit(f"only {len(rows)} rows; raise --n-sft")
-    times: dict[str, list[float]] = {"segments": [], "dense": []}
+    modes = ("merged", "segments", "dense")
+    times: dict[str, list[float]] = {m: [] for m in modes}
     t0 = time.perf_counter()
-    total = 2 * (args.steps + 1)
+    total = len(modes) * (args.steps + 1)
     for k in range(total):
-        mode = ("segments", "dense")[k % 2]
-        batch = batches[(k // 2) % len(batches)]
+        mode = modes[k % len(modes)]
+        batch = batches[(k // len(modes)) % len(batches)]
         start = time.perf_counter()
-        sft_update(backend, batch, micro_batch_size=sc.micro_batch_size, pad_id=pad_id, dense_mask=mode == "dense")
+        sft_update(backend, batch, micro_batch_size=sc.micro_batch_size, pad_id=pad_id, dense_mask=mode == "dense",
+                   merge_prefix=mode == "merged")
         dt = time.perf_counter() - start
-        if k >= 2:                                   # the first step of each mode is a warm-up
+        if k >= len(modes):                          # the first step of each mode is a warm-up
             times[mode].append(dt)
         el = time.perf_counter() - t0
         print(f"[sft bench] step {k + 1}/{total} ({mode}): {dt * 1e3:.0f} ms  "
               f"[{el:.0f} s, ETA {el / (k + 1) * (total - k - 1):.0f} s]", flush=True)
     real = statistics.mean(sum(r.n_real for r in b) for b in batches)
     out = {m: real / statistics.median(times[m]) for m in times}
-    return {"segments_tokens_per_s": round(out["segments"], 1), "dense_tokens_per_s": round(out["dense"], 1),
-            "ratio": round(out["segments"] / out["dense"], 3),
-            "segments_step_ms": round(statistics.median(times["segments"]) * 1e3, 1),
-            "dense_step_ms": round(statistics.median(times["dense"]) * 1e3, 1),
+    return {**{f"{m}_tokens_per_s": round(out[m], 1) for m in modes},
+            "ratio": round(out["segments"] / out["dense"], 3), "merge_ratio": round(out["merged"] / out["segments"], 3),
+            **{f"{m}_step_ms": round(statistics.median(times[m]) * 1e3, 1) for m in modes},
             "steps_each": args.steps, "rows_per_step": sc.batch_size, "row_tokens": sc.max_seq_len,
             "real_tokens_per_step": round(real), "conversations_per_row": round(
                 statistics.mean(r.n_docs for r in rows), 2), "rows": len(rows)}
@@ -199,8 +202,9 @@ def main() -> None:
            "torch": torch.__version__, "wall_s": None, "date": time.strftime("%Y-%m-%d", time.gmtime())}
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     s, lp = out["sft"], out["logprobs"]
-    print(f"[sft bench] SFT step: segments {s['segments_tokens_per_s']} tokens/s vs dense mask "
-          f"{s['dense_tokens_per_s']}: ratio {s['ratio']}x; log-probs at {lp['tokens']} tokens: peak "
+    print(f"[sft bench] SFT step: merged prefix {s['merged_tokens_per_s']} tokens/s, segments "
+          f"{s['segments_tokens_per_s']}, dense mask {s['dense_tokens_per_s']}: merged/segments {s['merge_ratio']}x, "
+          f"segments/dense {s['ratio']}x; log-probs at {lp['tokens']} tokens: peak "
           f"{lp['chunked_peak_mb']} MB chunked vs {lp['plain_peak_mb']} MB plain ({lp['memory_ratio']}x), "
           f"{lp['chunked_s']} s vs {lp['plain_s']} s")
     if args.json:

@@ -68,11 +68,17 @@ def _run_tracked(ctx: RecipeContext, kind: str, key: str, params: dict[str, Any]
         tracking.reopen(cfg, run_id)
     for name, ref in inputs:
         tracking.log_dataset(cfg, run_id, ref, name=name)
+    log_metrics = tracking.metrics_logger(cfg, run_id)
     try:
-        result = compute(cfg, tracking.metrics_logger(cfg, run_id), run_id)
+        result = compute(cfg, log_metrics, run_id)
     except BaseException:
+        try:
+            log_metrics.flush()              # the curves up to the failure
+        except Exception as err:             # noqa: BLE001 - the stage's own error is the one to raise
+            log.warning(f"{key}: could not write its last metrics to MLflow: {err}")
         tracking.finish(cfg, run_id, "FAILED")
         raise
+    log_metrics.flush()
     if isinstance(result, StageResult):
         tracking.log_checkpoint(cfg, run_id, result.checkpoint_url)  # per-step metrics came through log_metrics
     elif isinstance(result, DatasetRef):

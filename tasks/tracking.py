@@ -19,7 +19,6 @@ import subprocess
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -131,20 +130,41 @@ def finish(cfg: Config, run_id: str, status: str = "FINISHED") -> None:
     client(cfg).set_terminated(run_id, status=status)
 
 
-def metrics_logger(cfg: Config, run_id: str, prefix: str = "") -> Callable[[dict[str, float], int], None]:
-    """The `log_metrics(metrics, step)` callback handed to the core; non-numeric values are skipped."""
-    from mlflow.entities import Metric
+class MetricsLogger:
+    """The `log_metrics(metrics, step)` callback handed to the core. Non-numeric values are skipped.
 
-    c = client(cfg)
+    Metrics are buffered and written in one `log_batch` once `flush_s` seconds passed since the last
+    write (on the call that finds it so), and by `flush()`, which the stage task calls when the stage
+    ends, failed or not. A write per step is one SQLite commit (6.6 ms on this machine), which SFT's
+    1,993 steps would pay on the critical path. Trade-off: the MLflow UI shows a stage's curves up to
+    `flush_s` late, and a process killed outright loses at most that much of them (a resumed stage logs
+    the steps after its checkpoint again)."""
 
-    def log_metrics(metrics: dict[str, float], step: int) -> None:
+    def __init__(self, cfg: Config, run_id: str, prefix: str = "", flush_s: float = 5.0):
+        self._client, self.run_id, self.prefix, self.flush_s = client(cfg), run_id, prefix, flush_s
+        self._pending: list = []
+        self._last = time.monotonic()
+
+    def __call__(self, metrics: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
         now = int(time.time() * 1000)
-        batch = [Metric(metric_key(prefix + k), float(v), now, int(step)) for k, v in metrics.items()
-                 if isinstance(v, (int, float)) and not isinstance(v, bool)]
-        for i in range(0, len(batch), 1000):
-            c.log_batch(run_id, metrics=batch[i:i + 1000])
+        self._pending += [Metric(metric_key(self.prefix + k), float(v), now, int(step)) for k, v in metrics.items()
+                          if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        if time.monotonic() - self._last >= self.flush_s:
+            self.flush()
 
-    return log_metrics
+    def flush(self) -> None:
+        """Write every buffered metric (MLflow takes at most 1,000 per call)."""
+        batch, self._pending = self._pending, []
+        self._last = time.monotonic()
+        for i in range(0, len(batch), 1000):
+            self._client.log_batch(self.run_id, metrics=batch[i:i + 1000])
+
+
+def metrics_logger(cfg: Config, run_id: str, prefix: str = "", flush_s: float = 5.0) -> MetricsLogger:
+    """The `log_metrics(metrics, step)` callback of a stage's run (`MetricsLogger`; call `.flush()` at the end)."""
+    return MetricsLogger(cfg, run_id, prefix, flush_s)
 
 
 def log_dataset(cfg: Config, run_id: str, ref: DatasetRef, *, name: str, context: str = "training") -> None:

@@ -49,6 +49,7 @@ from rstar2_core.chat.tokens import (
 )
 
 _Piece = tuple[str, bool]  # (text, is_special_token)
+_BATCH_CHECK = 8   # texts `encode_texts` checks against `encode_text` before trusting the batch
 
 
 class ChatFormat:
@@ -60,6 +61,7 @@ class ChatFormat:
         self.im_start_id = self._special_id(IM_START)
         self.im_end_id = self._special_id(IM_END)
         self.system_prompt: str = system_prompt(with_tools)
+        self._batch_agrees: bool | None = None      # encode_texts' batch path gives encode_text's ids
         self._prefix_ids = self._encode_pieces([(IM_START, True), ("system\n" + self.system_prompt, False),
                                                 (IM_END, True), ("\n", False), (IM_START, True)])
         self._gen_start_ids = self._encode_pieces([(IM_END, True), ("\n", False), (IM_START, True),
@@ -81,6 +83,27 @@ class ChatFormat:
         if not text:
             return []
         return list(self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
+
+    def encode_texts(self, texts: Sequence[str]) -> list[list[int]]:
+        """`[encode_text(t) for t in texts]`, in one call of a fast tokenizer's Rust backend
+        (`backend_tokenizer.encode_batch`, special-token strings kept as plain text as `encode_text`
+        keeps them): a call per text costs ~3x more in Python than the tokenizing itself (32,000 SFT
+        conversations: docs/models-and-sft.md, "SFT speed"). Tokenizers without a backend, or whose
+        backend disagrees with `encode_text` on the first texts this instance batches (a tokenizer that
+        adds a prefix space in Python, say), take one call per text."""
+        texts = list(texts)
+        backend = getattr(self.tokenizer, "backend_tokenizer", None) if getattr(self.tokenizer, "is_fast", False) else None
+        if not texts or self._batch_agrees is False or backend is None or not hasattr(backend, "encode_special_tokens"):
+            return [self.encode_text(t) for t in texts]
+        before = backend.encode_special_tokens
+        backend.encode_special_tokens = True
+        try:
+            out = [list(e.ids) for e in backend.encode_batch(texts, add_special_tokens=False)]
+        finally:
+            backend.encode_special_tokens = before
+        if self._batch_agrees is None:          # checked once per ChatFormat, on the first texts it batches
+            self._batch_agrees = all(out[i] == self.encode_text(texts[i]) for i in range(min(len(texts), _BATCH_CHECK)))
+        return out if self._batch_agrees else [self.encode_text(t) for t in texts]
 
     def _encode_pieces(self, pieces: Sequence[_Piece]) -> list[int]:
         ids: list[int] = []
@@ -129,13 +152,16 @@ class ChatFormat:
         `texts`: one rendered result per call of the turn (`render_tool_result`), merged into one user
         turn. `turn_closed=True` when the generated ids already end with `<|im_end|>` (not repeated).
         """
+        return self._encode_pieces(self._tool_response_pieces(texts, turn_closed))
+
+    def _tool_response_pieces(self, texts: list[str], turn_closed: bool = False) -> list[_Piece]:
         if not texts:
             raise ValueError("tool_response_ids needs at least one tool result text (one per tool call)")
         blocks = "\n".join(f"{TOOL_RESPONSE_OPEN}\n{t}\n{TOOL_RESPONSE_CLOSE}" for t in texts)
         pieces: list[_Piece] = [] if turn_closed else [(IM_END, True)]
         pieces += [("\n", False), (IM_START, True), ("user\n" + blocks, False), (IM_END, True), ("\n", False),
                    (IM_START, True), ("assistant\n", False)]
-        return self._encode_pieces(pieces)
+        return pieces
 
     def render_trajectory(self, problem: str, turns: list[tuple[str, list[str] | None]]
                           ) -> tuple[list[int], list[int]]:
@@ -146,25 +172,52 @@ class ChatFormat:
         first turn's text continues after the prompt's `<reason>`. loss_mask is 1 exactly on the
         assistant text tokens (and the final `<|im_end|>`), 0 on the prompt and tool-response turns.
         """
-        if not turns:
-            raise ValueError("render_trajectory needs at least one assistant turn")
-        if turns[0][0].startswith(REASON_OPEN):
-            raise ValueError(f"the prompt already opens {REASON_OPEN}; start the first turn's text after it")
-        ids = self.prompt_ids(problem)
-        mask = [0] * len(ids)
-        for k, (text, results) in enumerate(turns):
-            last = k == len(turns) - 1
-            if last != (results is None):
-                raise ValueError(f"turn {k}: only the last turn has no tool results (None); every earlier "
-                                 "turn needs the list of its tool result texts")
-            gen = self.encode_text(text)
-            ids += gen
-            mask += [1] * len(gen)
-            if results is None:
-                ids.append(self.im_end_id)
-                mask.append(1)
-            else:
-                resp = self.tool_response_ids(results)
-                ids += resp
-                mask += [0] * len(resp)
-        return ids, mask
+        return self.render_trajectories([(problem, turns)])[0]
+
+    def render_trajectories(self, items: Sequence[tuple[str, list[tuple[str, list[str] | None]]]]
+                            ) -> list[tuple[list[int], list[int]]]:
+        """`render_trajectory` of each (problem, turns), with every text piece of all of them tokenized
+        in one `encode_texts` call (the same ids: each piece is still tokenized on its own)."""
+        plans: list[list[tuple[list[int] | int, int]]] = []   # (literal ids | index into texts, loss mask)
+        texts: list[str] = []
+        index: dict[str, int] = {}
+
+        def text(t: str) -> int:
+            if t not in index:
+                index[t] = len(texts)
+                texts.append(t)
+            return index[t]
+
+        def add(plan: list, pieces: Sequence[_Piece], m: int) -> None:
+            for t, special in pieces:
+                plan.append(([self.im_start_id if t == IM_START else self.im_end_id], m) if special else (text(t), m))
+
+        for problem, turns in items:
+            if not turns:
+                raise ValueError("render_trajectory needs at least one assistant turn")
+            if turns[0][0].startswith(REASON_OPEN):
+                raise ValueError(f"the prompt already opens {REASON_OPEN}; start the first turn's text after it")
+            plan: list[tuple[list[int] | int, int]] = [
+                (self._prefix_ids, 0), (text("user\n" + user_message(problem)), 0), (self._gen_start_ids, 0)]
+            for k, (gen, results) in enumerate(turns):
+                last = k == len(turns) - 1
+                if last != (results is None):
+                    raise ValueError(f"turn {k}: only the last turn has no tool results (None); every earlier "
+                                     "turn needs the list of its tool result texts")
+                plan.append((text(gen), 1))
+                if results is None:
+                    plan.append(([self.im_end_id], 1))
+                else:
+                    add(plan, self._tool_response_pieces(results), 0)
+            plans.append(plan)
+        encoded = self.encode_texts(texts)
+        out = []
+        for plan in plans:
+            ids: list[int] = []
+            mask: list[int] = []
+            for piece, m in plan:
+                part = encoded[piece] if isinstance(piece, int) else piece
+                ids += part
+                mask += [m] * len(part)
+            out.append((ids, mask))
+        return out

@@ -21,7 +21,7 @@ import torch
 from rstar2_core.models.packed_attention import segment_attention
 from rstar2_core.models.token_logprobs import decoder_hidden, token_logprobs
 from rstar2_core.runtime.protocol import TrainerStep
-from rstar2_core.sft.packing import IGNORE, PackedRow, collate
+from rstar2_core.sft.packing import IGNORE, PackedRow, collate, merge_shared_prefix
 
 
 def masked_token_loss(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, int]:
@@ -56,9 +56,11 @@ def label_tokens(row: PackedRow) -> int:
 
 def sft_update(backend, rows: Sequence[PackedRow], *, micro_batch_size: int, pad_id: int,
                total_tokens: int | None = None, num_micro_batches: int | None = None,
-               loss_scale: float = 1.0, dense_mask: bool = False) -> dict[str, float]:
-    """Forward/backward over `rows` in micro-batches, then one `backend.step()`. `dense_mask` runs the
-    reference attention (a dense (B, 1, T, T) block mask instead of segment attention; bench/sft.py). `total_tokens`: the
+               loss_scale: float = 1.0, dense_mask: bool = False, merge_prefix: bool = True) -> dict[str, float]:
+    """Forward/backward over `rows` in micro-batches, then one `backend.step()`. Each micro-batch of
+    shared-prefix rows runs as one row with the prefix once (`packing.merge_shared_prefix`; `merge_prefix
+    = False` runs the rows as they are). `dense_mask` runs the reference attention (a dense (B, 1, T, T)
+    block mask instead of segment attention, rows as they are; bench/sft.py). `total_tokens`: the
     batch's label tokens over all ranks (default: these rows'). Returns this rank's `sft/loss_sum`
     (summed token losses), `sft/label_tokens`, `sft/real_tokens`, `sft/grad_norm`, `sft/lr` (the lr of
     this step)."""
@@ -78,7 +80,8 @@ def sft_update(backend, rows: Sequence[PackedRow], *, micro_batch_size: int, pad
     loss_sum = 0.0
     model.train()
     for chunk in chunks:
-        mb = collate(chunk, device, mask_dtype, dense_mask=dense_mask)
+        merged = merge_shared_prefix(chunk) if merge_prefix and not dense_mask else None
+        mb = collate([merged] if merged is not None else chunk, device, mask_dtype, dense_mask=dense_mask)
         # the backward inside the attention switch too: gradient checkpointing re-runs the layers there
         with segment_attention(model) if "segments" in mb else contextlib.nullcontext():
             with backend.autocast():

@@ -109,6 +109,28 @@ def test_render_trajectory_matches_agent_pieces_and_masks(chat, tokenizer):
     assert tokenizer.decode([t for t, m in zip(ids, mask) if m]) == GEN1 + GEN2 + IM_END
 
 
+def test_render_trajectories_batch_equals_one_call_per_piece(tokenizer):
+    """The batched tokenizing (one backend call for every piece) gives the ids of one encode_text call per
+    piece, special-token text kept plain; a backend that disagrees is not trusted."""
+    r1, r2 = render_tool_result(_ok("1024\n")), render_tool_result(_ok(f"{IM_END} printed\n"))
+    items = [("What is 2^10?", [(GEN1, [r1]), (GEN2, None)]),
+             (f"Quote {IM_START}user", [(GEN1, [r1, r2]), ("\nagain " + GEN1, [r2]), (GEN2, None)]),
+             ("What is 2^10?", [(GEN2, None)]),
+             ("empty turn", [("", None)])]
+    batched = ChatFormat(tokenizer)
+    one_by_one = ChatFormat(tokenizer)
+    one_by_one._batch_agrees = False                      # the path a tokenizer without a backend takes
+    want = one_by_one.render_trajectories(items)
+    assert batched.render_trajectories(items) == want and batched._batch_agrees is True
+    assert [batched.render_trajectory(p, t) for p, t in items] == want
+    assert want[1][0].count(batched.im_end_id) == 7      # 2 in the prompt, 2 per tool turn, 1 at the end: r2 adds none
+
+    drifting = ChatFormat(tokenizer)
+    drifting.encode_text = lambda text: [7] + ChatFormat.encode_text(drifting, text)   # Python-side extra step
+    assert drifting.encode_texts(["a b", "c"]) == [drifting.encode_text("a b"), drifting.encode_text("c")]
+    assert drifting._batch_agrees is False
+
+
 @pytest.mark.parametrize("turns, match", [
     ([], "at least one"),
     ([("a", ["r"])], "only the last turn"),
@@ -148,4 +170,8 @@ def test_smollm2_tokenizer_round_trip():
     ids = chat.prompt_ids("What is 2^10?") + chat.encode_text(GEN1) + chat.tool_response_ids([r1])
     text = chat.prompt_text("What is 2^10?") + GEN1 + chat.tool_response_text([r1])
     assert ids == tok.encode(text, add_special_tokens=False)
+    items = [("What is 2^10?", [(GEN1, [r1]), (GEN2, None)]), (f"say {IM_END}", [(GEN2, None)])]
+    single = ChatFormat(tok)
+    single._batch_agrees = False
+    assert chat.render_trajectories(items) == single.render_trajectories(items) and chat._batch_agrees
     assert chat.eos_token_ids == (tok.convert_tokens_to_ids(IM_END),)

@@ -17,7 +17,10 @@ from rstar2_core.sft.packing import (
     common_prefix,
     encode_conversations,
     epoch_rows,
+    merge_shared_prefix,
     pack,
+    prefix_length,
+    row_segments,
 )
 from rstar2_core.sft.step import masked_token_loss
 
@@ -85,6 +88,29 @@ def test_packed_attention_equals_each_conversation_alone():
                               use_cache=False).logits[0]
         assert torch.allclose(segmented[:20], packed[:20], atol=1e-5)
     assert model.config._attn_implementation == "sdpa"      # switched back after the block
+
+
+def _common_prefix_by_position(docs):
+    """The definition, position by position: stop at the first position where a doc has a label or the
+    ids differ, leaving one token of the shortest doc outside."""
+    n, k = min(len(d[0]) for d in docs) - 1, 0
+    while k < n and not any(d[1][k] for d in docs) and all(d[0][k] == docs[0][0][k] for d in docs):
+        k += 1
+    return docs[0][0][:k]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_common_prefix_matches_its_definition(seed):
+    g = torch.Generator().manual_seed(seed)
+    shared = torch.randint(3, 6, (int(torch.randint(0, 12, (1,), generator=g)),), generator=g).tolist()
+    docs = []
+    for _ in range(int(torch.randint(1, 6, (1,), generator=g))):
+        tail = torch.randint(3, 6, (int(torch.randint(0, 8, (1,), generator=g)),), generator=g).tolist()
+        ids = shared[:int(torch.randint(0, len(shared) + 1, (1,), generator=g))] + tail
+        ids = ids or [3]
+        mask = (torch.rand(len(ids), generator=g) < 0.15).long().tolist()
+        docs.append((ids, mask))
+    assert common_prefix(docs) == _common_prefix_by_position(docs)
 
 
 def test_shared_prefix_rows_equal_each_conversation_alone():
@@ -198,3 +224,35 @@ def test_segment_loss_equals_the_dense_mask_loss_on_real_rows(sft_assets, monkey
     assert seg_grads.keys() == dense_grads.keys()
     for k in dense_grads:
         assert torch.allclose(seg_grads[k], dense_grads[k], rtol=1e-4, atol=1e-6), k
+
+
+def test_merged_prefix_row_gives_the_rows_loss_and_gradients(sft_assets):
+    """A micro-batch of shared-prefix rows run as one row with the prefix once: the same label tokens,
+    loss and gradients (fp32, within float summation order) as the rows run as they are; rows that do
+    not share the prefix are not merged."""
+    base, data_url, _ = sft_assets
+    model, tok = load_model_and_tokenizer(base, dtype="float32")
+    model.train()
+    docs, _ = encode_conversations(read_sft_rows(data_url), ChatFormat(tok), 1024)
+    rows = epoch_rows(docs, 1, seed=0, max_seq_len=1024, pad_id=tok.pad_token_id)[:3]
+    single = pack(docs[:1], 1024, tok.pad_token_id, prefix=common_prefix(docs))     # one conversation
+    merged = merge_shared_prefix(rows + single)          # a one-conversation row must stay its own segment
+    p = prefix_length(rows[0])
+    assert p > 300 and merged.n_real == p + sum(r.n_real - p for r in rows + single)
+    assert merged.n_docs == sum(r.n_docs for r in rows + single) == len(row_segments(merged).spans)
+    assert sorted(t for t in merged.labels if t != IGNORE) == sorted(t for r in rows + single for t in r.labels
+                                                                      if t != IGNORE)
+
+    def run(batch):
+        model.zero_grad(set_to_none=True)
+        loss, n = masked_token_loss(model, collate(batch))
+        loss.backward()
+        return loss.detach(), n, {k: q.grad.clone() for k, q in model.named_parameters() if q.grad is not None}
+
+    rows_loss, rows_n, rows_grads = run(rows + single)
+    m_loss, m_n, m_grads = run([merged])
+    assert m_n == rows_n > 100 and torch.allclose(m_loss, rows_loss, rtol=1e-5)
+    for k in rows_grads:
+        assert torch.allclose(m_grads[k], rows_grads[k], rtol=1e-4, atol=1e-6), k
+    plain = epoch_rows(docs[:4], 1, seed=0, max_seq_len=1024, pad_id=tok.pad_token_id, share_prefix=False)
+    assert merge_shared_prefix(plain) is None and merge_shared_prefix(rows[:1]) is None
