@@ -4,10 +4,12 @@ the LM head only at response positions, chunk by chunk.
     batch = collate(trajectories, pad_id, device)
     logprobs = batch_logprobs(model, batch, temperature)       # (B, R_max), 0 beyond each response
 
-`collate` packs a micro-batch's `prompt_ids + response_ids` back to back in one row (positions restart
-per trajectory), so no compute goes to padding: GRPO lengths are long-tailed, and right-padding B
-trajectories to the longest costs B x L_max tokens where this costs their sum. Attention runs per
-trajectory (`models.packed_attention`, causal SDPA, no mask). `batch_logprobs` takes the decoder's
+`collate` packs a micro-batch in one row: the prompt prefix its trajectories share (the system turn
+for all; a GRPO group's whole prompt) once at the start, then each trajectory's rest of the prompt and
+its response back to back, positions continuing after the prefix. No compute goes to padding (GRPO
+lengths are long-tailed: right-padding B trajectories to the longest costs B x L_max tokens where this
+costs their sum) nor to B copies of the prefix. Attention runs per trajectory over [prefix, itself]
+(`models.packed_attention`); without a shared prefix, causal SDPA with no mask. `batch_logprobs` takes the decoder's
 hidden states at the positions that predict response tokens and computes `log_softmax(logits / T)`
 there only, chunk by chunk with checkpointed chunks (`models.token_logprobs`): the fp32 logits of the
 whole vocabulary for all tokens never exist at once, in the forward or the backward. Equal to the
@@ -46,8 +48,23 @@ class PackedBatch:
     valid: torch.Tensor
 
 
-def collate(trajectories: Sequence[Trajectory], pad_id: int, device: str | torch.device = "cpu") -> PackedBatch:
-    """Pack `prompt_ids + response_ids` of each trajectory into one row (see PackedBatch)."""
+def shared_prompt_prefix(prompts: Sequence[Sequence[int]]) -> int:
+    """Length of the longest prefix all `prompts` share, leaving at least one token of each prompt after it
+    (the token that predicts its first response token sits in the trajectory's own span)."""
+    first = prompts[0]
+    k = min(len(p) for p in prompts) - 1
+    for p in prompts[1:]:
+        if k <= 0:
+            return 0
+        if tuple(p[:k]) != tuple(first[:k]):
+            k = next(i for i, (a, b) in enumerate(zip(p[:k], first[:k])) if a != b)
+    return max(k, 0)
+
+
+def collate(trajectories: Sequence[Trajectory], pad_id: int, device: str | torch.device = "cpu",
+            share_prefix: bool = True) -> PackedBatch:
+    """Pack the trajectories into one row, their shared prompt prefix once (`share_prefix=False`: each
+    trajectory whole, positions restarting; see PackedBatch)."""
     if not trajectories:
         raise ValueError("collate: no trajectories")
     B = len(trajectories)
@@ -57,30 +74,32 @@ def collate(trajectories: Sequence[Trajectory], pad_id: int, device: str | torch
     mask = torch.zeros((B, R), dtype=torch.float32)
     eng = torch.zeros((B, R), dtype=torch.float32)
     valid = torch.zeros((B, R), dtype=torch.bool)
-    ids: list[int] = []
-    positions: list[int] = []
+    for b, t in enumerate(trajectories):
+        if len(t.prompt_ids) < 1:
+            raise ValueError("collate: a trajectory has an empty prompt; the first response token needs a "
+                             "prompt token to be predicted from")
+        if not (len(t.loss_mask) == len(t.logprobs) == len(t.response_ids)):
+            raise ValueError(f"collate: trajectory {b} has response_ids ({len(t.response_ids)}), loss_mask "
+                             f"({len(t.loss_mask)}) and logprobs ({len(t.logprobs)}) of different lengths")
+    p = shared_prompt_prefix([t.prompt_ids for t in trajectories]) if share_prefix and B > 1 else 0
+    ids: list[int] = list(trajectories[0].prompt_ids[:p])
+    positions: list[int] = list(range(p))
     spans = []
     for b, t in enumerate(trajectories):
         P, n = len(t.prompt_ids), len(t.response_ids)
-        if P < 1:
-            raise ValueError("collate: a trajectory has an empty prompt; the first response token needs a "
-                             "prompt token to be predicted from")
-        if not (len(t.loss_mask) == len(t.logprobs) == n):
-            raise ValueError(f"collate: trajectory {b} has response_ids ({n}), loss_mask ({len(t.loss_mask)}) "
-                             f"and logprobs ({len(t.logprobs)}) of different lengths")
-        start = len(ids)
-        ids += list(t.prompt_ids) + list(t.response_ids)
-        positions += range(P + n)
-        spans.append((start, start + P + n))
+        start = len(ids)                         # the trajectory's own tokens: prompt_ids[p:] + response
+        ids += list(t.prompt_ids[p:]) + list(t.response_ids)
+        positions += range(p, P + n)
+        spans.append((start, start + P - p + n))
         if n:
             tgt[b, :n] = torch.tensor(t.response_ids, dtype=torch.long)
-            pos[b, :n] = torch.arange(start + P - 1, start + P - 1 + n)
+            pos[b, :n] = torch.arange(start + P - p - 1, start + P - p - 1 + n)
             mask[b, :n] = torch.tensor(t.loss_mask, dtype=torch.float32)
             eng[b, :n] = torch.tensor(t.logprobs, dtype=torch.float32)
             valid[b, :n] = True
     row = torch.tensor([ids], dtype=torch.long)
     return PackedBatch(row.to(device), torch.tensor([positions], dtype=torch.long).to(device),
-                       (Segments(0, tuple(spans), len(ids)),), tgt.to(device), pos.to(device), mask.to(device),
+                       (Segments(p, tuple(spans), len(ids)),), tgt.to(device), pos.to(device), mask.to(device),
                        eng.to(device), valid.to(device))
 
 

@@ -47,6 +47,16 @@ def _trajectories():
             for p, r in lens]
 
 
+def _shared_prompt_trajectories():
+    """Two GRPO-like groups: every prompt starts with the same 'system turn', each group shares its problem;
+    one prompt is a single token longer than the shared part, one response is empty."""
+    g = torch.Generator().manual_seed(4)
+    rand = lambda n: torch.randint(1, V, (n,), generator=g).tolist()
+    system, q1, q2 = rand(11), rand(4), rand(6)
+    prompts = [system + q1, system + q1, system + q1, system + q2, system + q2, system[:11] + q2[:1]]
+    return [_traj(p, rand(r)) for p, r in zip(prompts, [6, 2, 9, 4, 0, 5])]
+
+
 def _plain(model, trajs, temperature):
     """The reference: right-padded batch, full (B, L, V) logits, log-softmax, gather."""
     L = max(len(t.prompt_ids) + len(t.response_ids) for t in trajs)
@@ -69,9 +79,10 @@ def _plain(model, trajs, temperature):
 
 @pytest.mark.parametrize("kind", ["qwen2", "qwen2-tied", "qwen3", "llama"])
 @pytest.mark.parametrize("temperature,chunk", [(1.0, None), (0.7, 3)])
-def test_packed_chunked_logprobs_equal_the_plain_computation(kind, temperature, chunk):
+@pytest.mark.parametrize("prompts", ["distinct", "shared"])
+def test_packed_chunked_logprobs_equal_the_plain_computation(kind, temperature, chunk, prompts):
     model = _model(kind)
-    trajs = _trajectories()
+    trajs = _trajectories() if prompts == "distinct" else _shared_prompt_trajectories()
     weights = torch.randn(len(trajs), max(len(t.response_ids) for t in trajs),
                           generator=torch.Generator().manual_seed(5))
 
@@ -81,6 +92,9 @@ def test_packed_chunked_logprobs_equal_the_plain_computation(kind, temperature, 
         return {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
 
     batch = collate(trajs, PAD)
+    shared = batch.segments[0].prefix
+    assert shared == (0 if prompts == "distinct" else 11)        # the shared prefix is in the row once
+    assert batch.input_ids.shape[1] == sum(len(t.prompt_ids) + len(t.response_ids) - shared for t in trajs) + shared
     got = batch_logprobs(model, batch, temperature, chunk_tokens=chunk)
     ref = _plain(model, trajs, temperature)
     assert got.shape == ref.shape and got.dtype == torch.float32
