@@ -9,7 +9,10 @@
    they are, segment attention: one SDPA per conversation, `models/packed_attention.py`) and `dense`
    (`dense_mask=True`: the dense (B, 1, T, T) additive mask). tokens/s counts the rows' real
    (non-padding) tokens, the same count for all three; each figure is the median step time.
-2. RL log-probs at a long length: one micro-batch of `--lp-trajectories` trajectories totalling
+2. An RL update micro-batch (`bench_rl_prefix`): the profile's 16 trajectories on real prompts through
+   `rl.logprobs.collate` + `batch_logprobs` forward and backward, the shared prompt prefix once vs each
+   trajectory whole.
+3. RL log-probs at a long length: one micro-batch of `--lp-trajectories` trajectories totalling
    `--lp-tokens` tokens, a small model with a Llama-2-sized vocabulary (32,000), forward + backward of
    `rl.logprobs.batch_logprobs` (packed, chunked) against the plain computation it replaced (padded
    batch, full (B, L, V) logits, log-softmax, gather), each in its own subprocess: peak resident
@@ -18,7 +21,7 @@
 
 Run:  python bench/sft.py [--quick] [--json] [--threads N]
 `--json` prints one JSON object last: `sft.{merged,segments,dense}_tokens_per_s`, `sft.ratio` (segments / dense),
-`sft.merge_ratio` (merged / segments), `logprobs.{chunked,plain}_peak_mb`, `logprobs.{chunked,plain}_s`,
+`sft.merge_ratio` (merged / segments), `rl_prefix.{shared_prefix,whole}_ms` and `rl_prefix.ratio` (whole / shared), `logprobs.{chunked,plain}_peak_mb`, `logprobs.{chunked,plain}_s`,
 `logprobs.memory_ratio` (plain / chunked), `logprobs.max_abs_diff`, and the setup.
 """
 
@@ -179,6 +182,50 @@ def bench_logprobs(args) -> dict:
             "time_ratio": round(res["plain"]["s"] / res["chunked"]["s"], 3), "max_abs_diff": diff}
 
 
+def bench_rl_prefix(args) -> dict:
+    """An RL update micro-batch (the profile's 16 trajectories: two GRPO groups of 8 on real tiny-profile
+    prompts, seeded response lengths 80-380) through `rl.logprobs.collate` + `batch_logprobs` forward and
+    backward, the shared prompt prefix packed once (what the update runs) vs each trajectory whole
+    (`share_prefix=False`), in turn; medians."""
+    from rstar2_core.chat import ChatFormat
+    from rstar2_core.config import load_config
+    from rstar2_core.data.synthetic import generate_problems
+    from rstar2_core.models import load_model_and_tokenizer, prepare_base_model
+    from rstar2_core.rl.logprobs import batch_logprobs, collate
+    from rstar2_core.rollout.types import Trajectory
+
+    cfg = load_config("tiny", [])
+    with tempfile.TemporaryDirectory() as tmp:
+        model, tok = load_model_and_tokenizer(prepare_base_model(cfg, (Path(tmp) / "base").as_uri()), dtype="float32")
+    model.train()
+    chat = ChatFormat(tok)
+    g = torch.Generator().manual_seed(0)
+    per_group = cfg.rl.grpo.group_size
+    trajs = []
+    for p in generate_problems(0, cfg.rl.micro_batch_size // per_group, "rl"):
+        prompt = tuple(chat.prompt_ids(p.problem))
+        for _ in range(per_group):
+            n = int(torch.randint(80, 381, (1,), generator=g))
+            resp = tuple(torch.randint(5, len(tok) - 1, (n,), generator=g).tolist())
+            trajs.append(Trajectory(prompt, resp, (1,) * n, (0.0,) * n, "", (), 1, 0, "eos", False))
+    modes = {"shared_prefix": True, "whole": False}
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    for k in range(2 * (args.steps + 1)):
+        mode = list(modes)[k % 2]
+        start = time.perf_counter()
+        batch = collate(trajs, 0, share_prefix=modes[mode])
+        batch_logprobs(model, batch, cfg.rl.temperature).sum().backward()
+        if k >= 2:
+            times[mode].append(time.perf_counter() - start)
+        rows = batch.input_ids.shape[1]
+        print(f"[sft bench] RL micro-batch {k + 1}/{2 * (args.steps + 1)} ({mode}, {rows} tokens): "
+              f"{(time.perf_counter() - start) * 1e3:.0f} ms", flush=True)
+    med = {m: statistics.median(v) for m, v in times.items()}
+    return {"trajectories": len(trajs), "prompt_tokens": len(trajs[0].prompt_ids),
+            "response_tokens_mean": round(statistics.mean(len(t.response_ids) for t in trajs), 1),
+            **{f"{m}_ms": round(v * 1e3, 1) for m, v in med.items()}, "ratio": round(med["whole"] / med["shared_prefix"], 3)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer rows and steps, 4,096 log-prob tokens (two chunks)")
@@ -198,7 +245,8 @@ def main() -> None:
         args.steps, args.n_sft, args.lp_tokens = min(args.steps, 3), min(args.n_sft, 32), min(args.lp_tokens, 4096)
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    out = {"sft": bench_sft(args), "logprobs": bench_logprobs(args), "threads": args.threads,
+    out = {"sft": bench_sft(args), "rl_prefix": bench_rl_prefix(args), "logprobs": bench_logprobs(args),
+           "threads": args.threads,
            "torch": torch.__version__, "wall_s": None, "date": time.strftime("%Y-%m-%d", time.gmtime())}
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     s, lp = out["sft"], out["logprobs"]
@@ -206,7 +254,8 @@ def main() -> None:
           f"{s['segments_tokens_per_s']}, dense mask {s['dense_tokens_per_s']}: merged/segments {s['merge_ratio']}x, "
           f"segments/dense {s['ratio']}x; log-probs at {lp['tokens']} tokens: peak "
           f"{lp['chunked_peak_mb']} MB chunked vs {lp['plain_peak_mb']} MB plain ({lp['memory_ratio']}x), "
-          f"{lp['chunked_s']} s vs {lp['plain_s']} s")
+          f"{lp['chunked_s']} s vs {lp['plain_s']} s; RL micro-batch, shared prefix once vs whole trajectories: "
+          f"{out['rl_prefix']['ratio']}x")
     if args.json:
         print(json.dumps(out))
 

@@ -19,10 +19,9 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
-from tqdm import tqdm
-
 from rstar2_core.data.normalize import integer_answer, ngrams, problem_key, words
 from rstar2_core.data.sources import Candidate
+from rstar2_core.progress import progress_bar
 
 SHINGLE_WORDS = 5
 CANDIDATE_SLACK = 0.15  # LSH proposes pairs from this much below the threshold; exact Jaccard decides
@@ -76,7 +75,7 @@ def near_duplicates(cands: Sequence[Candidate], threshold: float, num_perm: int,
     lsh = MinHashLSH(threshold=max(0.05, threshold - CANDIDATE_SLACK), num_perm=num_perm)
     kept_sh: dict[str, set[str]] = {}
     kept, dropped = [], Counter()
-    for i, c in enumerate(tqdm(cands, desc="near-duplicates", unit="problem", disable=not progress)):
+    for i, c in enumerate(progress_bar(cands, desc="near-duplicates", unit="problem", disable=not progress)):
         sh = shingles(c.problem)
         m = minhash(sh, num_perm)
         if any(len(sh & kept_sh[k]) >= threshold * len(sh | kept_sh[k]) for k in lsh.query(m)):

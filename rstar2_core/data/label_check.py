@@ -17,9 +17,8 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tqdm import tqdm
-
 from rstar2_core.data.sources import Candidate
+from rstar2_core.progress import progress_bar
 
 GradeFn = Callable[[list[tuple[str, str]]], list[Any]]
 
@@ -31,7 +30,7 @@ def label_check(cands: Sequence[Candidate], sampler: Any, grade: GradeFn, *, k: 
         raise ValueError(f"data.label_check.min_agree={min_agree} exceeds k={k}: no problem could pass; "
                          "lower min_agree or raise k")
     kept, dropped, agree = [], Counter(), {}
-    bar = tqdm(total=len(cands), desc="label check", unit="problem", disable=not progress)
+    bar = progress_bar(total=len(cands), desc="label check", unit="problem", disable=not progress)
     for start in range(0, len(cands), batch_size):
         batch = list(cands[start:start + batch_size])
         groups = sampler.sample([c.problem for c in batch], k, limits, seed + start)

@@ -25,13 +25,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from tqdm import tqdm
-
 from rstar2_core import storage
 from rstar2_core.config import Config
 from rstar2_core.data.benchmarks import Benchmark, load_benchmark, resolve_benchmarks
 from rstar2_core.eval.grading import grade_all
 from rstar2_core.eval.metrics import BenchmarkMetrics, ProblemRow, aggregate, problem_row
+from rstar2_core.progress import progress_bar
 
 CHUNK = 32  # problems per rollout call (progress granularity; fixed so that seeds are reproducible)
 LogMetrics = Callable[[dict[str, float], int], None]
@@ -104,7 +103,7 @@ def evaluate_benchmark(bench: Benchmark, sampler: Any, grade_math: Callable, *, 
     all_trajs: list[list[Any]] = []
     samples: list[dict] = []
     probs = bench.problems
-    bar = tqdm(total=len(probs), desc=f"eval {bench.name}", unit="problem", disable=not progress)
+    bar = progress_bar(total=len(probs), desc=f"eval {bench.name}", unit="problem", disable=not progress)
     for ci, start in enumerate(range(0, len(probs), CHUNK)):
         chunk = probs[start:start + CHUNK]
         groups = sampler.sample([p.problem for p in chunk], k, limits, seed + ci * CHUNK)

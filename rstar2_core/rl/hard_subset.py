@@ -21,12 +21,11 @@ import hashlib
 import io
 import sys
 
-from tqdm import tqdm
-
 from rstar2_core import storage
 from rstar2_core.cluster import open_runtime
 from rstar2_core.config import Config
 from rstar2_core.models.io import load_tokenizer
+from rstar2_core.progress import progress_bar
 from rstar2_core.results import DatasetRef
 from rstar2_core.rl.data import load_problems, read_rows
 from rstar2_core.rl.groups import is_infra_failed
@@ -86,7 +85,7 @@ async def _count_solved(cfg: Config, stage_index: int, checkpoint_url: str, prob
     out: list[int] = []
     async with open_runtime(cfg, policy_url=checkpoint_url,
                             max_model_len=engine_seq_len(chat, problems, stage.max_response_tokens)) as rt:
-        for start in tqdm(range(0, len(problems), chunk), desc=f"hard subset (k={k})", unit="batch",
+        for start in progress_bar(range(0, len(problems), chunk), desc=f"hard subset (k={k})", unit="batch",
                           file=sys.stderr, disable=None):
             part = problems[start:start + chunk]
             groups = await rollout_groups(rt.engines, rt.sandbox, chat, [p.problem for p in part], k, limits,

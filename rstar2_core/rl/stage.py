@@ -40,13 +40,13 @@ import sys
 from collections.abc import Callable
 
 import torch
-from tqdm import tqdm
 
 from rstar2_core import storage
 from rstar2_core.cluster import open_runtime
 from rstar2_core.config import Config
 from rstar2_core.faults import maybe_inject_fault
 from rstar2_core.models.io import load_tokenizer, read_meta
+from rstar2_core.progress import progress_bar
 from rstar2_core.results import StageResult
 from rstar2_core.rl.checkpoint import (
     STATE_FILE,
@@ -144,7 +144,7 @@ async def _run(cfg: Config, stage_index: int, init_url: str, data_url: str, out_
                 rt.trainer.load_state(init_url)     # the previous stage's optimizer and schedule position
             if stage.reset_optimizer:
                 rt.trainer.reset_optimizer()
-        bar = tqdm(total=stage.steps, initial=start_step, desc=stage.name, unit="step", file=sys.stderr,
+        bar = progress_bar(total=stage.steps, initial=start_step, desc=stage.name, unit="step", file=sys.stderr,
                    disable=None)
         try:
             for step in range(start_step + 1, stage.steps + 1):

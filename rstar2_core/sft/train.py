@@ -32,13 +32,13 @@ import time
 from collections.abc import Callable
 
 import torch
-from tqdm import tqdm
 
 from rstar2_core import storage
 from rstar2_core.cluster import open_runtime
 from rstar2_core.config import Config
 from rstar2_core.faults import maybe_inject_fault
 from rstar2_core.models.io import latest_complete, load_tokenizer, read_extra, read_meta
+from rstar2_core.progress import progress_bar
 from rstar2_core.results import StageResult
 from rstar2_core.runtime import TrainerSpec
 from rstar2_core.runtime.checkpoint import publish_policy_checkpoint
@@ -107,7 +107,7 @@ async def _run_sft(cfg: Config, base_model_url: str, sft_data_url: str, out_url:
                 raise FileNotFoundError(f"{last} has no trainer state (trainer/); delete it to restart SFT")
             torch.set_rng_state(state["torch_rng"])
             start = int(state["step"])
-        bar = tqdm(total=total_steps, initial=start, desc="sft", unit="step", dynamic_ncols=True)
+        bar = progress_bar(total=total_steps, initial=start, desc="sft", unit="step", dynamic_ncols=True)
         for step in range(start, total_steps):
             kind = maybe_inject_fault(STAGE, step + 1, out_url)
             if kind is not None:

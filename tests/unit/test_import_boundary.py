@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CORE = ROOT / "rstar2_core"
 
 LAYERS = (
-    {"config", "storage", "results", "faults", "errors", "lazy_exports"},   # the contract types, helpers
+    {"config", "storage", "results", "faults", "errors", "lazy_exports", "progress"},   # contract types, helpers
     {"sandbox"},                                  # the tool
     {"chat"},                                     # prompt/tool format (renders sandbox results)
     {"reward"},                                   # grading (extracts answers through chat)
