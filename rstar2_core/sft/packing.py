@@ -60,7 +60,8 @@ class PackedRow:
 
 def encode_conversations(rows: Sequence[dict], chat, max_seq_len: int) -> tuple[list[Doc], int]:
     """[(ids, loss_mask)] for rows in render_trajectory form (tokenized in one batch:
-    `ChatFormat.render_trajectories`); also the count of rows over max_seq_len. A row with `mask_answer` (and its `answer`) gets loss_mask 0 on the tokens of its last boxed answer."""
+    `ChatFormat.render_trajectories`); also the count of rows over max_seq_len. A row with `mask_answer`
+    (and its `answer`) gets loss_mask 0 on the tokens of its last boxed answer."""
     docs, too_long = [], 0
     items = [(r["problem"], [(t, res) for t, res in r["turns"]]) for r in rows]
     for r, (_, turns), (ids, mask) in zip(rows, items, chat.render_trajectories(items)):
