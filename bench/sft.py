@@ -185,8 +185,8 @@ def bench_logprobs(args) -> dict:
 def bench_rl_prefix(args) -> dict:
     """An RL update micro-batch (the profile's 16 trajectories: two GRPO groups of 8 on real tiny-profile
     prompts, seeded response lengths 80-380) through `rl.logprobs.collate` + `batch_logprobs` forward and
-    backward, the shared prompt prefix packed once (what the update runs) vs each trajectory whole
-    (`share_prefix=False`), in turn; medians."""
+    backward, the system turn packed once (`prefix_len = ChatFormat.shared_prompt_len`: what the update
+    runs) vs each trajectory whole (`prefix_len = 0`), in turn; medians."""
     from rstar2_core.chat import ChatFormat
     from rstar2_core.config import load_config
     from rstar2_core.data.synthetic import generate_problems
@@ -208,12 +208,12 @@ def bench_rl_prefix(args) -> dict:
             n = int(torch.randint(80, 381, (1,), generator=g))
             resp = tuple(torch.randint(5, len(tok) - 1, (n,), generator=g).tolist())
             trajs.append(Trajectory(prompt, resp, (1,) * n, (0.0,) * n, "", (), 1, 0, "eos", False))
-    modes = {"shared_prefix": True, "whole": False}
+    modes = {"shared_prefix": chat.shared_prompt_len, "whole": 0}
     times: dict[str, list[float]] = {m: [] for m in modes}
     for k in range(2 * (args.steps + 1)):
         mode = list(modes)[k % 2]
         start = time.perf_counter()
-        batch = collate(trajs, 0, share_prefix=modes[mode])
+        batch = collate(trajs, 0, prefix_len=modes[mode])
         batch_logprobs(model, batch, cfg.rl.temperature).sum().backward()
         if k >= 2:
             times[mode].append(time.perf_counter() - start)

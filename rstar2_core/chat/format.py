@@ -115,6 +115,12 @@ class ChatFormat:
         return ids
 
     @property
+    def shared_prompt_len(self) -> int:
+        """Leading tokens every `prompt_ids(...)` shares (the system turn up to the user turn's `<|im_start|>`):
+        the RL update packs them once per micro-batch (rl/logprobs.py)."""
+        return len(self._prefix_ids)
+
+    @property
     def stop_strings(self) -> tuple[str, ...]:
         """Generation stops after a tool call or after the final answer."""
         return (TOOL_CALL_CLOSE, ANSWER_CLOSE)

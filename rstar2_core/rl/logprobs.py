@@ -4,11 +4,11 @@ the LM head only at response positions, chunk by chunk.
     batch = collate(trajectories, pad_id, device)
     logprobs = batch_logprobs(model, batch, temperature)       # (B, R_max), 0 beyond each response
 
-`collate` packs a micro-batch in one row: the prompt prefix its trajectories share (the system turn
-for all; a GRPO group's whole prompt) once at the start, then each trajectory's rest of the prompt and
-its response back to back, positions continuing after the prefix. No compute goes to padding (GRPO
-lengths are long-tailed: right-padding B trajectories to the longest costs B x L_max tokens where this
-costs their sum) nor to B copies of the prefix. Attention runs per trajectory over [prefix, itself]
+`collate` packs a micro-batch in one row: the prompt prefix every trajectory shares (the system turn,
+`prefix_len` tokens) once at the start, then each trajectory's rest of the prompt and its response
+back to back, positions continuing after the prefix. No compute goes to padding (GRPO lengths are
+long-tailed: right-padding B trajectories to the longest costs B x L_max tokens where this costs their
+sum) nor to B copies of the system turn. Attention runs per trajectory over [prefix, itself]
 (`models.packed_attention`); without a shared prefix, causal SDPA with no mask. `batch_logprobs` takes the decoder's
 hidden states at the positions that predict response tokens and computes `log_softmax(logits / T)`
 there only, chunk by chunk with checkpointed chunks (`models.token_logprobs`): the fp32 logits of the
@@ -48,23 +48,14 @@ class PackedBatch:
     valid: torch.Tensor
 
 
-def shared_prompt_prefix(prompts: Sequence[Sequence[int]]) -> int:
-    """Length of the longest prefix all `prompts` share, leaving at least one token of each prompt after it
-    (the token that predicts its first response token sits in the trajectory's own span)."""
-    first = prompts[0]
-    k = min(len(p) for p in prompts) - 1
-    for p in prompts[1:]:
-        if k <= 0:
-            return 0
-        if tuple(p[:k]) != tuple(first[:k]):
-            k = next(i for i, (a, b) in enumerate(zip(p[:k], first[:k])) if a != b)
-    return max(k, 0)
-
-
 def collate(trajectories: Sequence[Trajectory], pad_id: int, device: str | torch.device = "cpu",
-            share_prefix: bool = True) -> PackedBatch:
-    """Pack the trajectories into one row, their shared prompt prefix once (`share_prefix=False`: each
-    trajectory whole, positions restarting; see PackedBatch)."""
+            prefix_len: int = 0) -> PackedBatch:
+    """Pack the trajectories into one row (see PackedBatch). `prefix_len`: leading prompt tokens every
+    trajectory of the stage shares (the system turn: `ChatFormat.shared_prompt_len`), written once; a
+    fixed length, not the longest prefix this micro-batch happens to share, so a trajectory's computation
+    does not depend on which others share its micro-batch (a Ray run, whose ranks split the step
+    differently, takes the local run's step). A micro-batch whose prompts do not all share it (the
+    zero-weight padding pass) is packed without a prefix."""
     if not trajectories:
         raise ValueError("collate: no trajectories")
     B = len(trajectories)
@@ -81,7 +72,10 @@ def collate(trajectories: Sequence[Trajectory], pad_id: int, device: str | torch
         if not (len(t.loss_mask) == len(t.logprobs) == len(t.response_ids)):
             raise ValueError(f"collate: trajectory {b} has response_ids ({len(t.response_ids)}), loss_mask "
                              f"({len(t.loss_mask)}) and logprobs ({len(t.logprobs)}) of different lengths")
-    p = shared_prompt_prefix([t.prompt_ids for t in trajectories]) if share_prefix and B > 1 else 0
+    head = tuple(trajectories[0].prompt_ids[:prefix_len])
+    shared = prefix_len > 0 and all(len(t.prompt_ids) > prefix_len and tuple(t.prompt_ids[:prefix_len]) == head
+                                    for t in trajectories)
+    p = prefix_len if shared else 0
     ids: list[int] = list(trajectories[0].prompt_ids[:p])
     positions: list[int] = list(range(p))
     spans = []
@@ -125,12 +119,12 @@ def model_device(model: torch.nn.Module) -> torch.device:
 
 @torch.no_grad()
 def sequence_logprobs(model: torch.nn.Module, trajectories: Sequence[Trajectory], pad_id: int,
-                      temperature: float = 1.0, micro_batch_size: int = 8) -> list[torch.Tensor]:
+                      temperature: float = 1.0, micro_batch_size: int = 8, prefix_len: int = 0) -> list[torch.Tensor]:
     """Per trajectory, the `(R_b,)` log-probs of its response tokens under `model` (no gradient)."""
     device = model_device(model)
     out: list[torch.Tensor] = []
     for sl in _chunks(len(trajectories), micro_batch_size):
         chunk = trajectories[sl]
-        lp = batch_logprobs(model, collate(chunk, pad_id, device), temperature).cpu()
+        lp = batch_logprobs(model, collate(chunk, pad_id, device, prefix_len), temperature).cpu()
         out.extend(lp[b, :len(t.response_ids)] for b, t in enumerate(chunk))
     return out

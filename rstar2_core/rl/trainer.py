@@ -60,13 +60,15 @@ def rl_update(backend, trajectories: Sequence[Trajectory], advantages: Sequence[
               temperature: float = 1.0, micro_batch_size: int = 8, clip_low: float = 0.2,
               clip_high: float = 0.28, loss_key: str = "ppo_clip", old_logprobs: str = "recompute",
               total_tokens: float | None = None, num_micro_batches: int | None = None,
-              loss_scale: float = 1.0) -> dict[str, float]:
+              loss_scale: float = 1.0, prefix_len: int = 0) -> dict[str, float]:
     """One optimizer step on `trajectories` with per-trajectory `advantages` `(B,)`; returns `actor/...` metrics.
 
     `backend`: a `TrainBackend` (`model`, `backward`, `step`). On a data-parallel rank, pass the step's
     `total_tokens` over all ranks (the loss is then the global token mean), `num_micro_batches` = the
     most any rank needs (this rank pads with zero-weight passes up to it: every rank must issue the same
-    collectives) and `loss_scale` = the world size (DeepSpeed averages gradients over ranks). A step with
+    collectives) and `loss_scale` = the world size (DeepSpeed averages gradients over ranks).
+    `prefix_len`: the prompt tokens every trajectory shares, packed once per micro-batch
+    (`logprobs.collate`; `ChatFormat.shared_prompt_len`). A step with
     no sampled token anywhere takes no optimizer step (`actor/skipped` = 1) on any rank."""
     if old_logprobs not in OLD_LOGPROB_SOURCES:
         raise ValueError(f"rl_update: old_logprobs={old_logprobs!r}; valid: {list(OLD_LOGPROB_SOURCES)}")
@@ -90,11 +92,11 @@ def rl_update(backend, trajectories: Sequence[Trajectory], advantages: Sequence[
     advs += [[0.0]] * (need - len(advs))
     model.train()
     recompute = old_logprobs == "recompute"
-    recomputed = [sequence_logprobs(model, c, pad_id, temperature, len(c)) for c in chunks] if recompute else []
+    recomputed = [sequence_logprobs(model, c, pad_id, temperature, len(c), prefix_len) for c in chunks] if recompute else []
     gap_sum = 0.0
     sums = {"actor/pg_clipfrac": 0.0, "actor/ratio_mean": 0.0, "actor/ppo_kl": 0.0, "actor/pg_loss": 0.0}
     for i, chunk in enumerate(chunks):
-        batch = collate(chunk, pad_id, device)
+        batch = collate(chunk, pad_id, device, prefix_len)
         if recompute:
             old = torch.zeros_like(batch.engine_logprobs)
             for b, t in enumerate(chunk):

@@ -91,7 +91,7 @@ def test_packed_chunked_logprobs_equal_the_plain_computation(kind, temperature, 
         (lp * weights).sum().backward()
         return {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
 
-    batch = collate(trajs, PAD)
+    batch = collate(trajs, PAD, prefix_len=0 if prompts == "distinct" else 11)
     shared = batch.segments[0].prefix
     assert shared == (0 if prompts == "distinct" else 11)        # the shared prefix is in the row once
     assert batch.input_ids.shape[1] == sum(len(t.prompt_ids) + len(t.response_ids) - shared for t in trajs) + shared
@@ -106,6 +106,21 @@ def test_packed_chunked_logprobs_equal_the_plain_computation(kind, temperature, 
         assert torch.allclose(g_got[k], g_ref[k], atol=1e-5, rtol=1e-4), k
     if kind != "qwen2":                                         # tied: the head's gradient reached the embedding
         assert "lm_head.weight" not in g_got and "model.embed_tokens.weight" in g_got
+
+
+def test_a_trajectory_gets_the_same_logprobs_whatever_shares_its_micro_batch():
+    """With a fixed prefix_len a trajectory's computation does not depend on its micro-batch (a Ray run's
+    ranks split the step differently from the local run); prompts that do not share the prefix (the
+    padding pass) are packed without one."""
+    model = _model("qwen2")
+    trajs = _shared_prompt_trajectories()
+    alone = [batch_logprobs(model, collate([t], PAD, prefix_len=11), 1.0)[0, :len(t.response_ids)] for t in trajs]
+    for group in (trajs, trajs[::-1], trajs[1:4]):
+        got = batch_logprobs(model, collate(group, PAD, prefix_len=11), 1.0)
+        for b, t in enumerate(group):
+            torch.testing.assert_close(got[b, :len(t.response_ids)], alone[trajs.index(t)], rtol=0, atol=2e-6)
+    mixed = collate(trajs + _trajectories()[:1], PAD, prefix_len=11)
+    assert mixed.segments[0].prefix == 0
 
 
 def test_backward_keeps_at_most_one_chunk_of_logits():
