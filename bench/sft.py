@@ -10,7 +10,7 @@
    (`dense_mask=True`: the dense (B, 1, T, T) additive mask). tokens/s counts the rows' real
    (non-padding) tokens, the same count for all three; each figure is the median step time.
 2. An RL update micro-batch (`bench_rl_prefix`): the profile's 16 trajectories on real prompts through
-   `rl.logprobs.collate` + `batch_logprobs` forward and backward, the shared prompt prefix once vs each
+   `rl.logprobs.collate` + `batch_logprobs` forward and backward, the system turn once vs each
    trajectory whole.
 3. RL log-probs at a long length: one micro-batch of `--lp-trajectories` trajectories totalling
    `--lp-tokens` tokens, a small model with a Llama-2-sized vocabulary (32,000), forward + backward of
