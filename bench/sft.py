@@ -212,6 +212,7 @@ def bench_rl_prefix(args) -> dict:
     times: dict[str, list[float]] = {m: [] for m in modes}
     for k in range(2 * (args.steps + 1)):
         mode = list(modes)[k % 2]
+        model.zero_grad(set_to_none=True)
         start = time.perf_counter()
         batch = collate(trajs, 0, prefix_len=modes[mode])
         batch_logprobs(model, batch, cfg.rl.temperature).sum().backward()

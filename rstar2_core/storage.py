@@ -147,11 +147,15 @@ def write_dir_atomic(local_dir: Path, url: str, meta: dict | None = None) -> Non
     uploaded file by file and the `_COMPLETE` marker (with `meta`) is written last."""
     staging = begin_dir(url)
     local = to_local_path(staging)
-    if local is not None:
-        shutil.copytree(local_dir, local, dirs_exist_ok=True)
-    else:
-        upload_dir(local_dir, staging)
-    commit_dir(staging, url, meta)
+    try:
+        if local is not None:
+            shutil.copytree(local_dir, local, dirs_exist_ok=True)
+        else:
+            upload_dir(local_dir, staging)
+        commit_dir(staging, url, meta)
+    except BaseException:
+        abort_dir(staging, url)        # a half-copied staging folder is not left beside the target
+        raise
 
 
 def begin_dir(url: str) -> str:

@@ -179,12 +179,7 @@ def epoch_rows(docs: Sequence[Doc], epochs: float, seed: int, max_seq_len: int, 
 
 def prefix_length(row: PackedRow) -> int:
     """Tokens of the shared prefix at the start of `row` (0 without one)."""
-    if not row.shared_prefix:
-        return 0
-    p = 0
-    while p < len(row.groups) and row.groups[p] == PREFIX_GROUP:
-        p += 1
-    return p
+    return _prefix_tokens(row.groups) if row.shared_prefix else 0
 
 
 def merge_shared_prefix(rows: Sequence[PackedRow]) -> PackedRow | None:
@@ -229,12 +224,17 @@ def attention_mask_4d(groups: torch.Tensor, dtype: torch.dtype = torch.float32) 
     return mask[:, None]
 
 
+def _prefix_tokens(groups: Sequence[int]) -> int:
+    p = 0
+    while p < len(groups) and groups[p] == PREFIX_GROUP:
+        p += 1
+    return p
+
+
 def row_segments(row: PackedRow) -> Segments:
     """The row's layout for segment attention: its shared prefix, then one span per conversation."""
     g = row.groups
-    p = 0
-    while p < len(g) and g[p] == PREFIX_GROUP:
-        p += 1
+    p = _prefix_tokens(g)
     spans, s = [], p
     while s < len(g) and g[s] != PAD_GROUP:
         e = s

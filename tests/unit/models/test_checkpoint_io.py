@@ -65,7 +65,10 @@ def test_interrupted_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setattr(shutil, "copytree", boom)
     with pytest.raises(KeyboardInterrupt):
         save_checkpoint(m, None, (tmp_path / "run" / "step-000002").as_uri(), meta={"step": 2})
+    with pytest.raises(KeyboardInterrupt):                  # overwriting the complete one fails too
+        save_checkpoint(m, None, url, meta={"step": 9})
     monkeypatch.undo()
+    assert [p.name for p in (tmp_path / "run").iterdir()] == ["step-000001"]   # no staging folder left
     assert latest_complete((tmp_path / "run").as_uri()) == url
     assert json.loads((tmp_path / "run" / "step-000001" / storage.COMPLETE_MARKER).read_text()) == {"step": 1}
 
