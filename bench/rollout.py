@@ -18,10 +18,15 @@ the model had written it (3/4 trivial arithmetic, 1/4 a sympy factorisation, eac
 and after the last tool turn an answer. tokens/s counts only the sampled tokens (the scripted call
 text is prefilled on the next turn, not decoded).
 
+A third run, `async_plain`, is the async rollout on an engine with `shared_prefix=False` (every row
+reads its own copy of the system prompt's KV in each decode step): `shared_prefix_ratio` = async /
+async_plain is what reading the shared prompt once per step buys, in the same run.
+
 Run:  python bench/rollout.py [--quick] [--json]
 `--json` prints one JSON object as the last line with `sync_tokens_per_s`, `async_tokens_per_s`,
-`ratio` (= async / sync, median over repeats), plus the workload and engine figures used by
-bench/scheduler.py's calibration (`decode_step_ms`, ...).
+`ratio` (= async / sync, median over repeats), `shared_prefix_ratio`, per mode the engine's figures
+(`engine`: decode steps, rows and ms per step, prefill forwards and seconds, summed over repeats), plus
+the workload and engine figures used by bench/scheduler.py's calibration (`decode_step_ms`, ...).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import platform
 import random
 import statistics
@@ -162,16 +168,23 @@ async def measure(args) -> dict:
     limits = RolloutLimits(max_turns=args.tool_turns + 1, max_response_tokens=args.budget)
     prompt_len = max(len(chat.prompt_ids(p)) for p in problems)
     inner = HFEngine(model, tok, max_batch_size=args.problems * args.n, max_seq_len=prompt_len + args.budget + 8)
-    engine = ScriptedToolEngine(inner, chat, args.tool_turns, args.median, args.sigma, args.cap)
+    plain = HFEngine(model, tok, max_batch_size=args.problems * args.n, max_seq_len=prompt_len + args.budget + 8,
+                     shared_prefix=False)
+    engines = {m: ScriptedToolEngine(e, chat, args.tool_turns, args.median, args.sigma, args.cap)
+               for m, e in (("sync", inner), ("async", inner), ("async_plain", plain))}
+    keys = ("decode_steps", "decode_tokens", "decode_s", "prefill_forwards", "prefill_s", "shared_prefix_steps")
+    per_mode = {m: dict.fromkeys(keys, 0) for m in engines}
     print(f"[rollout bench] {args.problems * args.n} trajectories x {args.tool_turns} tool turns, turn length "
           f"lognormal(median {args.median}, sigma {args.sigma}, cap {args.cap}), prompt {prompt_len} tokens, "
           f"torch threads {torch.get_num_threads()}", flush=True)
-    runs = {"sync": [], "async": []}
+    runs = {m: [] for m in engines}
     async with LocalSandbox(SandboxConfig()) as sandbox:
-        await sync_rollout(engine, sandbox, chat, problems[:2], 1, limits, seed=999)          # warm-up
+        for warm in (engines["sync"], engines["async_plain"]):                                  # warm-up
+            await sync_rollout(warm, sandbox, chat, problems[:2], 1, limits, seed=999)
         for rep in range(args.repeats):
-            for mode in ("sync", "async"):
+            for mode, engine in engines.items():
                 engine.sampled = 0
+                before = dict(engine.inner.stats)
                 t0 = time.perf_counter()
                 if mode == "sync":
                     seqs = await sync_rollout(engine, sandbox, chat, problems, args.n, limits, seed=rep)
@@ -183,19 +196,32 @@ async def measure(args) -> dict:
                         print(f"[rollout bench] async finishes {finishes} "
                               f"{[t.infra_error for g in groups for t in g if t.infra_error]}", flush=True)
                 dt = time.perf_counter() - t0
+                for k in keys:
+                    per_mode[mode][k] += engine.inner.stats[k] - before[k]
                 runs[mode].append((engine.sampled / dt, dt, engine.sampled, seqs))
                 print(f"[rollout bench] rep {rep + 1}/{args.repeats} {mode:5s}: {engine.sampled} sampled tokens "
                       f"in {dt:.2f} s = {engine.sampled / dt:.0f} tokens/s", flush=True)
-            if runs["sync"][-1][3] != runs["async"][-1][3]:
-                raise SystemExit("sync and async runs produced different turn structures: the comparison is invalid")
+            if not runs["sync"][-1][3] == runs["async"][-1][3] == runs["async_plain"][-1][3]:
+                raise SystemExit("the runs produced different turn structures: the comparison is invalid")
         await inner.close()
+        await plain.close()
     sync_tps = statistics.median(r[0] for r in runs["sync"])
     async_tps = statistics.median(r[0] for r in runs["async"])
+    plain_tps = statistics.median(r[0] for r in runs["async_plain"])
+    engine_figures = {m: {"decode_steps": f["decode_steps"],
+                          "rows_per_step": round(f["decode_tokens"] / max(1, f["decode_steps"]), 2),
+                          "decode_ms_per_step": round(1000 * f["decode_s"] / max(1, f["decode_steps"]), 2),
+                          "decode_s": round(f["decode_s"], 2), "prefill_forwards": f["prefill_forwards"],
+                          "prefill_s": round(f["prefill_s"], 2), "shared_prefix_steps": f["shared_prefix_steps"]}
+                      for m, f in per_mode.items()}
     st = inner.stats
     return {
         "sync_tokens_per_s": round(sync_tps, 1), "async_tokens_per_s": round(async_tps, 1),
         "ratio": round(async_tps / sync_tps, 3), "same_turn_structure": True,
+        "async_plain_tokens_per_s": round(plain_tps, 1), "shared_prefix_ratio": round(async_tps / plain_tps, 3),
+        "engine": engine_figures, "load_avg": os.getloadavg(),
         "sync_wall_s": [round(r[1], 2) for r in runs["sync"]], "async_wall_s": [round(r[1], 2) for r in runs["async"]],
+        "async_plain_wall_s": [round(r[1], 2) for r in runs["async_plain"]],
         "sampled_tokens": runs["sync"][0][2], "trajectories": args.problems * args.n, "tool_turns": args.tool_turns,
         "decode_step_ms": round(1000 * st["decode_s"] / max(1, st["decode_steps"]), 3),
         "decode_tokens_per_step": round(st["decode_tokens"] / max(1, st["decode_steps"]), 2),
@@ -227,7 +253,8 @@ def main() -> None:
     args.repeats = args.repeats or (1 if args.quick else 3)
     out = asyncio.run(measure(args))
     print(f"[rollout bench] sync {out['sync_tokens_per_s']} tokens/s, async {out['async_tokens_per_s']} tokens/s, "
-          f"ratio {out['ratio']}x (target >= 1.5)")
+          f"ratio {out['ratio']}x (target >= 1.5); async without the shared-prefix step "
+          f"{out['async_plain_tokens_per_s']} tokens/s ({out['shared_prefix_ratio']}x)")
     if args.json:
         print(json.dumps(out))
 

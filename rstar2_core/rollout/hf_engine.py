@@ -60,6 +60,7 @@ from rstar2_core.rollout.kv_cache import MIN_BUCKET, SlotKVCache, bucket
 from rstar2_core.rollout.model_call import ModelCall, check_model
 from rstar2_core.rollout.prefix import common_prefix, plan_slot
 from rstar2_core.rollout.sampling import StopChecker, counter_uniform, sample_rows, seed_value
+from rstar2_core.rollout.shared_prefix import MIN_SHARED, PrefixBlock, SharedPrefix, shared_prefix_attention
 from rstar2_core.rollout.types import GenerationOutput, SamplingParams
 
 # a request waits one admission round to copy a prefix from a request prefilled in this round only
@@ -85,6 +86,7 @@ class _Request:
     out_logprobs: list[float] = field(default_factory=list)
     slot: int = -1
     kv_len: int = 0          # tokens of prompt + output whose KV is in the slot
+    shared: int = 0          # leading prompt tokens a decode step may read from the engine's prefix block
     cancelled: bool = False
 
     def __post_init__(self):
@@ -101,13 +103,16 @@ class HFEngine:
     output; default the model's max_position_embeddings); kv_capacity_tokens: a memory budget that
     lowers the slot count to what fits; max_prefill_tokens: padded tokens per prefill forward (more
     prompts per forward vs a longer stall of the decoding rows); static_shapes: power-of-two row and
-    length buckets; cuda_graphs: CUDA only, record and replay each bucket's decode forward.
+    length buckets; cuda_graphs: CUDA only, record and replay each bucket's decode forward;
+    shared_prefix: decode steps read a prompt prefix the running rows share once, not once per row
+    (`shared_prefix.py`; None = on unless static_shapes, whose fixed shapes it would break; results equal
+    the plain step within float rounding).
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, max_batch_size: int = 64,
                  device: str | torch.device = "cpu", *, max_seq_len: int | None = None,
                  kv_capacity_tokens: int | None = None, static_shapes: bool = False, cuda_graphs: bool = False,
-                 max_prefill_tokens: int = 4096):
+                 max_prefill_tokens: int = 4096, shared_prefix: bool | None = None):
         cfg = model.config
         self.model, self.tokenizer, self.device = model.eval(), tokenizer, torch.device(device)
         check_model(model)
@@ -127,15 +132,21 @@ class HFEngine:
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
         self.static_shapes, self.cuda_graphs = static_shapes or cuda_graphs, cuda_graphs
+        if shared_prefix and self.static_shapes:
+            raise ValueError("shared_prefix=True needs dynamic shapes (its step's shapes follow the shared length); "
+                             "pass static_shapes=False and cuda_graphs=False, or shared_prefix=False")
+        self.shared_prefix = (not self.static_shapes) if shared_prefix is None else bool(shared_prefix)
+        self._block: PrefixBlock | None = None
         self.max_prefill_tokens = int(max_prefill_tokens)
         self._head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self._kv: SlotKVCache | None = None
         self._graphs = None
         # per-slot state: host arrays (numpy views of staging tensors) mirrored to the device each step
         pin = self.device.type == "cuda"
-        self._h_int = torch.zeros(5, self.slots, dtype=torch.int64, pin_memory=pin)   # token, pos, active, seed, count
+        # token, pos, active, seed, count, shared (prompt tokens read from the prefix block)
+        self._h_int = torch.zeros(6, self.slots, dtype=torch.int64, pin_memory=pin)
         self._h_flt = torch.zeros(2, self.slots, dtype=torch.float32, pin_memory=pin)  # temperature, top_p
-        self._tok, self._pos, self._act, self._seed, self._cnt = self._h_int.numpy()
+        self._tok, self._pos, self._act, self._seed, self._cnt, self._shr = self._h_int.numpy()
         self._temp, self._top_p = self._h_flt.numpy()
         self._d_int = self._h_int if self.device.type == "cpu" else torch.zeros_like(self._h_int, device=self.device)
         self._d_flt = self._h_flt if self.device.type == "cpu" else torch.zeros_like(self._h_flt, device=self.device)
@@ -149,7 +160,7 @@ class HFEngine:
         self.stats = {"decode_steps": 0, "decode_tokens": 0, "decode_rows": 0, "prefill_tokens": 0,
                       "prefill_forwards": 0, "prefill_padded_tokens": 0, "reused_tokens": 0, "copied_tokens": 0,
                       "compaction_moves": 0, "compaction_tokens": 0, "decode_s": 0.0, "prefill_s": 0.0,
-                      "cuda_graphs": 0}
+                      "cuda_graphs": 0, "shared_prefix_steps": 0, "shared_prefix_unread_tokens": 0}
 
     # ------------------------------------------------------------------------------- Engine API
     def kv_capacity_tokens(self) -> int:
@@ -200,6 +211,10 @@ class HFEngine:
                 raise ValueError(f"update_weights: state_dict does not match the model (missing "
                                  f"{missing[:5]}, unexpected {list(unexpected)[:5]})")
             self._cached.clear()
+            self._block = None               # its KV came from the old weights; running rows read their slots
+            for req in self._active.values():
+                req.shared = 0
+            self._shr[:] = 0
 
     async def close(self) -> None:
         with self._cond:
@@ -293,6 +308,28 @@ class HFEngine:
             # in slot order: rows that are a contiguous run of slots attend over a view, not a gathered copy
             self._prefill_forward(sorted(group[i: i + n], key=lambda r: r.slot), q)
             i += n
+        if self.shared_prefix:
+            self._share(group)
+
+    def _share(self, group: list[_Request]) -> None:
+        """Give the just-prefilled `group` its shared length with the prefix block. The block is (re)built
+        from the group's first prompt when no running request reads at least MIN_SHARED tokens from it
+        (at the start, after a weight update, when the prompts change): the KV of that prompt is in its
+        slot now."""
+        def share(r: _Request) -> int:
+            n = self._block.shared_with(r.prompt_np)
+            return n if n >= MIN_SHARED else 0
+
+        if self._block is None or not any(share(r) for r in self._active.values()):
+            src = group[0]
+            if len(src.prompt_np) < MIN_SHARED:
+                return
+            keys, values = self._store().copy_prefix(src.slot, len(src.prompt_np))
+            self._block = PrefixBlock(src.prompt_np.copy(), keys, values)
+            group = list(self._active.values())        # every running request, against the new block
+        for r in group:
+            r.shared = share(r)
+            self._shr[r.slot] = r.shared
 
     def _prefill_forward(self, reqs: list[_Request], q: int) -> None:
         t0 = time.perf_counter()
@@ -323,11 +360,32 @@ class HFEngine:
         self.stats["prefill_s"] += time.perf_counter() - t0
 
     # ------------------------------------------------------------------------------------- decode
-    def _decode_forward(self, rows: int, kv_len: int) -> torch.Tensor:
-        """The decode forward: reads only the device state buffers, so a CUDA graph can replay it."""
+    def _decode_forward(self, rows: int, kv_len: int, start: int = 0) -> torch.Tensor:
+        """The decode forward: reads only the device state buffers, so a CUDA graph can replay it. With
+        `start` > 0 the rows read their first `shared` positions from the prefix block and their slots
+        from `start` on (`shared_prefix.py`)."""
         d = self._d_int
-        view, pos, mask = self._store().decode_view(rows, kv_len, d[1, :rows], d[2, :rows].bool())
-        return self._call(d[0, :rows, None], pos, mask, view)[:, -1]
+        if not start:
+            view, pos, mask = self._store().decode_view(rows, kv_len, d[1, :rows], d[2, :rows].bool())
+            return self._call(d[0, :rows, None], pos, mask, view)[:, -1]
+        view, pos, mask, block_mask = self._store().decode_view_shared(
+            rows, kv_len, start, d[1, :rows], d[2, :rows].bool(), d[5, :rows], len(self._block))
+        with shared_prefix_attention(self.model):
+            return self._call(d[0, :rows, None], pos, mask, view,
+                              shared_prefix=SharedPrefix(self._block, block_mask))[:, -1]
+
+    def _shared_start(self, slots: list[int], rows: int, kv_len: int) -> int:
+        """The step's shared start S (the smallest shared length of the running rows), or 0 for the plain
+        step: the block path reads P + rows x (kv_len - S) positions instead of rows x kv_len, so it is
+        taken when that is fewer and S >= MIN_SHARED."""
+        if self._block is None:
+            return 0
+        start = min(self._active[s].shared for s in slots)
+        if start < MIN_SHARED or len(self._block) >= rows * start:
+            return 0
+        self.stats["shared_prefix_steps"] += 1
+        self.stats["shared_prefix_unread_tokens"] += rows * start - len(self._block)
+        return start
 
     def _compact(self) -> None:
         """Keep the running requests in the lowest slots. A decode step computes rows [0, last active],
@@ -347,9 +405,9 @@ class HFEngine:
             store.swap_slots(low, high, moved, req.kv_len)
             if cached is not None:
                 self._cached[high] = cached
-            for arr in (self._tok, self._pos, self._act, self._seed, self._cnt, self._temp, self._top_p):
+            for arr in (self._tok, self._pos, self._act, self._seed, self._cnt, self._shr, self._temp, self._top_p):
                 arr[low] = arr[high]
-            self._act[high] = 0
+            self._act[high] = self._shr[high] = 0
             req.slot = low
             self._active[low] = req
             self.stats["compaction_moves"] += 1
@@ -376,7 +434,8 @@ class HFEngine:
             logits = self._graphs.run(rows, kv_len)
             self.stats["cuda_graphs"] = len(self._graphs.graphs)
         else:
-            logits = self._decode_forward(rows, kv_len)
+            start = self._shared_start(slots, rows, kv_len) if self.shared_prefix else 0
+            logits = self._decode_forward(rows, kv_len, start)
         d, f = self._d_int, self._d_flt
         tokens, logprobs = sample_rows(logits, f[0, :rows], f[1, :rows], counter_uniform(d[3, :rows], d[4, :rows]),
                                        bool((self._top_p[slots] < 1.0).any()))
@@ -408,7 +467,7 @@ class HFEngine:
                 error: BaseException | None = None) -> None:
         if self._active.get(req.slot) is req:
             del self._active[req.slot]
-            self._act[req.slot] = 0
+            self._act[req.slot] = self._shr[req.slot] = 0
             if error is None:
                 self._cached[req.slot] = (req.fed_tokens(), time.monotonic())
         out = None if error is not None else GenerationOutput(tuple(req.out_ids), tuple(req.out_logprobs),

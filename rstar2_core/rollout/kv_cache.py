@@ -22,7 +22,10 @@ Masks, and why they look like this (SDPA picks its kernel from them):
   decode mask was 0-15% slower than with the same mask as floats), and `eager` attention adds it to
   the scores. A decode step has no mask-free form: its rows have different lengths.
 Rows not decoding write to the scratch position max_len - 1 (never part of a sequence) and attend to
-position 0 only (a row with nothing to attend would produce NaN).
+position 0 only (a row with nothing to attend would produce NaN). `decode_view_shared` is the decode
+step whose rows read a shared prompt prefix from one block instead of their slots (`shared_prefix.py`):
+its view returns the slot positions from the step's shared start on, with a mask for those and one for
+the block. Slots still hold their whole sequence (prefill, prefix copies and the plain step read it).
 
 Lengths: the caller picks the attended length. The engine's dynamic (CPU) default attends over exactly
 the longest row; its static-shape mode (for CUDA graphs) rounds that up with `bucket` to a power of
@@ -127,6 +130,28 @@ class SlotKVCache:
         view = SlotView(self, slice(0, rows), self._arange[:rows], write, kv_len, prefill=False)
         return view, write[:, None], self._additive(allowed[:, None, None, :])
 
+    def decode_view_shared(self, rows: int, kv_len: int, start: int, write_pos: torch.Tensor, active: torch.Tensor,
+                           shared: torch.Tensor, block_len: int
+                           ) -> tuple[SlotView, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`decode_view` for a step whose rows attend their first `shared[r]` positions through a prefix
+        block (`shared_prefix.py`) and their own slot over [start, kv_len) (start <= every active row's
+        shared length). Returns (view returning the own positions [start, kv_len), position_ids (rows, 1),
+        own-slot mask (rows, 1, 1, kv_len - start), block mask (rows, 1, 1, block_len)): row r attends
+        block positions < shared[r] and own positions in [shared[r], its write position]; a row not
+        decoding attends own position `start` only (finite, never NaN)."""
+        write = torch.where(active, write_pos, self.scratch_pos)
+        shared = torch.where(active, shared, 0)
+        kv = self._arange[start:kv_len][None, :]
+        own = torch.where(active[:, None], (kv >= shared[:, None]) & (kv <= write[:, None]), kv == start)
+        pre = self._arange[:block_len][None, :] < shared[:, None]
+        view = SlotView(self, slice(0, rows), self._arange[:rows], write, kv_len, prefill=False, start=start)
+        return view, write[:, None], self._additive(own[:, None, None, :]), self._additive(pre[:, None, None, :])
+
+    def copy_prefix(self, slot: int, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Copies of the first `length` positions of `slot`, per layer: (keys, values), each (1, kv_heads, length, D)."""
+        return ([k[slot: slot + 1, :, :length].clone() for k in self.keys],
+                [v[slot: slot + 1, :, :length].clone() for v in self.values])
+
     def copy_slot(self, src: int, dst: int, length: int) -> None:
         """Copy the first `length` positions of one slot into another (prefix reuse)."""
         self.ensure_initialised(max(src, dst) + 1)
@@ -153,13 +178,13 @@ class SlotView:
     is_compileable = False
 
     def __init__(self, store: SlotKVCache, rows: slice | torch.Tensor, write_rows: torch.Tensor,
-                 write_pos: torch.Tensor, kv_len: int, prefill: bool):
+                 write_pos: torch.Tensor, kv_len: int, prefill: bool, start: int = 0):
         self.store, self.rows, self.write_rows, self.write_pos = store, rows, write_rows, write_pos
-        self.kv_len, self.prefill, self.q_offset = kv_len, prefill, 0
+        self.kv_len, self.prefill, self.q_offset, self.start = kv_len, prefill, 0, start
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """key_states/value_states: (rows, kv_heads, q_len, head_dim) -> (rows, kv_heads, kv_len, head_dim)."""
+        """key_states/value_states: (rows, kv_heads, q_len, head_dim) -> (rows, kv_heads, kv_len - start, head_dim)."""
         k_store, v_store = self.store.keys[layer_idx], self.store.values[layer_idx]
         if self.prefill:      # destinations (n, q): the values go in as (n, q, kv_heads, head_dim)
             k_store[self.write_rows, :, self.write_pos] = key_states.transpose(1, 2)
@@ -167,7 +192,7 @@ class SlotView:
         else:                 # one position per row
             k_store[self.write_rows, :, self.write_pos] = key_states[:, :, 0]
             v_store[self.write_rows, :, self.write_pos] = value_states[:, :, 0]
-        return k_store[self.rows, :, : self.kv_len], v_store[self.rows, :, : self.kv_len]
+        return k_store[self.rows, :, self.start: self.kv_len], v_store[self.rows, :, self.start: self.kv_len]
 
     # the cache methods transformers' mask builder calls when it gets no mask (5.17 - 5.24)
     def get_seq_length(self, layer_idx: int = 0) -> int:

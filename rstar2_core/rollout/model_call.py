@@ -50,7 +50,8 @@ class ModelCall:
         self.model, self.cache_name = model, cache_kwarg(model)
 
     def __call__(self, ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None, cache,
-                 logits_to_keep: int = 0) -> torch.Tensor:
-        """ids, position_ids: (rows, q) -> logits (rows, q or logits_to_keep, vocab)."""
+                 logits_to_keep: int = 0, **attention_kwargs) -> torch.Tensor:
+        """ids, position_ids: (rows, q) -> logits (rows, q or logits_to_keep, vocab). `attention_kwargs`
+        reach the attention function (transformers passes forward kwargs down to it)."""
         return self.model(input_ids=ids, position_ids=position_ids, attention_mask=mask, use_cache=True,
-                          logits_to_keep=logits_to_keep, **{self.cache_name: cache}).logits
+                          logits_to_keep=logits_to_keep, **{self.cache_name: cache}, **attention_kwargs).logits

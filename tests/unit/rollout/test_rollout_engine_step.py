@@ -1,6 +1,7 @@
 """The engine's decode step pieces: the counter-based sampler (reference RNG, distribution, logprob
 convention, row independence), the prefill/decode masks, batched prefill, static-shape buckets, the
-version-proof model call and the CUDA-graph bookkeeping (the capture itself needs a GPU)."""
+version-proof model call, the shared-prefix decode attention and the CUDA-graph bookkeeping (the capture
+itself needs a GPU)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from rstar2_core.rollout.hf_engine import HFEngine
 from rstar2_core.rollout.kv_cache import MIN_BUCKET, SlotKVCache, bucket
 from rstar2_core.rollout.model_call import cache_kwarg, check_model
 from rstar2_core.rollout.sampling import counter_uniform, reference_uniform, sample_rows, seed_value
+from rstar2_core.rollout.shared_prefix import PrefixBlock, SharedPrefix, shared_prefix_attention_forward
 from rstar2_core.rollout.types import SamplingParams
 
 # chi-square critical values at p = 0.001 (df -> value): a correct sampler exceeds them with probability 0.001
@@ -96,6 +98,41 @@ def test_prefill_masks_causal_only_when_plain_causal_is_exact():
     assert view.get_mask_sizes(4, 0) == (5, 0) and view.get_query_offset(0) == 0
 
 
+def test_shared_prefix_attention_equals_attention_over_each_rows_own_slot():
+    """Rows reading their first shared[r] positions from one block give what attending over their own slots
+    gives; with grouped-query heads (4 query heads on 2 kv heads) and a row that is not decoding."""
+    torch.manual_seed(0)
+    slots, heads, kv_heads, dim, max_len = 4, 4, 2, 8, 40
+    store = SlotKVCache(1, slots, kv_heads, max_len, dim, torch.float32, "cpu")
+    store.ensure_initialised(slots)
+    store.keys[0].normal_()
+    store.values[0].normal_()
+    shared, write, active = [12, 9, 12, 0], [20, 15, 12, 0], [True, True, True, False]
+    for r in (1, 2):                      # the shared positions hold the same KV as the block's source
+        store.copy_slot(0, r, shared[r])
+    block = PrefixBlock(torch.arange(12).numpy(), *store.copy_prefix(0, 12))
+    q = torch.randn(slots, heads, 1, dim)
+    write_t, active_t = torch.tensor(write), torch.tensor(active)
+    _, _, mask = store.decode_view(slots, 21, write_t, active_t)
+    k, v = (t[0][:, :, :21].repeat_interleave(2, 1) for t in (store.keys, store.values))
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
+    start = 9                             # the smallest shared length of the decoding rows
+    view, pos, own_mask, block_mask = store.decode_view_shared(slots, 21, start, write_t, active_t,
+                                                               torch.tensor(shared), len(block))
+    assert pos[:, 0].tolist() == [20, 15, 12, store.scratch_pos] and view.start == start
+    assert (own_mask[:, 0, 0] == 0).sum(-1).tolist() == [21 - 12, 15 - 9 + 1, 1, 1]
+    assert (block_mask[:, 0, 0] == 0).sum(-1).tolist() == [12, 9, 12, 0]
+    layer = torch.nn.Module()
+    layer.layer_idx = 0
+    got, _ = shared_prefix_attention_forward(layer, q, store.keys[0][:, :, start:21], store.values[0][:, :, start:21],
+                                             own_mask, shared_prefix=SharedPrefix(block, block_mask))
+    assert got.shape == (slots, 1, heads, dim) and torch.isfinite(got).all()
+    torch.testing.assert_close(got[:3], want[:3], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="decode steps"):
+        shared_prefix_attention_forward(layer, torch.randn(slots, heads, 2, dim), store.keys[0][:, :, :2],
+                                        store.values[0][:, :, :2], own_mask, shared_prefix=SharedPrefix(block, block_mask))
+
+
 def test_bucket_sizes():
     assert [bucket(n, 256) for n in (1, 2, 3, 17, 256, 300)] == [1, 2, 4, 32, 256, 256]
     assert [bucket(n, 200, MIN_BUCKET) for n in (1, 64, 65, 130, 199)] == [64, 64, 128, 200, 200]
@@ -143,7 +180,7 @@ def test_static_shapes_decode_in_power_of_two_buckets(model, tokenizer):
     engine = HFEngine(model, tokenizer, max_batch_size=8, max_seq_len=200, static_shapes=True)
     shapes = []
     real = engine._decode_forward
-    engine._decode_forward = lambda rows, kv_len: (shapes.append((rows, kv_len)), real(rows, kv_len))[1]
+    engine._decode_forward = lambda rows, kv_len, *start: (shapes.append((rows, kv_len)), real(rows, kv_len, *start))[1]
     prompts = [[5, 17, 40], [100, 3], [7, 8, 9, 10, 11]]
     outs = _gather(engine, prompts, lambda i: SamplingParams(max_new_tokens=70 - 20 * i, temperature=0.0))
     assert {r for r, _ in shapes} <= {1, 2, 4} and {k for _, k in shapes} == {64, 128}
@@ -156,7 +193,7 @@ def test_running_requests_move_to_the_lowest_slots_and_cached_prefixes_survive(m
     engine = HFEngine(model, tokenizer, max_batch_size=4, max_seq_len=96)
     rows_seen = []
     real = engine._decode_forward
-    engine._decode_forward = lambda rows, kv_len: (rows_seen.append(rows), real(rows, kv_len))[1]
+    engine._decode_forward = lambda rows, kv_len, *start: (rows_seen.append(rows), real(rows, kv_len, *start))[1]
     prompts = [[5, 6, 7], [8, 9, 10], [11, 12, 13], [14, 15, 16, 17]]
     params = lambda i: SamplingParams(max_new_tokens=2 if i < 3 else 30, temperature=0.9, seed=i)
 

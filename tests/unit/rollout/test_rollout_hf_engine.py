@@ -1,6 +1,7 @@
 """HFEngine: continuous batching is exact (same tokens as one-at-a-time and as `model.generate`),
 logprobs match a separate forward pass, seeds make sampling independent of batch composition, stop
-ids/strings/length end requests correctly, prefixes are reused, weights can be swapped."""
+ids/strings/length end requests correctly, prefixes are reused (and a long shared one read once per decode
+step), weights can be swapped."""
 
 from __future__ import annotations
 
@@ -177,6 +178,47 @@ def test_shared_prompt_prefix_is_copied_not_prefilled(model, tokenizer):
         alone = _run(_staggered(HFEngine(model, tokenizer, max_batch_size=1, max_seq_len=64), [p], lambda i: greedy))
         assert out.token_ids == alone[0].token_ids
         assert out.logprobs == pytest.approx(_forward_logprobs(model, p, out.token_ids), abs=1e-4)
+
+
+def test_rows_sharing_a_long_prompt_read_it_once_per_step_with_the_plain_steps_tokens(model, tokenizer):
+    shared = [20 + i % 200 for i in range(100)]              # more than MIN_SHARED tokens: the block pays
+    prompts = [shared + [3, 4], shared + [5], shared + [7, 8, 9], [60, 61, 62], shared[:70] + [1]]
+    for params in (lambda i: SamplingParams(max_new_tokens=14, temperature=0.0),
+                   lambda i: SamplingParams(max_new_tokens=14, temperature=0.8, seed=50 + i)):
+        engine = HFEngine(model, tokenizer, max_batch_size=4, max_seq_len=160)
+        outs = _run(_staggered(engine, prompts, params))
+        plain = _run(_staggered(HFEngine(model, tokenizer, max_batch_size=4, max_seq_len=160, shared_prefix=False),
+                                prompts, params))
+        assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+        # some steps read the block (the 3-token prompt, sharing nothing, makes the others plain while it runs)
+        assert 0 < engine.stats["shared_prefix_steps"] < engine.stats["decode_steps"]
+        assert engine.stats["shared_prefix_unread_tokens"] > 0
+        for i, (p, out) in enumerate(zip(prompts, outs)):
+            temperature = params(i).temperature or 1.0
+            assert out.logprobs == pytest.approx(_forward_logprobs(model, p, out.token_ids, temperature), abs=1e-4)
+
+
+def test_a_weight_update_drops_the_prefix_block_and_the_next_round_rebuilds_it(model, tokenizer):
+    shared = [20 + i % 200 for i in range(90)]
+    greedy = SamplingParams(max_new_tokens=8, temperature=0.0)
+    engine = HFEngine(model, tokenizer, max_batch_size=4, max_seq_len=160)
+
+    async def rounds():
+        first = await asyncio.gather(*(engine.generate(shared + [k], greedy) for k in (1, 2, 3)))
+        assert engine._block is not None and engine.stats["shared_prefix_steps"] > 0
+        engine.update_weights(model.state_dict())
+        assert engine._block is None
+        steps = engine.stats["shared_prefix_steps"]
+        second = await asyncio.gather(*(engine.generate(shared + [k], greedy) for k in (1, 2, 3)))
+        assert engine.stats["shared_prefix_steps"] > steps
+        await engine.close()
+        return first, second
+
+    first, second = _run(rounds())
+    assert [o.token_ids for o in first] == [o.token_ids for o in second]
+    with pytest.raises(ValueError, match="shared_prefix=True needs dynamic shapes"):
+        HFEngine(model, tokenizer, static_shapes=True, shared_prefix=True)
+    assert not HFEngine(model, tokenizer, static_shapes=True).shared_prefix
 
 
 def test_close_cancel_and_a_failing_step_leave_the_engine_consistent(tokenizer):
