@@ -13,7 +13,9 @@ One loop iteration:
 - **decode**: running requests are kept in the lowest slots (`_compact`: a request moves down into a
   free slot, swapping KV with it, when idle rows would exceed a quarter of the running ones), then one
   forward for rows [0, rows) of the slot cache with per-row positions and an additive mask
-  (`kv_cache`), then `sampling.sample_rows` draws every row's token at once.
+  (`kv_cache`), then `sampling.sample_rows` draws every row's token at once. When the running rows share
+  a long prompt prefix with the engine's prefix block (the system turn, a GRPO group's prompt), the
+  step reads that prefix once for all rows instead of once per row (`shared_prefix.py`).
 Per step the host sends the per-slot state (last token, position, seed, counter, temperature,
 top_p; kept in numpy arrays, updated when a token arrives) to the device and reads back one
 (2, rows) tensor of tokens and logprobs: one device-to-host copy per step.

@@ -89,8 +89,12 @@ def plan_root(modules: tuple[str, ...]) -> RootPlan:
     paths.update(found)
     paths.update(system_dirs)
     dirs = {p for p in paths if os.path.isdir(p) and not os.path.islink(p)}
-    # a path through symlinks into a bound directory stays: the root gets those symlinks (/lib64/ld-linux...)
-    binds = [p for p in paths if os.path.lexists(p) and not _under(p, dirs)]
+    real_dirs = {os.path.realpath(p) for p in dirs}
+    # a path through symlinks into a bound directory stays: the root gets those symlinks (/lib64/ld-linux...);
+    # a canonical path inside a directory bound through a symlinked path (a venv reached through a link,
+    # its libraries found by their real paths) is shown by that bind already
+    binds = [p for p in paths if os.path.lexists(p) and not _under(p, dirs)
+             and not (os.path.realpath(p) == p and _under(p, real_dirs))]
     # directories first: a file whose real path lies in a bound directory is then seen through it
     binds.sort(key=lambda p: (not (os.path.isdir(p) and not os.path.islink(p)), p))
     copies = [p for p in binds if not os.path.islink(p) and _small(p)]

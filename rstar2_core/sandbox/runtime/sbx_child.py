@@ -72,7 +72,7 @@ def run_child(req: dict, cwd: str, uid: int | None, fds: tuple[int, int, int], a
         os.closerange(3, 1 << 20)   # the template's fds (its host /proc included) stay with it
         if conf["tmp_opts"] is not None:
             owner = b",uid=%d,gid=%d" % (uid, uid) if uid is not None else b""
-            iso.mount_call_dirs(conf["tmp_opts"] + owner, conf["proc"])
+            iso.mount_call_dirs(conf["tmp_opts"] + owner, conf["proc"], conf["tmp_links"])
         else:
             os.mkdir(cwd, 0o700)
             if uid is not None:

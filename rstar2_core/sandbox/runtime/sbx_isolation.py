@@ -117,10 +117,18 @@ def mount(src: bytes | None, target: bytes, fstype: bytes | None, flags: int, da
 TMP_FLAGS, PROC_FLAGS = MS_NOSUID | MS_NODEV, MS_NOSUID | MS_NODEV | MS_NOEXEC
 
 
-def mount_call_dirs(tmp_opts: bytes, proc: bool) -> None:
+def mount_call_tmp(tmp_opts: bytes, links: list[str]) -> None:
+    """A fresh tmpfs on /tmp, with `links` (sbx_rootfs.tmp_links: the root's paths under /tmp) linked
+    back to where the root holds them."""
+    mount(b"tmp", b"/tmp", b"tmpfs", TMP_FLAGS, tmp_opts)
+    for name in links:
+        os.symlink(f"{sbx_rootfs.TMP_HOLD}/{name}", f"/tmp/{name}")
+
+
+def mount_call_dirs(tmp_opts: bytes, proc: bool, links: list[str]) -> None:
     """In a call's own mount namespace (`enter_call_mount_ns`): a fresh tmpfs on /tmp (also /dev/shm,
     cwd, HOME) and, when the call has its own PID namespace, a procfs that shows only that namespace."""
-    mount(b"tmp", b"/tmp", b"tmpfs", TMP_FLAGS, tmp_opts)
+    mount_call_tmp(tmp_opts, links)
     if proc:
         mount(b"proc", b"/proc", b"proc", PROC_FLAGS)
 
@@ -134,14 +142,14 @@ def mount_scratch(workdir: str, size_mb: int) -> None:
     mount(b"rstar2-scratch", workdir.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, f"size={int(size_mb)}m,mode=711".encode())
 
 
-def confine_template(workdir: str, binds: list[str], masks: list[str], copies: list[str]) -> int:
+def confine_template(workdir: str, binds: list[str], masks: list[str], copies: list[str]) -> tuple[int, list[str]]:
     """A private mount namespace whose root is the minimal root built on `workdir` (sbx_rootfs.py).
-    Returns the number of mounts in it."""
+    Returns the number of mounts in it and the entries each call links from its /tmp (`mount_call_tmp`)."""
     unshare(CLONE_NEWNS)
     mount(None, b"/", None, MS_REC | MS_PRIVATE)
     n = sbx_rootfs.build(workdir, binds, masks, copies)
     sbx_rootfs.pivot(workdir)
-    return n
+    return n, sbx_rootfs.tmp_links("")
 
 
 def setup_isolation(s: dict, procfd: int) -> dict:
@@ -149,7 +157,7 @@ def setup_isolation(s: dict, procfd: int) -> dict:
     scratch tmpfs, probe PID namespaces. `s`: the template's settings; `procfd`: the host's /proc."""
     network, workdir = s["network"], s["workdir"]
     f = {"root": os.geteuid() == 0, "userns": False, "netns": False, "pidns": False, "uid_drop": False,
-         "scratch_tmpfs": False, "minimal_root": None, "root_mounts": 0, "private_tmp": False,
+         "scratch_tmpfs": False, "minimal_root": None, "root_mounts": 0, "tmp_links": [], "private_tmp": False,
          "own_proc": False, "netns_per_slot": False, "seccomp": False, "caps_dropped": False, "notes": []}
     uid, gid = os.getuid(), os.getgid()
     if not s.get("namespaces", True):
@@ -184,7 +192,8 @@ def setup_isolation(s: dict, procfd: int) -> dict:
     if s.get("confine") and s.get("root_plan"):
         try:
             plan = s["root_plan"]
-            f["root_mounts"] = confine_template(workdir, plan["binds"], plan["masks"], plan.get("copies", []))
+            f["root_mounts"], f["tmp_links"] = confine_template(workdir, plan["binds"], plan["masks"],
+                                                                plan.get("copies", []))
             f["minimal_root"] = "pivot_root"
         except OSError as e:
             f["notes"].append(f"minimal root: {e}; calls see the host's file system")
@@ -238,7 +247,7 @@ class CallSetup:
     network and mount namespaces (fds), the slots' network namespaces, the reaper's socket."""
 
     def __init__(self):
-        self.conf: dict = {"tmp_opts": None, "proc": False}
+        self.conf: dict = {"tmp_opts": None, "proc": False, "tmp_links": []}
         self.home_net, self.home_mnt = -1, -1
         self.slot_net: dict[int, int] = {}
         self.reaper: socket.socket | None = None
@@ -286,7 +295,7 @@ def prepare_calls(f: dict, s: dict, procfd: int) -> CallSetup:
             f["notes"].append("a call cannot mount its own /proc here: /proc is empty in calls")
     if prog is not None and not f["seccomp"]:
         f["notes"].append("the seccomp filter is installed but a call's refused system call went through")
-    cs.conf = {"tmp_opts": tmp_opts if f["private_tmp"] else None, "proc": f["own_proc"]}
+    cs.conf = {"tmp_opts": tmp_opts if f["private_tmp"] else None, "proc": f["own_proc"], "tmp_links": f["tmp_links"]}
     return cs
 
 
@@ -307,8 +316,9 @@ def probe_call_setup(f: dict, tmp_opts: bytes | None, netns_fd: int, filtered: b
         ok = 0
         try:
             if tmp_opts:
-                mount(b"tmp", b"/tmp", b"tmpfs", TMP_FLAGS, tmp_opts)
-                ok |= PROBE_TMP
+                mount_call_tmp(tmp_opts, f["tmp_links"])
+                if all(os.path.exists(f"/tmp/{name}") for name in f["tmp_links"]):
+                    ok |= PROBE_TMP
                 if f["pidns"]:
                     mount(b"proc", b"/proc", b"proc", PROC_FLAGS)
                     ok |= PROBE_PROC

@@ -7,6 +7,11 @@ loaded by template.py): a small tmpfs holding
   allowed), `/dev/shm` -> `/tmp`, `/dev/fd` and `/dev/std*` -> `/proc/self/fd`;
 - empty `/proc` and `/tmp`, on which each call mounts its own procfs and tmpfs (sbx_child.py);
 then `pivot_root` into it, detach the host's tree, and make the root itself read-only.
+
+Paths of the plan under `/tmp` (a checkout or virtual environment there, as on many CI runners) would be
+hidden by each call's own `/tmp`: they are built under `TMP_HOLD` (`/.tmp-host/...`) instead, and each
+call links its `/tmp/<entry>` to `/.tmp-host/<entry>` after mounting its tmpfs (`tmp_links`), so the
+interpreter finds them at their own paths, still read-only.
 """
 
 from __future__ import annotations
@@ -45,6 +50,22 @@ def bind_readonly(src: str, target: str) -> None:
     mount(None, target, None, flags)
 
 
+TMP_HOLD = "/.tmp-host"
+
+
+def inside(root: str, host: str) -> str:
+    """Where host path `host` goes in the root built on `root`: its own path, or under TMP_HOLD for /tmp."""
+    if host == "/tmp" or host.startswith("/tmp/"):
+        return root + TMP_HOLD + host[len("/tmp"):]
+    return root + host
+
+
+def tmp_links(root: str) -> list[str]:
+    """The entries a call links from its /tmp into TMP_HOLD (none when the plan has nothing under /tmp)."""
+    hold = root + TMP_HOLD
+    return sorted(os.listdir(hold)) if os.path.isdir(hold) else []
+
+
 def build(new_root: str, binds: list[str], masks: list[str], copies: list[str] = ()) -> int:
     """Mount the root's tmpfs on `new_root` and fill it (see the module docstring): `binds` are
     bind-mounted, `copies` (small) copied. Returns the number of mounts made (each is copied into,
@@ -57,7 +78,7 @@ def build(new_root: str, binds: list[str], masks: list[str], copies: list[str] =
     for path in binds:
         mounts += _expose(new_root, path, done)
     for path in masks:
-        mount("rstar2-mask", new_root + path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "size=4k,mode=555")
+        mount("rstar2-mask", inside(new_root, path), "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "size=4k,mode=555")
     os.mkdir(f"{new_root}/dev", 0o755)
     for name, (major, minor) in DEVICES.items():
         node = f"{new_root}/dev/{name}"
@@ -101,12 +122,12 @@ def _expose(root: str, path: str, done: set[str], copy: bool = False) -> int:
         host = os.path.join(cur, parts.pop(0))
         if host in done:
             return 0   # already visible (bound or copied, itself or a directory above it)
-        inside = root + host
+        dest = inside(root, host)
         st = os.lstat(host)
         if stat.S_ISLNK(st.st_mode):
             target = os.readlink(host)
-            if not os.path.lexists(inside):
-                os.symlink(target, inside)
+            if not os.path.lexists(dest):
+                os.symlink(target, dest)
             hops += 1
             if hops > 40:
                 raise OSError(f"too many symlinks resolving {path}")
@@ -114,21 +135,21 @@ def _expose(root: str, path: str, done: set[str], copy: bool = False) -> int:
             cur = "/"
             continue
         if parts:            # a directory on the way: an empty one in the root, whatever its mode
-            if not os.path.isdir(inside):
-                os.mkdir(inside, 0o755)
+            if not os.path.isdir(dest):
+                os.mkdir(dest, 0o755)
             cur = host
             continue
         done.add(host)
         if copy:
             if stat.S_ISDIR(st.st_mode):
-                shutil.copytree(host, inside, symlinks=True)
+                shutil.copytree(host, dest, symlinks=True)
             else:
-                shutil.copy2(host, inside)
+                shutil.copy2(host, dest)
             return 0
         if stat.S_ISDIR(st.st_mode):
-            os.mkdir(inside, 0o755)
+            os.mkdir(dest, 0o755)
         else:
-            open(inside, "w").close()
-        bind_readonly(host, inside)
+            open(dest, "w").close()
+        bind_readonly(host, dest)
         return 1
     return 0

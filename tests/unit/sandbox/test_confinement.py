@@ -6,9 +6,12 @@ service's reason (`rstar2 sandbox doctor` lists them)."""
 from __future__ import annotations
 
 import ast
+import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -251,6 +254,41 @@ def test_ordinary_programs_still_work(roomy):
     r = run(sb, "import subprocess, sys\nprint(subprocess.run([sys.executable, '-c', 'print(6 * 7)'],"
                 " capture_output=True, text=True).stdout.strip())")
     assert r.stdout == "42\n", r.stderr   # a fresh interpreter finds everything it needs in the root
+
+
+_UNDER_TMP = """
+import json, sys
+from rstar2_core.config import SandboxConfig
+from rstar2_core.sandbox import ExecutionRequest, LocalSandbox
+code = "import os, sys, sympy\\nprint(sys.prefix, sympy.factorint(12), sorted(os.listdir('/tmp')))"
+with LocalSandbox(SandboxConfig(workers=1, timeout_s=15.0, cpu_time_s=15.0)) as sb:
+    f = [t["features"] for t in sb.features.values()]
+    r = sb.run_sync(ExecutionRequest(code=code))
+print(json.dumps({"prefix": sys.prefix, "roots": [x["minimal_root"] for x in f], "links": [x["tmp_links"] for x in f],
+                  "notes": [x["notes"] for x in f], "stdout": r.stdout, "stderr": r.stderr}))
+"""
+
+
+def test_an_interpreter_under_tmp_keeps_the_minimal_root(sb):
+    """A checkout or virtual environment under /tmp (where many CI runners put them): every call mounts its
+    own /tmp, which would hide them, so the root holds those paths under /.tmp-host and each call links
+    its /tmp/<entry> there. Before, building the root failed (EEXIST on /tmp) and calls saw the host's files."""
+    require(sb, "minimal_root")
+    d = tempfile.mkdtemp(prefix="rstar2-venv-", dir="/tmp")
+    try:
+        link = Path(d, "venv")
+        link.symlink_to(sys.prefix)          # this interpreter, reached through a path under /tmp
+        proc = subprocess.run([str(link / "bin" / "python"), "-c", _UNDER_TMP], cwd=ROOT, capture_output=True,
+                              text=True, timeout=300, check=False)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert out["prefix"] == str(link)
+        assert set(out["roots"]) == {"pivot_root"}, out["notes"]
+        assert all(links == [Path(d).name] for links in out["links"]), out["links"]
+        prefix, factors, listing = out["stdout"].rstrip("\n").split(" ", 1)[0], "{2: 2, 3: 1}", Path(d).name
+        assert prefix == str(link) and factors in out["stdout"] and listing in out["stdout"], out
+    finally:
+        shutil.rmtree(d)
 
 
 def test_missing_properties_are_logged_at_start(make_cfg, caplog):
