@@ -1,6 +1,13 @@
 # Sourced by every script and the Makefile's recipes: all local state lives under $RSTAR2_HOME
 # (default <repo>/.rstar2), nothing under ~.
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# an RSTAR2_HOME inherited from a shell that sourced another checkout's env.sh would run this checkout on
+# that one's registry, runs and servers: say so once (an intended shared home is fine)
+if [ -n "${RSTAR2_HOME:-}" ] && [ -z "${RSTAR2_HOME_NOTED:-}" ] && [[ "$RSTAR2_HOME" != "$ROOT"/* ]]; then
+  echo "rstar2: RSTAR2_HOME=$RSTAR2_HOME comes from the environment and lies outside this checkout ($ROOT):" \
+       "its state is used; unset RSTAR2_HOME to use $ROOT/.rstar2" >&2
+  export RSTAR2_HOME_NOTED=1
+fi
 export RSTAR2_HOME="${RSTAR2_HOME:-$ROOT/.rstar2}"
 export XDG_CACHE_HOME="$RSTAR2_HOME/cache"
 export HF_HOME="$RSTAR2_HOME/cache/huggingface"

@@ -1,0 +1,28 @@
+"""scripts/env.sh: an RSTAR2_HOME inherited from another checkout's shell is named, once."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _source(home: str | None, twice: bool = False) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RSTAR2_HOME", "RSTAR2_HOME_NOTED")}
+    if home is not None:
+        env["RSTAR2_HOME"] = home
+    cmd = "source scripts/env.sh; " + ("bash -c 'source scripts/env.sh'; " if twice else "") + 'echo "$RSTAR2_HOME"'
+    return subprocess.run(["bash", "-c", cmd], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+
+
+def test_an_inherited_home_outside_the_checkout_is_named_once(tmp_path):
+    other = str(tmp_path / "other-checkout" / ".rstar2")
+    out = _source(other, twice=True)
+    assert out.stdout.strip() == other
+    assert out.stderr.count("lies outside this checkout") == 1, out.stderr
+    assert f"unset RSTAR2_HOME to use {ROOT}/.rstar2" in out.stderr
+    for home in (None, str(ROOT / ".rstar2" / "test")):
+        quiet = _source(home)
+        assert quiet.stderr == "" and quiet.stdout.strip() == (home or str(ROOT / ".rstar2"))
