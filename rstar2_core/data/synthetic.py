@@ -41,6 +41,7 @@ samples; this task is a stand-in small enough for a ~0.2M-parameter model to lea
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import random
 from collections.abc import Callable, Sequence
@@ -76,8 +77,32 @@ class Problem:
                 "phrasing": self.phrasing, "params": list(self.params)}
 
 
+def _sieve(limit: int) -> bytearray:
+    """is_prime[n] for 0 <= n <= limit (sieve of Eratosthenes)."""
+    flags = bytearray([1]) * (limit + 1)
+    flags[0:2] = b"\x00\x00"
+    for d in range(2, int(limit ** 0.5) + 1):
+        if flags[d]:
+            flags[d * d:: d] = bytes(len(range(d * d, limit + 1, d)))
+    return flags
+
+
+_SIEVE_MAX = 10_000                                   # covers every number the families draw
+_PRIME = _sieve(_SIEVE_MAX)
+_PI = list(itertools.accumulate(_PRIME))              # _PI[n] = number of primes <= n
+
+
 def _is_prime(n: int) -> bool:
+    if 0 <= n <= _SIEVE_MAX:
+        return bool(_PRIME[n])
     return n > 1 and all(n % d for d in range(2, int(n ** 0.5) + 1))
+
+
+def _count_primes(a: int, b: int) -> int:
+    """Primes p with a <= p <= b."""
+    if 1 <= a and b <= _SIEVE_MAX:
+        return _PI[b] - _PI[a - 1] if b >= a else 0
+    return sum(_is_prime(n) for n in range(a, b + 1))
 
 
 def _num_divisors(n: int) -> int:
@@ -146,7 +171,7 @@ FAMILIES: tuple[_Family, ...] = (
              "Find the number of primes p such that {0} <= p <= {1}."),
             "print(sum(all(n % d for d in range(2, int(n ** 0.5) + 1)) for n in range({0}, {1} + 1)))",
             _prime_range,
-            lambda a, b: sum(_is_prime(n) for n in range(a, b + 1) if n % 2 or n == 2)),
+            _count_primes),
     _Family("count_divisors",
             ("How many positive divisors does {0} have?",
              "Count the positive divisors of {0}.",

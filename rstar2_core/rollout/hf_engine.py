@@ -376,7 +376,7 @@ class HFEngine:
             return self._call(d[0, :rows, None], pos, mask, view,
                               shared_prefix=SharedPrefix(self._block, block_mask))[:, -1]
 
-    def _shared_start(self, slots: list[int], rows: int, kv_len: int) -> int:
+    def _shared_start(self, slots: list[int], rows: int) -> int:
         """The step's shared start S (the smallest shared length of the running rows), or 0 for the plain
         step: the block path reads P + rows x (kv_len - S) positions instead of rows x kv_len, so it is
         taken when that is fewer and S >= MIN_SHARED."""
@@ -436,7 +436,7 @@ class HFEngine:
             logits = self._graphs.run(rows, kv_len)
             self.stats["cuda_graphs"] = len(self._graphs.graphs)
         else:
-            start = self._shared_start(slots, rows, kv_len) if self.shared_prefix else 0
+            start = self._shared_start(slots, rows) if self.shared_prefix else 0
             logits = self._decode_forward(rows, kv_len, start)
         d, f = self._d_int, self._d_flt
         tokens, logprobs = sample_rows(logits, f[0, :rows], f[1, :rows], counter_uniform(d[3, :rows], d[4, :rows]),

@@ -43,6 +43,17 @@ def test_answers_match_executed_reference_code():
         assert p.answer.lstrip("-").isdigit()
 
 
+def test_sieve_counts_equal_trial_division():
+    from rstar2_core.data.synthetic import _count_primes, _is_prime
+
+    def trial(n):
+        return n > 1 and all(n % d for d in range(2, int(n ** 0.5) + 1))
+
+    assert [n for n in range(-3, 10_050) if _is_prime(n)] == [n for n in range(-3, 10_050) if trial(n)]
+    for a, b in ((2, 2), (1, 10), (120, 980), (900, 2400), (9_990, 10_020), (5, 4)):
+        assert _count_primes(a, b) == sum(trial(n) for n in range(a, b + 1)), (a, b)
+
+
 def test_eval_split_is_held_out():
     sft = generate_problems(0, 700, "sft")
     rl = generate_problems(0, 700, "rl")
