@@ -36,6 +36,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from rstar2_core.rollout.prefix import common_prefix
+
 ATTENTION = "rstar2_shared_prefix"
 MIN_SHARED = 64      # fewer shared tokens than this: the plain step (the block's read would not pay)
 
@@ -51,9 +53,7 @@ class PrefixBlock:
 
     def shared_with(self, prompt: np.ndarray) -> int:
         """How many leading tokens of `prompt` the block holds (common prefix length)."""
-        m = min(len(self.tokens), len(prompt))
-        diff = np.flatnonzero(self.tokens[:m] != prompt[:m])
-        return int(diff[0]) if diff.size else m
+        return common_prefix(self.tokens, prompt, len(prompt))
 
 
 @dataclass(frozen=True)
