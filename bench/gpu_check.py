@@ -4,7 +4,8 @@ Sections, each timed and each under a hard time budget (SIGALRM; a section over 
 and reported, the next one runs; the whole check also stops at `--budget` seconds, 340 by default):
 - versions: torch, transformers, CUDA/HIP, device name, capability and memory, printed first;
 - gates (bench/gpu_gates.py, fp32 with TF32 off): HFEngine greedy == `model.generate` greedy on fixed
-  prompts (eager, and on CUDA with `cuda_graphs=True`; on CPU with `static_shapes=True`); engine
+  prompts (eager, and on CUDA with `cuda_graphs=True`; on CPU with `static_shapes=True`), and on prompts
+  sharing a 96-token prefix (the shared-prefix decode step, which must have run); engine
   logprobs == a teacher-forced forward within `LOGPROB_TOL`; the counter-based sampler's uniforms on
   the device == the pure-Python reference;
 - per model (tiny and a Qwen2.5-0.5B-shaped random-init Qwen2, bf16, sdpa attention):
@@ -342,11 +343,15 @@ def gates(device: torch.device, quick: bool) -> dict:
         new = 16 if device.type == "cpu" else 32
         out = {"model": shape, "dtype": "float32", "rng": gpu_gates.rng_gate(device),
                "greedy": gpu_gates.greedy_gate(model, make_engine, engine_variants(device), new),
+               "greedy_shared_prefix": gpu_gates.greedy_gate(model, make_engine, {"engine": {}}, new,
+                                                             prompts=gpu_gates.shared_prompts(model.config.vocab_size)),
                "logprobs": gpu_gates.logprob_gate(model, make_engine, new, LOGPROB_TOL[device.type])}
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = prev
-    out["ok"] = all(out[k]["ok"] for k in ("rng", "greedy", "logprobs"))
-    g = out["greedy"]["variants"]
+    shared = out["greedy_shared_prefix"]
+    shared["ok"] = shared["ok"] and shared["variants"]["engine"]["shared_prefix_steps"] > 0
+    out["ok"] = all(out[k]["ok"] for k in ("rng", "greedy", "greedy_shared_prefix", "logprobs"))
+    g = dict(out["greedy"]["variants"], engine_shared_prefix=shared["variants"]["engine"])
     log(f"gates ({shape}, fp32): rng {out['rng']['ok']}; greedy == generate "
         + ", ".join(f"{k} {v['exact']} exact + {v['near_ties']} near ties, {len(v['wrong'])} wrong" for k, v in g.items())
         + f"; logprobs max |diff| {out['logprobs']['max_abs_diff']:.2e} (tol {LOGPROB_TOL[device.type]:.0e})")

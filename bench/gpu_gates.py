@@ -2,7 +2,9 @@
 
 - `greedy_gate`: on a fixed set of prompts, the engine's greedy tokens (continuous batching: more
   prompts than slots, so requests join mid-batch; each engine variant asked for) equal `model.generate`
-  greedy run on each prompt alone. A divergence counts as a *near tie* (and passes) only when, under a
+  greedy run on each prompt alone. Run once more on `shared_prompts` (one 96-token prefix, then
+  different tails, as a GRPO step's prompts share their system turn), where the default engine's decode
+  steps read the prefix once per step (`rollout/shared_prefix.py`; the gate fails if no step did). A divergence counts as a *near tie* (and passes) only when, under a
   teacher-forced forward of the reference, the two tokens' logits differ by less than `TIE_GAP`: there
   argmax is decided by rounding, not by the engine. Run in fp32 (TF32 off), where rounding is ~1e-6.
 - `logprob_gate`: sampled outputs (temperature 1, per-request seeds), whose engine logprobs must match
@@ -29,6 +31,13 @@ def fixed_prompts(vocab: int, n: int = 6, seed: int = 1234) -> list[list[int]]:
     return [torch.randint(3, vocab, (k,), generator=g).tolist() for k in lengths]
 
 
+def shared_prompts(vocab: int, n: int = 6, prefix: int = 96, seed: int = 4321) -> list[list[int]]:
+    """n prompts that start with the same `prefix` tokens (tails of 1..24 tokens), the same on every run."""
+    g = torch.Generator().manual_seed(seed)
+    head = torch.randint(3, vocab, (prefix,), generator=g).tolist()
+    return [head + torch.randint(3, vocab, (k,), generator=g).tolist() for k in [5, 17, 1, 24, 9, 12, 3, 7][:n]]
+
+
 async def _engine_outputs(engine, prompts, params_for):
     try:
         return await asyncio.gather(*[engine.generate(p, params_for(i)) for i, p in enumerate(prompts)])
@@ -44,11 +53,13 @@ def _teacher_forced_logits(model, prompt: list[int], out: list[int]) -> torch.Te
     return logits[len(prompt) - 1: len(prompt) - 1 + len(out)]
 
 
-def greedy_gate(model, make_engine, variants: dict[str, dict], new_tokens: int, slots: int = 4) -> dict:
-    """variants: name -> extra HFEngine kwargs. make_engine(model, slots, max_len, **kw) -> HFEngine."""
+def greedy_gate(model, make_engine, variants: dict[str, dict], new_tokens: int, slots: int = 4,
+                prompts: list[list[int]] | None = None) -> dict:
+    """variants: name -> extra HFEngine kwargs. make_engine(model, slots, max_len, **kw) -> HFEngine.
+    Each variant reports how many decode steps read a shared prefix once (`shared_prefix_steps`)."""
     from rstar2_core.rollout.types import SamplingParams
 
-    prompts = fixed_prompts(model.config.vocab_size)
+    prompts = prompts or fixed_prompts(model.config.vocab_size)
     refs = []
     with torch.no_grad():
         for p in prompts:
@@ -59,7 +70,8 @@ def greedy_gate(model, make_engine, variants: dict[str, dict], new_tokens: int, 
     res: dict = {"prompts": len(prompts), "new_tokens": new_tokens, "tie_gap": TIE_GAP, "variants": {}}
     max_len = max(len(p) for p in prompts) + new_tokens + 8
     for name, kw in variants.items():
-        outs = asyncio.run(_engine_outputs(make_engine(model, slots, max_len, **kw), prompts,
+        engine = make_engine(model, slots, max_len, **kw)
+        outs = asyncio.run(_engine_outputs(engine, prompts,
                                            lambda i: SamplingParams(max_new_tokens=new_tokens, temperature=0.0)))
         exact, ties, wrong = 0, 0, []
         for k, (p, ref, out) in enumerate(zip(prompts, refs, outs)):
@@ -77,7 +89,8 @@ def greedy_gate(model, make_engine, variants: dict[str, dict], new_tokens: int, 
                 wrong.append({"prompt": k, "first_diff": i, "logit_gap": gap})
             else:
                 wrong.append({"prompt": k, "lengths": [len(got), len(ref)]})
-        res["variants"][name] = {"exact": exact, "near_ties": ties, "wrong": wrong, "ok": not wrong}
+        res["variants"][name] = {"exact": exact, "near_ties": ties, "wrong": wrong, "ok": not wrong,
+                                 "shared_prefix_steps": engine.stats["shared_prefix_steps"]}
     res["ok"] = all(v["ok"] for v in res["variants"].values())
     return res
 

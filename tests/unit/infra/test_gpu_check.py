@@ -35,6 +35,9 @@ def _check_gates(out: dict) -> None:
     variants = g["greedy"]["variants"]
     assert set(variants) == {"engine", "engine_static"}
     assert all(v["exact"] + v["near_ties"] == g["greedy"]["prompts"] and not v["wrong"] for v in variants.values())
+    shared = g["greedy_shared_prefix"]
+    assert shared["ok"] and shared["variants"]["engine"]["shared_prefix_steps"] > 0
+    assert shared["variants"]["engine"]["exact"] + shared["variants"]["engine"]["near_ties"] == shared["prompts"]
 
 
 @pytest.mark.slow
