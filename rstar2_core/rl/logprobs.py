@@ -108,7 +108,8 @@ def batch_logprobs(model: torch.nn.Module, batch: PackedBatch, temperature: floa
     return out.masked_scatter(batch.valid, lp)
 
 
-def _chunks(n: int, size: int) -> list[slice]:
+def micro_batch_slices(n: int, size: int) -> list[slice]:
+    """[slice(0, size), slice(size, 2 size), ...] covering n items: the micro-batches of a list."""
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
@@ -123,7 +124,7 @@ def sequence_logprobs(model: torch.nn.Module, trajectories: Sequence[Trajectory]
     """Per trajectory, the `(R_b,)` log-probs of its response tokens under `model` (no gradient)."""
     device = model_device(model)
     out: list[torch.Tensor] = []
-    for sl in _chunks(len(trajectories), micro_batch_size):
+    for sl in micro_batch_slices(len(trajectories), micro_batch_size):
         chunk = trajectories[sl]
         lp = batch_logprobs(model, collate(chunk, pad_id, device, prefix_len), temperature).cpu()
         out.extend(lp[b, :len(t.response_ids)] for b, t in enumerate(chunk))
