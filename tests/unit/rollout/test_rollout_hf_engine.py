@@ -180,17 +180,31 @@ def test_shared_prompt_prefix_is_copied_not_prefilled(model, tokenizer):
         assert out.logprobs == pytest.approx(_forward_logprobs(model, p, out.token_ids), abs=1e-4)
 
 
+async def _all_queued(engine, prompts, params_for):
+    """Every request is queued before the engine's first admission (the loop waits on the lock it takes
+    for each iteration), so which requests decode together does not depend on timing."""
+    with engine._lock:
+        tasks = [asyncio.ensure_future(engine.generate(p, params_for(i))) for i, p in enumerate(prompts)]
+        await asyncio.sleep(0)                     # each generate() queues its request, then waits
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        await engine.close()
+
+
 def test_rows_sharing_a_long_prompt_read_it_once_per_step_with_the_plain_steps_tokens(model, tokenizer):
     shared = [20 + i % 200 for i in range(100)]              # more than MIN_SHARED tokens: the block pays
     prompts = [shared + [3, 4], shared + [5], shared + [7, 8, 9], [60, 61, 62], shared[:70] + [1]]
-    for params in (lambda i: SamplingParams(max_new_tokens=14, temperature=0.0),
-                   lambda i: SamplingParams(max_new_tokens=14, temperature=0.8, seed=50 + i)):
+    # 4 slots: the 3-token prompt, which shares nothing, decodes with three sharing ones (plain steps); when
+    # it stops after 3 tokens the last prompt (70 shared tokens) takes its slot: steps that read the block
+    new = lambda i: 3 if i == 3 else 14
+    for params in (lambda i: SamplingParams(max_new_tokens=new(i), temperature=0.0),
+                   lambda i: SamplingParams(max_new_tokens=new(i), temperature=0.8, seed=50 + i)):
         engine = HFEngine(model, tokenizer, max_batch_size=4, max_seq_len=160)
-        outs = _run(_staggered(engine, prompts, params))
-        plain = _run(_staggered(HFEngine(model, tokenizer, max_batch_size=4, max_seq_len=160, shared_prefix=False),
-                                prompts, params))
+        outs = _run(_all_queued(engine, prompts, params))
+        plain = _run(_all_queued(HFEngine(model, tokenizer, max_batch_size=4, max_seq_len=160, shared_prefix=False),
+                                 prompts, params))
         assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
-        # some steps read the block (the 3-token prompt, sharing nothing, makes the others plain while it runs)
         assert 0 < engine.stats["shared_prefix_steps"] < engine.stats["decode_steps"]
         assert engine.stats["shared_prefix_unread_tokens"] > 0
         for i, (p, out) in enumerate(zip(prompts, outs)):
@@ -203,13 +217,19 @@ def test_a_weight_update_drops_the_prefix_block_and_the_next_round_rebuilds_it(m
     greedy = SamplingParams(max_new_tokens=8, temperature=0.0)
     engine = HFEngine(model, tokenizer, max_batch_size=4, max_seq_len=160)
 
+    async def queued(prompts):
+        with engine._lock:                 # all three queued before the engine admits any (see _all_queued)
+            tasks = [asyncio.ensure_future(engine.generate(p, greedy)) for p in prompts]
+            await asyncio.sleep(0)
+        return await asyncio.gather(*tasks)
+
     async def rounds():
-        first = await asyncio.gather(*(engine.generate(shared + [k], greedy) for k in (1, 2, 3)))
+        first = await queued([shared + [k] for k in (1, 2, 3)])
         assert engine._block is not None and engine.stats["shared_prefix_steps"] > 0
         engine.update_weights(model.state_dict())
         assert engine._block is None
         steps = engine.stats["shared_prefix_steps"]
-        second = await asyncio.gather(*(engine.generate(shared + [k], greedy) for k in (1, 2, 3)))
+        second = await queued([shared + [k] for k in (1, 2, 3)])
         assert engine.stats["shared_prefix_steps"] > steps
         await engine.close()
         return first, second
