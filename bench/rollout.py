@@ -1,7 +1,7 @@
 """Benchmark: synchronous turn-by-turn rollout vs our continuous engine with asynchronous tool dispatch.
 
-Both runs use the same HFEngine (tiny random Qwen2: hidden 256, 4 layers, 4 heads, vocab of a
-byte-level BPE trained here), the same real sandbox (`LocalSandbox`, default config), the same
+The sync and async runs use the same HFEngine (tiny random Qwen2: hidden 256, 4 layers, 4 heads, vocab
+of a byte-level BPE trained here), the same real sandbox (`LocalSandbox`, default config), the same
 prompts and the same per-trajectory seeds, so both produce the same turns of the same lengths
 (checked; the token ids after the first tool response differ only because the tool output
 includes its measured execution time) and tokens/s differ only by how the work is scheduled:
