@@ -81,14 +81,15 @@ def rl_update(backend, trajectories: Sequence[Trajectory], advantages: Sequence[
     total = local_tokens if total_tokens is None else float(total_tokens)
     if total == 0:
         return {"actor/skipped": 1.0, "actor/tokens": 0.0}
-    chunks: list[list[Trajectory]] = [list(trajectories[sl]) for sl in micro_batch_slices(len(trajectories), micro_batch_size)]
+    slices = micro_batch_slices(len(trajectories), micro_batch_size)
+    chunks: list[list[Trajectory]] = [list(trajectories[sl]) for sl in slices]
     need = num_micro_batches if num_micro_batches is not None else max(1, len(chunks))
     if need < len(chunks):
         raise ValueError(f"rl_update: num_micro_batches={need} but {len(trajectories)} trajectories at "
                          f"micro_batch_size={micro_batch_size} need {len(chunks)}")
     pad = padding_trajectory(pad_id)
     chunks += [[pad]] * (need - len(chunks))
-    advs = [list(advantages[sl]) for sl in micro_batch_slices(len(trajectories), micro_batch_size)]
+    advs = [list(advantages[sl]) for sl in slices]
     advs += [[0.0]] * (need - len(advs))
     model.train()
     recompute = old_logprobs == "recompute"

@@ -88,7 +88,6 @@ class _Request:
     out_logprobs: list[float] = field(default_factory=list)
     slot: int = -1
     kv_len: int = 0          # tokens of prompt + output whose KV is in the slot
-    shared: int = 0          # leading prompt tokens a decode step may read from the engine's prefix block
     cancelled: bool = False
 
     def __post_init__(self):
@@ -214,8 +213,6 @@ class HFEngine:
                                  f"{missing[:5]}, unexpected {list(unexpected)[:5]})")
             self._cached.clear()
             self._block = None               # its KV came from the old weights; running rows read their slots
-            for req in self._active.values():
-                req.shared = 0
             self._shr[:] = 0
 
     async def close(self) -> None:
@@ -330,8 +327,7 @@ class HFEngine:
             self._block = PrefixBlock(src.prompt_np.copy(), keys, values)
             group = list(self._active.values())        # every running request, against the new block
         for r in group:
-            r.shared = share(r)
-            self._shr[r.slot] = r.shared
+            self._shr[r.slot] = share(r)
 
     def _prefill_forward(self, reqs: list[_Request], q: int) -> None:
         t0 = time.perf_counter()
@@ -382,7 +378,7 @@ class HFEngine:
         taken when that is fewer and S >= MIN_SHARED."""
         if self._block is None:
             return 0
-        start = min(self._active[s].shared for s in slots)
+        start = int(self._shr[slots].min())
         if start < MIN_SHARED or len(self._block) >= rows * start:
             return 0
         self.stats["shared_prefix_steps"] += 1

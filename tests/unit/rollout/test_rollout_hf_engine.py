@@ -180,14 +180,19 @@ def test_shared_prompt_prefix_is_copied_not_prefilled(model, tokenizer):
         assert out.logprobs == pytest.approx(_forward_logprobs(model, p, out.token_ids), abs=1e-4)
 
 
-async def _all_queued(engine, prompts, params_for):
-    """Every request is queued before the engine's first admission (the loop waits on the lock it takes
+async def _queued(engine, prompts, params_for):
+    """Every request is queued before the engine's next admission (the loop waits on the lock it takes
     for each iteration), so which requests decode together does not depend on timing."""
     with engine._lock:
         tasks = [asyncio.ensure_future(engine.generate(p, params_for(i))) for i, p in enumerate(prompts)]
         await asyncio.sleep(0)                     # each generate() queues its request, then waits
+    return await asyncio.gather(*tasks)
+
+
+async def _all_queued(engine, prompts, params_for):
+    """`_queued`, then the engine is closed."""
     try:
-        return await asyncio.gather(*tasks)
+        return await _queued(engine, prompts, params_for)
     finally:
         await engine.close()
 
@@ -217,19 +222,15 @@ def test_a_weight_update_drops_the_prefix_block_and_the_next_round_rebuilds_it(m
     greedy = SamplingParams(max_new_tokens=8, temperature=0.0)
     engine = HFEngine(model, tokenizer, max_batch_size=4, max_seq_len=160)
 
-    async def queued(prompts):
-        with engine._lock:                 # all three queued before the engine admits any (see _all_queued)
-            tasks = [asyncio.ensure_future(engine.generate(p, greedy)) for p in prompts]
-            await asyncio.sleep(0)
-        return await asyncio.gather(*tasks)
+    prompts = [shared + [k] for k in (1, 2, 3)]
 
     async def rounds():
-        first = await queued([shared + [k] for k in (1, 2, 3)])
+        first = await _queued(engine, prompts, lambda i: greedy)
         assert engine._block is not None and engine.stats["shared_prefix_steps"] > 0
         engine.update_weights(model.state_dict())
         assert engine._block is None
         steps = engine.stats["shared_prefix_steps"]
-        second = await queued([shared + [k] for k in (1, 2, 3)])
+        second = await _queued(engine, prompts, lambda i: greedy)
         assert engine.stats["shared_prefix_steps"] > steps
         await engine.close()
         return first, second
