@@ -39,7 +39,7 @@ from rstar2_core.cluster.ray_init import ensure_ray
 from rstar2_core.cluster.trainer import TrainerGroup
 from rstar2_core.cluster.weight_sync import make_weight_sync
 from rstar2_core.runtime.engines import EngineSpec
-from rstar2_core.runtime.protocol import RuntimeUsage, TrainerSpec, WeightSyncReport
+from rstar2_core.runtime.protocol import OwnedGrader, RuntimeUsage, TrainerSpec, WeightSyncReport
 
 _OPEN = threading.Lock()
 log = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ class RayRuntime:
         self.trainer: TrainerGroup | None = None
         self.sandbox = None
         self.grader = None
-        self._grader_pool = None
+        self._grader = OwnedGrader()
         self.group: ActorGroup | None = None
         self._want_grader = grader
         try:
@@ -120,9 +120,7 @@ class RayRuntime:
             if self.sandbox is not None and hasattr(self.sandbox, "health"):
                 await self.sandbox.health()
             if self._want_grader:
-                from rstar2_core.reward import GraderPool
-
-                self.grader = self._grader_pool = GraderPool(timeout_s=self.cfg.eval.grader_timeout_s).__enter__()
+                self.grader = self._grader.open(self.cfg)
         except BaseException:
             await self.aclose()
             raise
@@ -173,9 +171,8 @@ class RayRuntime:
             if self.sandbox is not None:
                 sb, self.sandbox = self.sandbox, None
                 sb.close()
-            if self._grader_pool is not None:     # the pool this runtime opened (callers may swap `grader`)
-                g, self._grader_pool, self.grader = self._grader_pool, None, None
-                g.__exit__(None, None, None)
+            if self._grader.close():     # the pool this runtime opened (callers may swap `grader`)
+                self.grader = None
             if self.group is not None:
                 self.group.shutdown()
         finally:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any, Self
 
 from rstar2_core.runtime.engines import EngineSpec, FailingEngine, build_engine, engine_busy_seconds
-from rstar2_core.runtime.protocol import RuntimeUsage, TrainerSpec, WeightSyncReport
+from rstar2_core.runtime.protocol import OwnedGrader, RuntimeUsage, TrainerSpec, WeightSyncReport
 
 
 def local_device() -> str:
@@ -52,7 +52,7 @@ class LocalRuntime:
         self.trainer = None
         self.sandbox = None
         self.grader = None
-        self._grader_pool = None
+        self._grader = OwnedGrader()
         self._want_sandbox, self._want_grader = sandbox, grader
         self._sandbox_factory = sandbox_factory or _local_sandbox
         try:
@@ -73,9 +73,7 @@ class LocalRuntime:
                 self.sandbox = self._sandbox_factory(self.cfg.sandbox)
                 await self.sandbox.__aenter__()
             if self._want_grader:
-                from rstar2_core.reward import GraderPool
-
-                self.grader = self._grader_pool = GraderPool(timeout_s=self.cfg.eval.grader_timeout_s).__enter__()
+                self.grader = self._grader.open(self.cfg)
         except BaseException:
             await self.aclose()
             raise
@@ -131,9 +129,8 @@ class LocalRuntime:
         self._close_sync()
 
     def _close_sync(self) -> None:
-        if self._grader_pool is not None:     # the pool this runtime opened (callers may swap `grader`)
-            g, self._grader_pool, self.grader = self._grader_pool, None, None
-            g.__exit__(None, None, None)
+        if self._grader.close():     # the pool this runtime opened (callers may swap `grader`)
+            self.grader = None
         if self.trainer is not None:
             t, self.trainer = self.trainer, None
             t.close()

@@ -77,6 +77,29 @@ class RuntimeUsage:
     extra: dict = field(default_factory=dict)
 
 
+class OwnedGrader:
+    """The grader pool a runtime opens on entry and closes when it closes, the same for every runtime.
+    Steps use `runtime.grader`; a caller may replace that with its own grader (bench/vs_trl.py,
+    bench/runtime.py), and the runtime still closes only the pool it opened."""
+
+    def __init__(self) -> None:
+        self.pool: Any = None
+
+    def open(self, cfg: Any) -> Any:
+        from rstar2_core.reward import GraderPool
+
+        self.pool = GraderPool(timeout_s=cfg.eval.grader_timeout_s).__enter__()
+        return self.pool
+
+    def close(self) -> bool:
+        """Close the pool if one is open; True if it was."""
+        if self.pool is None:
+            return False
+        pool, self.pool = self.pool, None
+        pool.__exit__(None, None, None)
+        return True
+
+
 @runtime_checkable
 class PolicyTrainer(Protocol):
     """The policy's optimiser: one process (local) or `world_size` data-parallel ranks (Ray)."""
