@@ -25,7 +25,8 @@ async_plain is what reading the shared prompt once per step buys, in the same ru
 Run:  python bench/rollout.py [--quick] [--json]
 `--json` prints one JSON object as the last line with `sync_tokens_per_s`, `async_tokens_per_s`,
 `ratio` (= async / sync, median over repeats), `shared_prefix_ratio`, per mode the engine's figures
-(`engine`: decode steps, rows and ms per step, prefill forwards and seconds, summed over repeats), plus
+(`engine`: decode steps, rows and ms per step, prefill forwards, seconds, tokens and padded tokens, prompt
+tokens reused from a slot or copied from another, summed over repeats), plus
 the workload and engine figures used by bench/scheduler.py's calibration (`decode_step_ms`, ...).
 """
 
@@ -172,7 +173,8 @@ async def measure(args) -> dict:
                      shared_prefix=False)
     engines = {m: ScriptedToolEngine(e, chat, args.tool_turns, args.median, args.sigma, args.cap)
                for m, e in (("sync", inner), ("async", inner), ("async_plain", plain))}
-    keys = ("decode_steps", "decode_tokens", "decode_s", "prefill_forwards", "prefill_s", "shared_prefix_steps")
+    keys = ("decode_steps", "decode_tokens", "decode_s", "prefill_forwards", "prefill_s", "prefill_tokens",
+            "prefill_padded_tokens", "reused_tokens", "copied_tokens", "shared_prefix_steps")
     per_mode = {m: dict.fromkeys(keys, 0) for m in engines}
     print(f"[rollout bench] {args.problems * args.n} trajectories x {args.tool_turns} tool turns, turn length "
           f"lognormal(median {args.median}, sigma {args.sigma}, cap {args.cap}), prompt {prompt_len} tokens, "
@@ -212,7 +214,9 @@ async def measure(args) -> dict:
                           "rows_per_step": round(f["decode_tokens"] / max(1, f["decode_steps"]), 2),
                           "decode_ms_per_step": round(1000 * f["decode_s"] / max(1, f["decode_steps"]), 2),
                           "decode_s": round(f["decode_s"], 2), "prefill_forwards": f["prefill_forwards"],
-                          "prefill_s": round(f["prefill_s"], 2), "shared_prefix_steps": f["shared_prefix_steps"]}
+                          "prefill_s": round(f["prefill_s"], 2), "prefill_tokens": f["prefill_tokens"],
+                          "prefill_padded_tokens": f["prefill_padded_tokens"], "reused_tokens": f["reused_tokens"],
+                          "copied_tokens": f["copied_tokens"], "shared_prefix_steps": f["shared_prefix_steps"]}
                       for m, f in per_mode.items()}
     st = inner.stats
     return {
