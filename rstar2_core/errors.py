@@ -2,8 +2,10 @@
 
 `InfraError` is the one base of "the infrastructure failed, not the config, the data or the model":
 a dead engine or trainer actor (`cluster.errors.ActorFailure`), a step whose infrastructure failures
-passed `rl.max_infra_failure_share` (`InfraFailureShareExceeded`), engines that serve other weights
-than the trainer's (`StaleEngineWeights`), an injected fault (`faults.InjectedFault`). It subclasses
+passed `rl.max_infra_failure_share`, or an evaluation whose failures passed `eval.max_infra_failure_share`
+(`InfraFailureShareExceeded`), engines that serve other weights than the trainer's (`StaleEngineWeights`),
+a grader pool none of whose workers became ready in time (`GraderUnavailable`), an injected fault
+(`faults.InjectedFault`). It subclasses
 `ConnectionError`, so the pipeline's retry rule (tasks/retry.py) retries it without knowing the
 subclasses, and a retried stage resumes from its last complete checkpoint.
 
@@ -19,9 +21,15 @@ class InfraError(ConnectionError):
 
 
 class InfraFailureShareExceeded(InfraError):
-    """More of a step's trajectories failed for infrastructure reasons (engine errors, sandbox
-    internal errors or overload, grader timeouts) than `rl.max_infra_failure_share` allows: training on
-    what is left would train on a biased remainder, or on nothing."""
+    """More of a step's trajectories (or of an evaluation's, or a hard-subset selection's, samples) failed
+    for infrastructure reasons (engine errors, sandbox internal errors or overload, grader timeouts or
+    errors) than `rl.max_infra_failure_share` / `eval.max_infra_failure_share` allows: training on what
+    is left would train on a biased remainder, or on nothing, and a measurement would measure the outage."""
+
+
+class GraderUnavailable(InfraError):
+    """No grader worker became ready within the pool's start timeout (an overloaded or starting node);
+    workers that die at import (a broken install) raise `RuntimeError` instead: retrying does not fix it."""
 
 
 class StaleEngineWeights(InfraError):

@@ -36,8 +36,13 @@ def redraw_interval(stream: Any = None) -> float:
 
 
 def progress_bar(iterable: Any = None, **kwargs: Any):
-    """`tqdm(iterable, **kwargs)` with `mininterval` from `redraw_interval` unless given."""
+    """`tqdm(iterable, **kwargs)` with `mininterval` from `redraw_interval` unless given. `disable=None`
+    (tqdm: off when the stream is not a terminal) is refused: a stage's stderr under Prefect or Ray is
+    never a terminal, so it would hide the bar, and its ETA, in exactly the logs where it is read."""
     from tqdm import tqdm
 
+    if "disable" in kwargs and kwargs["disable"] is None:
+        raise ValueError("progress_bar(disable=None) would hide the bar wherever stderr is not a terminal "
+                         "(every stage log); pass a bool")
     kwargs.setdefault("mininterval", redraw_interval(kwargs.get("file")))
     return tqdm(iterable, **kwargs)

@@ -329,6 +329,12 @@ class EvalConfig(_Section):
     1.96 x sd(difference) / sqrt(problems))."""
     grader_timeout_s: float = Field(5.0, gt=0)
     """Hard per-item timeout of the answer grader; a timeout scores 0 (`grader_timeout`)."""
+    max_infra_failure_share: float = Field(0.05, ge=0.0, le=1.0)
+    """Share of a benchmark's samples that may fail for infrastructure reasons (engine errors, sandbox
+    internal errors, grader timeouts or errors) before its evaluation stops with a retryable error. Such
+    samples score 0, so they lower pass@1 by at most this share, which the report and MLflow show
+    (`infra_failed_share`); higher tolerates a flakier cluster at the price of a biased measurement that
+    promotion and the nightly comparison then decide on, 0 refuses any."""
     sample_text_chars: int = Field(4000, ge=0)
     """Characters of each sampled response kept in the report's samples/<benchmark>.jsonl (first and
     last halves; 0 = no text). Full 30K-token responses x 16 x 500 problems would be ~1 GB."""

@@ -7,6 +7,10 @@
   "response length"; `mean_generated_tokens` counts only what the model sampled.
 - tool calls per trajectory; tool-error ratio = failed calls / calls (the service's own failures,
   `infra`, are excluded from both); truncation rate = share of trajectories that hit a limit.
+- infrastructure failures: samples the infrastructure failed (an engine error, a tool call the service
+  failed, a grader timeout or error: `Trajectory.infra_failed`, `reward.GRADER_FAILURES`). They score 0
+  like a wrong answer, so they can only lower pass@1, by at most their share (`infra_failed_share`);
+  `evaluate` refuses a benchmark whose share passes `eval.max_infra_failure_share`.
 
 `ProblemRow` is one row of the per-problem table; `BenchmarkMetrics` the aggregate. Both are frozen
 and JSON-able (`asdict`).
@@ -18,6 +22,8 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from rstar2_core.reward.grade import GRADER_FAILURES
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -47,6 +53,7 @@ class ProblemRow:
     truncated: int
     top_answer: str | None     # the most frequent extracted answer (ties: first seen)
     reasons: dict              # grade reason -> count
+    infra_failed: int = 0      # samples the infrastructure failed (module docstring); they score 0
 
 
 @dataclass(frozen=True)
@@ -63,11 +70,18 @@ class BenchmarkMetrics:
     truncation_rate: float
     no_answer_rate: float
     grader_timeouts: int
+    infra_failures: int = 0    # samples the infrastructure failed (module docstring)
+
+    @property
+    def infra_failed_share(self) -> float:
+        """Share of the n_problems x k samples the infrastructure failed: pass@1 is at most this much too low."""
+        n = self.n_problems * self.k
+        return self.infra_failures / n if n else 0.0
 
     def as_metrics(self, prefix: str = "eval") -> dict[str, float]:
         """Flat `eval/<bench>/<metric>` dict for `log_metrics`."""
         keys = ("pass1", "pass_k", "mean_response_tokens", "mean_generated_tokens", "tool_calls_per_traj",
-                "tool_error_ratio", "truncation_rate", "no_answer_rate")
+                "tool_error_ratio", "truncation_rate", "no_answer_rate", "infra_failed_share")
         return {f"{prefix}/{self.name}/{k}": float(getattr(self, k)) for k in keys}
 
 
@@ -90,6 +104,7 @@ def problem_row(pid: str, answer: str, trajs: Sequence[Any], grades: Sequence[An
         truncated=sum(bool(t.truncated) for t in trajs),
         top_answer=extracted.most_common(1)[0][0] if extracted else None,
         reasons=dict(Counter(g.reason for g in grades)),
+        infra_failed=sum(t.infra_failed or g.reason in GRADER_FAILURES for t, g in zip(trajs, grades)),
     )
 
 
@@ -110,4 +125,5 @@ def aggregate(name: str, rows: Sequence[ProblemRow], trajs: Sequence[Sequence[An
         truncation_rate=sum(r.truncated for r in rows) / n_traj if n_traj else 0.0,
         no_answer_rate=reasons["no_answer"] / n_traj if n_traj else 0.0,
         grader_timeouts=reasons["grader_timeout"],
+        infra_failures=sum(r.infra_failed for r in rows),
     )

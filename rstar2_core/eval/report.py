@@ -23,7 +23,8 @@ from rstar2_core.eval.metrics import BenchmarkMetrics, ProblemRow
 
 COLUMNS = (("pass1", "pass@1 (avg@k)", "{:.3f}"), ("pass_k", "pass@k", "{:.3f}"),
            ("mean_response_tokens", "resp. tokens", "{:.0f}"), ("tool_calls_per_traj", "tool calls/traj", "{:.2f}"),
-           ("tool_error_ratio", "tool-error ratio", "{:.3f}"), ("truncation_rate", "truncated", "{:.3f}"))
+           ("tool_error_ratio", "tool-error ratio", "{:.3f}"), ("truncation_rate", "truncated", "{:.3f}"),
+           ("infra_failed_share", "infra-failed", "{:.3f}"))
 PLOTTED = (("pass1", "pass@1 (avg@k)"), ("mean_response_tokens", "mean response tokens"),
            ("tool_error_ratio", "tool-error ratio"))
 

@@ -28,6 +28,7 @@ from typing import Any
 from rstar2_core import storage
 from rstar2_core.config import Config
 from rstar2_core.data.benchmarks import Benchmark, load_benchmark, resolve_benchmarks
+from rstar2_core.errors import InfraFailureShareExceeded
 from rstar2_core.eval.grading import grade_all
 from rstar2_core.eval.metrics import BenchmarkMetrics, ProblemRow, aggregate, problem_row
 from rstar2_core.progress import progress_bar
@@ -96,13 +97,18 @@ def clip_text(text: str, max_chars: int) -> str:
 
 
 def evaluate_benchmark(bench: Benchmark, sampler: Any, grade_math: Callable, *, k: int, limits: Any, seed: int,
-                       progress: bool = True, text_chars: int = 4000
+                       progress: bool = True, text_chars: int = 4000, max_infra_failure_share: float = 0.05
                        ) -> tuple[BenchmarkMetrics, tuple[ProblemRow, ...], list[dict]]:
-    """Sample k trajectories per problem, grade, aggregate. Returns metrics, rows and sample records."""
+    """Sample k trajectories per problem, grade, aggregate. Returns metrics, rows and sample records.
+
+    Raises `InfraFailureShareExceeded` (retryable) as soon as more than `max_infra_failure_share` of the
+    samples so far failed for infrastructure reasons (`metrics.py`): they score 0, so past that share
+    pass@1 would measure the outage, and a promotion or nightly comparison would decide on it."""
     rows: list[ProblemRow] = []
     all_trajs: list[list[Any]] = []
     samples: list[dict] = []
     probs = bench.problems
+    infra_failed = 0
     bar = progress_bar(total=len(probs), desc=f"eval {bench.name}", unit="problem", disable=not progress)
     for ci, start in enumerate(range(0, len(probs), CHUNK)):
         chunk = probs[start:start + CHUNK]
@@ -119,10 +125,20 @@ def evaluate_benchmark(bench: Benchmark, sampler: Any, grade_math: Callable, *, 
             pos += len(g)
             rows.append(problem_row(p.id, p.answer, g, gs, k))
             all_trajs.append(list(g))
+            infra_failed += rows[-1].infra_failed
             samples.extend({"id": p.id, "sample": j, "reward": r.reward, "extracted": r.extracted,
                             "reason": r.reason, "finish": t.finish, "truncated": t.truncated,
                             "response_tokens": len(t.response_ids), "tool_calls": t.n_tool_calls,
                             "response_text": clip_text(t.response_text, text_chars)} for j, (t, r) in enumerate(zip(g, gs)))
+        sampled = len(rows) * k
+        if infra_failed > max_infra_failure_share * sampled:
+            bar.close()
+            raise InfraFailureShareExceeded(
+                f"eval {bench.name}: {infra_failed} of the {sampled} samples so far failed for infrastructure "
+                f"reasons (engine errors, sandbox internal errors, grader timeouts or errors), above "
+                f"eval.max_infra_failure_share = {max_infra_failure_share}: they score 0, so pass@1 would "
+                "measure the outage. A retry samples again; if it repeats, check the engines, the sandbox "
+                "pool and eval.grader_timeout_s")
         bar.update(len(chunk))
         if progress and rows:
             bar.set_postfix(pass1=f"{sum(r.pass1 for r in rows) / len(rows):.3f}")
@@ -164,7 +180,8 @@ def evaluate(cfg: Config, *, checkpoint_url: str, out_url: str, benchmarks: Sequ
     try:
         for b in benches:
             m, r, s = evaluate_benchmark(b, sampler, grade_math, k=k, limits=limits, seed=cfg.eval.seed,
-                                         progress=progress, text_chars=cfg.eval.sample_text_chars)
+                                         progress=progress, text_chars=cfg.eval.sample_text_chars,
+                                         max_infra_failure_share=cfg.eval.max_infra_failure_share)
             metrics[b.name], rows[b.name], samples[b.name] = m, r, s
             if log_metrics is not None:
                 log_metrics(m.as_metrics(), step)

@@ -23,6 +23,9 @@ from rstar2_core.reward.normalize import normalized_equal
 
 REASONS = ("correct", "wrong", "no_answer", "grader_timeout", "grader_error", "invalid_request")
 """`grader_error`: the grader raised or its worker died (reward 0); the others are the contract's."""
+GRADER_FAILURES = ("grader_timeout", "grader_error")
+"""The reasons for which the grader, not the response, decided the 0: the RL step, the hard subset and
+evaluation count them as infrastructure failures."""
 
 
 @dataclass(frozen=True)

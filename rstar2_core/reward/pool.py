@@ -36,6 +36,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Self
 
 from rstar2_core.chat.answer import extract_answer
+from rstar2_core.errors import GraderUnavailable
 from rstar2_core.reward.grade import GradeResult, grade_response
 
 log = logging.getLogger(__name__)
@@ -286,8 +287,9 @@ class GraderPool:
             else:
                 timeout = self.start_timeout_s - (now - idle_since)
                 if timeout <= 0:
-                    raise RuntimeError(f"no grader worker became ready within {self.start_timeout_s:.0f} s; "
-                                       "check that math-verify imports (python -c 'import math_verify')")
+                    raise GraderUnavailable(f"no grader worker became ready within {self.start_timeout_s:.0f} s "
+                                            "(an overloaded node, or math-verify does not import: check "
+                                            "python -c 'import math_verify')")
             by_conn = {w.conn: k for k, w in enumerate(self._workers)}
             for conn in wait(list(by_conn), timeout=timeout):
                 slot = by_conn[conn]

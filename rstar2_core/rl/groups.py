@@ -39,7 +39,7 @@ class StepBatch:
 
 
 def is_infra_failed(t: Trajectory) -> bool:
-    return t.infra_error is not None or any(c.infra for c in t.tool_calls)
+    return t.infra_failed
 
 
 def penalty_of(t: Trajectory) -> float:

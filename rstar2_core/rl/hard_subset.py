@@ -8,7 +8,11 @@ Paper: with the end-of-stage-2 policy, 8 rollouts per problem, drop problems sol
 Here `k = cfg.rl.stages[stage_index].hard_subset_k` and the rollouts use that stage's turn and length
 limits and the RL temperature (the stage that will train on the subset), on the engines of the
 configured runtime (`cluster.runtime`: in process, or engine actors on the cluster). A problem with an
-infra-failed rollout is kept (we cannot say it was solved k/k). Truncated rollouts count as wrong.
+infra-failed rollout (or one the grader failed on) is kept (we cannot say it was solved k/k). Truncated
+rollouts count as wrong. Infrastructure failures are counted (`counts["infra_failed"]` in the manifest)
+and, as in an RL step, more than `rl.max_infra_failure_share` of the rollouts so far raises
+`InfraFailureShareExceeded` (retryable): an outage would otherwise keep every problem and hand stage 3
+the whole pool as its "hard" subset.
 
 Idempotent: when `<out_url>/manifest.json` exists for the same checkpoint, data and k, its DatasetRef is
 returned without sampling again. Both files are written atomically, the manifest last.
@@ -24,13 +28,14 @@ import sys
 from rstar2_core import storage
 from rstar2_core.cluster import open_runtime
 from rstar2_core.config import Config
+from rstar2_core.errors import InfraFailureShareExceeded
 from rstar2_core.models.io import load_tokenizer
 from rstar2_core.progress import progress_bar
 from rstar2_core.results import DatasetRef
 from rstar2_core.rl.data import load_problems, read_rows
 from rstar2_core.rl.groups import is_infra_failed
 from rstar2_core.rl.stage import engine_seq_len, step_seed
-from rstar2_core.rl.step import grade_groups
+from rstar2_core.rl.step import grade_groups, infra_failures
 from rstar2_core.rollout.types import RolloutLimits
 
 
@@ -57,10 +62,10 @@ def select_hard_subset(cfg: Config, stage_index: int, *, checkpoint_url: str, da
     rows = [r for r in read_rows(data_url) if "__invalid__" not in r]
     problems, rejected = load_problems(data_url)
     by_id = {str(r.get("id", f"row-{i}")): r for i, r in enumerate(rows)}
-    solved = asyncio.run(_count_solved(cfg, stage_index, checkpoint_url, problems, k))
+    solved, infra_failed = asyncio.run(_count_solved(cfg, stage_index, checkpoint_url, problems, k))
     kept = [by_id[p.id] for p, s in zip(problems, solved) if s < k]
     counts = {"input": len(problems), "rejected_rows": rejected, "solved_all": sum(s == k for s in solved),
-              "kept": len(kept), "k": k}
+              "kept": len(kept), "k": k, "infra_failed": infra_failed}
     if not kept:
         raise ValueError(f"the policy at {checkpoint_url} solves all {len(problems)} problems {k}/{k}: the hard "
                          "subset is empty; raise hard_subset_k or train this stage on dataset = \"curated\"")
@@ -73,8 +78,10 @@ def select_hard_subset(cfg: Config, stage_index: int, *, checkpoint_url: str, da
     return DatasetRef(data_path, digest, len(kept), manifest_path, counts)
 
 
-async def _count_solved(cfg: Config, stage_index: int, checkpoint_url: str, problems, k: int) -> list[int]:
-    """Per problem: rollouts out of k that are correct and not infra-failed, sampled on the runtime's engines."""
+async def _count_solved(cfg: Config, stage_index: int, checkpoint_url: str, problems, k: int
+                        ) -> tuple[list[int], int]:
+    """Per problem: rollouts out of k that are correct and not infra-failed, sampled on the runtime's
+    engines; and how many rollouts failed for infrastructure reasons (module docstring)."""
     from rstar2_core.chat import ChatFormat
     from rstar2_core.rollout import rollout_groups
 
@@ -83,16 +90,30 @@ async def _count_solved(cfg: Config, stage_index: int, checkpoint_url: str, prob
     limits = RolloutLimits.from_config(cfg.rollout, stage.max_turns, stage.max_response_tokens, cfg.rl.temperature)
     chunk = max(1, cfg.rl.prompts_per_step)
     out: list[int] = []
+    failed = total = 0
     async with open_runtime(cfg, policy_url=checkpoint_url,
                             max_model_len=engine_seq_len(chat, problems, stage.max_response_tokens)) as rt:
         for start in progress_bar(range(0, len(problems), chunk), desc=f"hard subset (k={k})", unit="batch",
-                          file=sys.stderr, disable=None):
+                                  file=sys.stderr):
             part = problems[start:start + chunk]
             groups = await rollout_groups(rt.engines, rt.sandbox, chat, [p.problem for p in part], k, limits,
                                           seed=step_seed(cfg.rl.seed, -1 - start), scheduler=cfg.rollout.scheduler,
                                           group_affinity=cfg.rollout.group_affinity)
             grades = grade_groups(rt.grader, groups, [p.answer for p in part])
+            infra = infra_failures(groups, grades)
+            n = sum(len(g) for g in groups)
+            failed += int(sum(infra[f"infra/{kind}"] for kind in ("engine_errors", "sandbox_errors",
+                                                                 "grader_timeouts", "grader_errors")))
+            total += n
+            if failed > cfg.rl.max_infra_failure_share * total:
+                raise InfraFailureShareExceeded(
+                    f"hard subset: {failed} of the {total} rollouts so far failed for infrastructure reasons "
+                    f"(this batch: engine errors {infra['infra/engine_errors']:.0f}, sandbox errors "
+                    f"{infra['infra/sandbox_errors']:.0f}, grader timeouts {infra['infra/grader_timeouts']:.0f}, "
+                    f"grader errors {infra['infra/grader_errors']:.0f}), above rl.max_infra_failure_share = "
+                    f"{cfg.rl.max_infra_failure_share}: problems it could not judge would all be kept. A retry "
+                    "samples again; if it repeats, check the engines, the sandbox pool and eval.grader_timeout_s")
             for group, rs in zip(groups, grades.rewards):
                 # an infra-failed rollout is not a success: the problem cannot reach k/k
                 out.append(sum(1 for t, r in zip(group, rs) if r > 0 and not is_infra_failed(t)))
-    return out
+    return out, failed

@@ -144,8 +144,7 @@ async def _run(cfg: Config, stage_index: int, init_url: str, data_url: str, out_
                 rt.trainer.load_state(init_url)     # the previous stage's optimizer and schedule position
             if stage.reset_optimizer:
                 rt.trainer.reset_optimizer()
-        bar = progress_bar(total=stage.steps, initial=start_step, desc=stage.name, unit="step", file=sys.stderr,
-                   disable=None)
+        bar = progress_bar(total=stage.steps, initial=start_step, desc=stage.name, unit="step", file=sys.stderr)
         try:
             for step in range(start_step + 1, stage.steps + 1):
                 gstep = offset + step

@@ -15,13 +15,13 @@ step body.
 
 Failures are loud:
 - a step in which more than `rl.max_infra_failure_share` of the trajectories failed for infrastructure
-  reasons (engine errors, sandbox `internal` results or exceptions, grader timeouts) raises
+  reasons (engine errors, sandbox `internal` results or exceptions, grader timeouts and errors) raises
   `InfraFailureShareExceeded` before any update (retryable; counts in the message);
 - with recomputed old log-probs, a mean |engine - trainer| log-prob gap above
   `rl.max_engine_logprob_gap` raises `StaleEngineWeights` before the step is published (the engines
   sample from other weights than the trainer holds);
 - a dead actor raises `ActorFailure` from whichever call noticed it.
-Grader timeouts keep reward 0 (the paper) but count as infrastructure failures in the share.
+Grader timeouts and errors keep reward 0 (the paper) but count as infrastructure failures in the share.
 
 Metrics (one dict per step): `rollout/...` and `actor/...` (groups.py, trainer.py), `infra/...`
 (failure counts and share), `runtime/engines` and `runtime/trainer_ranks` (what the step ran on), `timing/{rollout,grade,train,publish,sync,step}_s`, `sync/...` (bytes
@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rstar2_core.errors import InfraFailureShareExceeded, StaleEngineWeights
+from rstar2_core.reward.grade import GRADER_FAILURES
 from rstar2_core.rl.data import RLProblem
 from rstar2_core.rl.groups import build_step_batch, is_infra_failed
 from rstar2_core.rollout.types import RolloutLimits, Trajectory
@@ -54,47 +55,52 @@ class StepOutcome:
 
 @dataclass(frozen=True)
 class Grades:
-    """Rewards per trajectory (`rewards[g][j]`) and which ones the grader timed out on."""
+    """Rewards per trajectory (`rewards[g][j]`) and, where the grader failed on one (`GRADER_FAILURES`:
+    it timed out, or raised / lost its worker), that reason (`grader_failed[g][j]`, else None)."""
 
     rewards: list[list[float]]
-    timeouts: list[list[bool]]
+    grader_failed: list[list[str | None]]
 
 
 def grade_groups(grader: Any, groups: Sequence[Sequence[Trajectory]], answers: Sequence[str]) -> Grades:
     """The grader's 0/1 per trajectory, forced to 0 for truncated trajectories (the paper keeps them with
-    reward 0); grader timeouts score 0 and are flagged."""
+    reward 0); a trajectory the grader failed on scores 0 and is flagged with the reason."""
     items = [(t.response_text, answers[g]) for g, group in enumerate(groups) for t in group]
     results = grader.grade_many(items) if items else []
-    rewards, timeouts, k = [], [], 0
+    rewards, failed, k = [], [], 0
     for group in groups:
-        row, to = [], []
+        row, fail = [], []
         for t in group:
             r = results[k]
             row.append(0.0 if t.truncated else float(r.reward))
-            to.append(r.reason == "grader_timeout")
+            fail.append(r.reason if r.reason in GRADER_FAILURES else None)
             k += 1
         rewards.append(row)
-        timeouts.append(to)
-    return Grades(rewards, timeouts)
+        failed.append(fail)
+    return Grades(rewards, failed)
 
 
 def infra_failures(groups: Sequence[Sequence[Trajectory]], grades: Grades) -> dict[str, float]:
-    """`infra/...` counts of one step: engine errors, sandbox errors, grader timeouts and their share."""
-    engine = sandbox = timeouts = 0
+    """`infra/...` counts of one step: engine errors, sandbox errors, grader timeouts and errors (each
+    trajectory counted once, under its first failure) and their share of the step's trajectories."""
+    engine = sandbox = timeouts = errors = 0
     total = 0
-    for group, tos in zip(groups, grades.timeouts):
-        for t, to in zip(group, tos):
+    for group, fails in zip(groups, grades.grader_failed):
+        for t, fail in zip(group, fails):
             total += 1
             if is_infra_failed(t):
                 if (t.infra_error or "").startswith("engine"):
                     engine += 1
                 else:
                     sandbox += 1
-            elif to:
+            elif fail == "grader_timeout":
                 timeouts += 1
-    failed = engine + sandbox + timeouts
+            elif fail == "grader_error":
+                errors += 1
+    failed = engine + sandbox + timeouts + errors
     return {"infra/engine_errors": float(engine), "infra/sandbox_errors": float(sandbox),
-            "infra/grader_timeouts": float(timeouts), "infra/failed_share": failed / max(1, total)}
+            "infra/grader_timeouts": float(timeouts), "infra/grader_errors": float(errors),
+            "infra/failed_share": failed / max(1, total)}
 
 
 async def rl_step(rt: Any, chat: Any, batch: Sequence[RLProblem], *, cfg: Any, limits: RolloutLimits, seed: int,
@@ -121,7 +127,8 @@ async def rl_step(rt: Any, chat: Any, batch: Sequence[RLProblem], *, cfg: Any, l
         raise InfraFailureShareExceeded(
             f"{infra['infra/failed_share']:.0%} of this step's trajectories failed for infrastructure reasons "
             f"(engine errors {infra['infra/engine_errors']:.0f}, sandbox errors {infra['infra/sandbox_errors']:.0f}, "
-            f"grader timeouts {infra['infra/grader_timeouts']:.0f}), above rl.max_infra_failure_share = "
+            f"grader timeouts {infra['infra/grader_timeouts']:.0f}, grader errors "
+            f"{infra['infra/grader_errors']:.0f}), above rl.max_infra_failure_share = "
             f"{rl.max_infra_failure_share}; no update was taken. A retry resumes from the last checkpoint; if it "
             "repeats, check the engines, the sandbox pool size (sandbox.workers) and eval.grader_timeout_s")
     sb = build_step_batch(groups, grades.rewards, grpo, seed)

@@ -88,6 +88,12 @@ class Trajectory:
     def n_generated_tokens(self) -> int:
         return sum(self.loss_mask)
 
+    @property
+    def infra_failed(self) -> bool:
+        """The infrastructure failed this trajectory (an engine error, or a tool call the service failed):
+        its outcome says nothing about the model."""
+        return self.infra_error is not None or any(c.infra for c in self.tool_calls)
+
 
 @dataclass(frozen=True)
 class RolloutLimits:

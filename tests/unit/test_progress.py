@@ -33,3 +33,22 @@ def test_a_bad_interval_names_the_variable(monkeypatch, raw):
     monkeypatch.setenv(ENV, raw)
     with pytest.raises(ValueError, match=ENV):
         redraw_interval(io.StringIO())
+
+
+def test_a_bar_that_would_hide_itself_off_a_terminal_is_refused():
+    # tqdm's disable=None turns the bar off whenever the stream is not a terminal: every stage log
+    with pytest.raises(ValueError, match="disable=None"):
+        progress_bar(total=3, file=io.StringIO(), disable=None)
+    log = io.StringIO()
+    with progress_bar(total=3, file=log, desc="rl-stage-1", unit="step") as bar:
+        bar.update(3)
+    assert "rl-stage-1" in log.getvalue() and "3/3" in log.getvalue()
+
+
+def test_no_stage_asks_for_a_bar_that_hides_itself():
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    hits = [str(p.relative_to(root)) for d in ("rstar2_core", "tasks", "flows", "rstar2_cli")
+            for p in (root / d).rglob("*.py") if "disable=None" in p.read_text()]
+    assert hits == ["rstar2_core/progress.py"], hits

@@ -113,3 +113,19 @@ class KnownAccuracyEngine:
 
     async def close(self):
         pass
+
+
+class FlakySampler(ScriptedSampler):
+    """A `ScriptedSampler` whose infrastructure fails sample j of every problem for j < `failed_per_problem`:
+    the engine request fails (`infra_error`, no answer), as a dead or overloaded engine leaves it."""
+
+    def __init__(self, gold: dict[str, str], p: float, failed_per_problem: int):
+        super().__init__(gold, p)
+        self.failed_per_problem = failed_per_problem
+
+    def sample(self, problems, n, limits, seed):
+        groups = super().sample(problems, n, limits, seed)
+        broken = Trajectory(prompt_ids=(1,), response_ids=(), loss_mask=(), logprobs=(), response_text="",
+                            tool_calls=(), n_turns=0, n_answer_blocks=0, finish="infra_error", truncated=False,
+                            infra_error="engine: request failed (connection reset)")
+        return [[broken if j < self.failed_per_problem else t for j, t in enumerate(g)] for g in groups]

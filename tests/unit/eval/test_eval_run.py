@@ -109,3 +109,45 @@ def test_gpqa_fixture_end_to_end(tmp_path):
     rep = evaluate(cfg, checkpoint_url="x", out_url=str(tmp_path / "g"), benchmarks=[str(FIX / "gpqa_diamond.jsonl")],
                    k=2, sampler=sampler, grade_math=exact_grader, progress=False)
     assert rep.metrics["gpqa_diamond"].pass1 == 1.0
+
+
+def test_infrastructure_failures_are_counted_and_past_the_threshold_stop_the_evaluation(tmp_path):
+    from eval_fakes import FlakySampler
+
+    from rstar2_core.errors import InfraError, InfraFailureShareExceeded
+
+    cfg = synthetic_cfg(40)
+    bench = load_benchmark(cfg.eval.benchmarks[0], cfg)
+    gold = {q.problem: q.answer for q in bench.problems}
+    # 1 of k=8 samples per problem fails: 12.5% > the default 5%, so the measurement is refused (retryable)
+    with pytest.raises(InfraFailureShareExceeded, match="eval.max_infra_failure_share") as err:
+        evaluate(cfg, checkpoint_url="ckpt", out_url=str(tmp_path / "a"), k=8, sampler=FlakySampler(gold, 1.0, 1),
+                 grade_math=exact_grader, progress=False)
+    assert isinstance(err.value, InfraError)
+    # below the threshold the report keeps the count: every failure scores 0, pass@1 is low by that share
+    tolerant = synthetic_cfg(40, "eval.max_infra_failure_share=0.2")
+    rep = evaluate(tolerant, checkpoint_url="ckpt", out_url=str(tmp_path / "b"), k=8,
+                   sampler=FlakySampler(gold, 1.0, 1), grade_math=exact_grader, progress=False)
+    m = rep.metrics["synthetic"]
+    assert m.infra_failures == 40 and m.infra_failed_share == pytest.approx(1 / 8)
+    assert m.pass1 == pytest.approx(7 / 8)
+    assert all(r.infra_failed == 1 for r in rep.rows["synthetic"])
+    assert rep.metrics["synthetic"].as_metrics()["eval/synthetic/infra_failed_share"] == pytest.approx(1 / 8)
+    assert "infra-failed" in (tmp_path / "b" / "report.md").read_text()
+    assert EvalReport.load(str(tmp_path / "b")).metrics["synthetic"].infra_failures == 40   # survives the JSON
+
+
+def test_grader_failures_count_as_infrastructure_failures(tmp_path):
+    from eval_fakes import Grade
+
+    from rstar2_core.errors import InfraFailureShareExceeded
+
+    cfg = synthetic_cfg(40)
+
+    def dead_grader(items):          # a grader pool whose workers keep dying
+        return [Grade(0.0, None, "grader_error") for _ in items]
+
+    bench = load_benchmark(cfg.eval.benchmarks[0], cfg)
+    with pytest.raises(InfraFailureShareExceeded, match="grader"):
+        evaluate(cfg, checkpoint_url="ckpt", out_url=str(tmp_path / "a"), k=2, progress=False,
+                 sampler=ScriptedSampler({q.problem: q.answer for q in bench.problems}, 1.0), grade_math=dead_grader)

@@ -111,3 +111,18 @@ def test_worker_dies_with_its_parent():
     else:
         psutil.Process(pid).kill()
         pytest.fail("the grader worker outlived its parent")
+
+
+def test_workers_that_never_get_ready_are_a_retryable_infrastructure_error(monkeypatch):
+    import rstar2_core.reward.pool as pool_mod
+    from rstar2_core.errors import GraderUnavailable, InfraError
+
+    # workers that start but never report ready (an overloaded node): the pool gives up after its start timeout
+    monkeypatch.setattr(pool_mod, "_WORKER_CMD", "import time; time.sleep(60)")
+    p = GraderPool(workers=1, timeout_s=1.0, start_timeout_s=1.0)
+    try:
+        with pytest.raises(GraderUnavailable, match="became ready within 1 s") as err:
+            p.grade_many([(r"<answer>\boxed{1}</answer>", "1")])
+        assert isinstance(err.value, InfraError)
+    finally:
+        p.close()

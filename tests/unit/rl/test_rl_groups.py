@@ -94,3 +94,29 @@ def test_load_problems_rejects_malformed_rows_with_reasons(tmp_path):
     storage.write_text_atomic(url, '{"id": "b", "problem": ""}')
     with pytest.raises(ValueError, match="no usable"):
         load_problems(url)
+
+
+def test_the_step_counts_every_kind_of_infrastructure_failure_once():
+    from dataclasses import dataclass
+
+    from rstar2_core.rl.step import grade_groups, infra_failures
+
+    @dataclass
+    class G:
+        reward: float
+        extracted: str | None
+        reason: str
+
+    class Grader:                      # one answer per reason the pool gives
+        def grade_many(self, items):
+            return [G(1.0, "4", "correct"), G(0.0, None, "grader_timeout"), G(0.0, None, "grader_error"),
+                    G(0.0, "5", "wrong"), G(0.0, None, "grader_error"), G(0.0, "5", "wrong")][:len(items)]
+
+    groups = [[T("a"), T("b"), T("c")], [T("d", infra="engine: request failed"), T("e", infra_call=True), T("f")]]
+    grades = grade_groups(Grader(), groups, ["4", "4"])
+    assert grades.grader_failed == [[None, "grader_timeout", "grader_error"], [None, "grader_error", None]]
+    m = infra_failures(groups, grades)
+    # trajectory e is both sandbox-failed and grader-failed: it counts once, as the sandbox's
+    assert (m["infra/engine_errors"], m["infra/sandbox_errors"], m["infra/grader_timeouts"],
+            m["infra/grader_errors"]) == (1, 1, 1, 1)
+    assert m["infra/failed_share"] == pytest.approx(4 / 6)

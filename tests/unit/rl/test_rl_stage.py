@@ -113,12 +113,33 @@ def test_hard_subset_drops_problems_solved_k_of_k(toy_policy, tmp_path, one_thre
     ref = select_hard_subset(cfg, 2, checkpoint_url=ckpt, data_url=data, out_url=out)
     c = ref.counts
     assert c["input"] == 12 and c["k"] == 2 and c["kept"] + c["solved_all"] == 12 and c["kept"] == ref.n_rows
+    assert c["infra_failed"] == 0
     kept, rejected = load_problems(ref.url)
     assert len(kept) == ref.n_rows and not rejected
     assert {p.id for p in kept} <= {f"t{i}" for i in range(100, 112)}
     # same inputs -> the published subset is returned as is (no new sampling, same digest)
     again = select_hard_subset(cfg, 2, checkpoint_url=ckpt, data_url=data, out_url=out)
     assert again == ref
+
+
+def test_an_outage_during_the_hard_subset_is_a_retryable_error_not_the_whole_pool(toy_policy, tmp_path, one_thread,
+                                                                                 monkeypatch):
+    from rstar2_core import reward
+    from rstar2_core.errors import InfraFailureShareExceeded
+    from rstar2_core.reward.grade import GradeResult
+    from rstar2_core.rl.hard_subset import select_hard_subset
+
+    class DeadGrader(reward.GraderPool):      # every worker dies mid-item: nothing can be judged
+        def grade_many(self, items):
+            return [GradeResult(0.0, None, "grader_error") for _ in items]
+
+    monkeypatch.setattr(reward, "GraderPool", DeadGrader)
+    ckpt, data, _ = toy_policy
+    cfg = load_config("tiny", OVERRIDES + ["rl.stages.2.hard_subset_k=2", "rl.stages.2.max_response_tokens=200"])
+    out = (tmp_path / "hard").as_uri()
+    with pytest.raises(InfraFailureShareExceeded, match="grader errors"):
+        select_hard_subset(cfg, 2, checkpoint_url=ckpt, data_url=data, out_url=out)
+    assert not storage.exists(storage.join(out, "manifest.json"))       # nothing was published
 
 
 def test_next_stage_continues_the_optimizer_and_lr_schedule(toy_policy, tmp_path, one_thread):
