@@ -9,15 +9,17 @@ and reported, the next one runs; the whole check also stops at `--budget` second
   logprobs == a teacher-forced forward within `LOGPROB_TOL`; the counter-based sampler's uniforms on
   the device == the pure-Python reference;
 - per model (tiny and a Qwen2.5-0.5B-shaped random-init Qwen2, bf16, sdpa attention):
-  SFT step (`TorchBackend`: fwd + bwd + AdamW on B x T tokens): tokens/s and MFU;
+  SFT step (`TorchBackend`: the stage's `sft.step.sft_update` on B packed rows of T tokens that share a
+  system-turn prefix, one micro-batch, + AdamW): tokens/s and MFU;
   RL step: rollouts from `HFEngine`, then `rl.trainer.rl_update` (recomputed old log-probs + clipped
   policy loss + one optimizer step): generation tokens/s, update tokens/s and MFU;
   decode tokens/s of `HFEngine` vs `model.generate` at the same batch (256 on GPU), same sampling
   semantics (temperature 1, no top-k/top-p, every sequence runs to max_new_tokens), this run; the
   engine eager and, on CUDA, with CUDA graphs;
   DeepSpeed ZeRO-2 step (`DeepSpeedBackend`, one process) when deepspeed is importable.
-MFU = flops / time / peak with flops = 6 x params x tokens for a training step (8 x for the RL update,
-which adds the old-log-prob forward); peak = dense bf16 peak of the device from PEAK_TFLOPS (H200: 989),
+MFU = flops / time / peak with flops = 6 x params x tokens for a training step (SFT: `sft_flops`, the
+LM head counted at label positions only, where the step runs it; 8 x params for the RL update, which adds
+the old-log-prob forward); peak = dense bf16 peak of the device from PEAK_TFLOPS (H200: 989),
 or, for an unknown device or the CPU, the bf16/fp32 matmul rate measured here (`peak_source` says which).
 
 Needs only torch + transformers (+ deepspeed, optional): the rstar2_core modules it imports load
@@ -105,6 +107,16 @@ def n_params(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def sft_flops(model, computed_tokens: float, label_tokens: float) -> float:
+    """Training flops of one SFT step: 6 x (parameters outside the embeddings and the LM head) per computed
+    token, plus 6 x the LM head's parameters per label token (the step runs the head only there); the
+    embedding lookup is no matmul. Attention's quadratic term is left out, as in the usual 6N count."""
+    emb = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    body = n_params(model) - emb.numel() - (0 if head is emb else head.numel())
+    return 6 * body * computed_tokens + 6 * head.numel() * label_tokens
+
+
 def matmul_tflops(device: torch.device, dtype: torch.dtype, n: int) -> float:
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
@@ -132,31 +144,52 @@ def _random_batch(vocab: int, b: int, t: int, device: torch.device) -> torch.Ten
     return torch.randint(3, vocab, (b, t), device=device)
 
 
+def sft_rows(vocab: int, batch: int, seq: int, seed: int = 0) -> list:
+    """`batch` packed rows of `seq` tokens shaped like the SFT data (`sft.packing.pack`): conversations that
+    share a system-turn prefix (seq / 4 tokens, at most 600, no labels), each a user part without labels and
+    an assistant part with them, random token ids."""
+    import random
+
+    from rstar2_core.sft.packing import pack
+
+    rnd = random.Random(seed)
+    prefix = [rnd.randrange(3, vocab) for _ in range(min(600, seq // 4))]
+    docs, rows = [], []
+    while len(rows) <= batch:            # one row more than needed: the last row may be part-filled
+        body = rnd.randrange(max(4, seq // 8), max(5, seq // 3))
+        user = body // 4
+        ids = prefix + [rnd.randrange(3, vocab) for _ in range(body)]
+        docs.append((ids, [0] * (len(prefix) + user) + [1] * (body - user)))
+        rows = pack(docs, seq, pad_id=0, prefix=prefix)
+    return rows[:batch]
+
+
 def sft_step(model, backend, batch: int, seq: int, steps: int, device: torch.device) -> dict:
+    """The SFT step the stage runs (`sft.step.sft_update`: the rows' shared prefix once per micro-batch,
+    segment attention per conversation, the LM head only at label positions) on `batch` rows of `seq`
+    tokens in one micro-batch. `tokens_per_s` counts the rows' real tokens (prefix once per row, as the data
+    holds them); `computed_tokens_per_s` the tokens the forward ran (prefix once per micro-batch), which
+    is what the MFU counts."""
+    from rstar2_core.sft.packing import merge_shared_prefix
+    from rstar2_core.sft.step import sft_update
+
     vocab = model.config.vocab_size
-    model.train()
-    times = []
+    times, m = [], {}
     for i in range(steps + 1):
-        ids = _random_batch(vocab, batch, seq, device)
+        rows = sft_rows(vocab, batch, seq, seed=i)
         sync(device)
         t = time.perf_counter()
-        with backend.autocast() if hasattr(backend, "autocast") else _null():
-            loss = backend.model(input_ids=ids, labels=ids).loss
-        backend.backward(loss)
-        backend.step()
+        m = sft_update(backend, rows, micro_batch_size=batch, pad_id=0)
         sync(device)
         if i:  # the first step warms up kernels and allocator
             times.append(time.perf_counter() - t)
     step_s = sorted(times)[len(times) // 2]
-    return {"step_s": step_s, "tokens_per_s": batch * seq / step_s, "loss": float(loss.detach())}
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
+    merged = merge_shared_prefix(rows)
+    computed = merged.n_real if merged is not None else sum(r.n_real for r in rows)
+    return {"step_s": step_s, "tokens_per_s": m["sft/real_tokens"] / step_s, "computed_tokens_per_s": computed / step_s,
+            "label_tokens": m["sft/label_tokens"], "loss": m["sft/loss_sum"] / max(1.0, m["sft/label_tokens"]),
+            "grad_norm": m["sft/grad_norm"],
+            "tflops_per_s": sft_flops(model, computed, m["sft/label_tokens"]) / step_s / 1e12}
 
 
 async def _engine_generate(engine, prompts: list[list[int]], new_tokens: int, seed: int = 0):
@@ -376,7 +409,7 @@ def model_sections(sec: Sections, shape: str, a, device, dtype, peak: float) -> 
     backend = TorchBackend(model, lr=1e-5, total_steps=100, warmup_steps=0, schedule="constant")
     sft = sec.run(f"{shape}/sft", budget["sft"], sft_step, model, backend, sft_b, sft_t, steps, device)
     if sft:
-        r["sft"] = dict(sft, mfu=6 * n * sft["tokens_per_s"] / (peak * 1e12))
+        r["sft"] = dict(sft, mfu=sft["tflops_per_s"] / peak)
         log(f"{shape} SFT step {sft_b}x{sft_t}: {sft['step_s']:.3f} s, {sft['tokens_per_s']:,.0f} tok/s, "
             f"MFU {r['sft']['mfu']:.1%}")
     rl = sec.run(f"{shape}/rl", budget["rl"], rl_step, model, backend, rl_b, rl_prompt, rl_new, device)
@@ -399,7 +432,7 @@ def model_sections(sec: Sections, shape: str, a, device, dtype, peak: float) -> 
         if z is not None:
             r["deepspeed_zero2"] = z
             if "tokens_per_s" in z and "sft" in r:
-                z["mfu"] = 6 * n * z["tokens_per_s"] / (peak * 1e12)
+                z["mfu"] = z["tflops_per_s"] / peak
                 z["vs_torch"] = z["tokens_per_s"] / r["sft"]["tokens_per_s"]
                 log(f"{shape} DeepSpeed ZeRO-2 step: {z['tokens_per_s']:,.0f} tok/s, MFU {z['mfu']:.1%} "
                     f"({z['vs_torch']:.2f}x torch)")
