@@ -1,8 +1,11 @@
 """The isolation properties of a tool call (docs/sandbox.md), read from what a template found it could
-do on this host (the `features` of its hello). The service logs the missing ones at start-up and
+do on this host (the `features` of its hello). The service refuses to start when its calls would lack
+one that `sandbox.allow_missing_isolation` does not name (and logs the allowed missing ones);
 `rstar2 sandbox doctor` prints them all; tests skip, with the reason, what a host cannot provide."""
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 PROPERTIES: dict[str, str] = {
     "minimal_root": "calls see only the interpreter, the allowed packages and their libraries, read-only",
@@ -27,11 +30,13 @@ def properties(features: dict) -> dict[str, bool]:
             "per_call_uid": bool(f.get("uid_drop"))}
 
 
-def missing(features: dict, seccomp_why: str = "") -> list[str]:
-    """One line per property calls of this template lack, with the host's reason where known."""
+def missing(features: dict, seccomp_why: str = "", allowed: Iterable[str] = ()) -> list[str]:
+    """One line per property calls of this template lack (but those in `allowed`), with the host's
+    reason where known."""
     out = []
+    allowed = set(allowed)
     for name, ok in properties(features).items():
-        if not ok:
+        if not ok and name not in allowed:
             why = seccomp_why if name == "seccomp" and seccomp_why else ""
             out.append(f"{name} ({PROPERTIES[name]})" + (f": {why}" if why else ""))
     return out
