@@ -134,10 +134,10 @@ class DataConfig(_Section):
 
 # ------------------------------------------------------------------------------------------- sandbox
 IsolationProperty = Literal["minimal_root", "no_capabilities", "private_tmp", "own_proc", "pid_namespace",
-                           "no_network", "private_abstract_sockets", "seccomp", "per_call_uid"]
+                           "no_network", "private_abstract_sockets", "private_ipc", "seccomp", "per_call_uid"]
 """The names of rstar2_core/sandbox/properties.py's PROPERTIES (a test keeps the two equal)."""
 _NO_NAMESPACE_LOSS = ("minimal_root", "private_tmp", "own_proc", "pid_namespace", "no_network",
-                      "private_abstract_sockets")
+                      "private_abstract_sockets", "private_ipc")
 
 
 class SandboxConfig(_Section):
@@ -191,7 +191,7 @@ class SandboxConfig(_Section):
     here only on a host that cannot provide it and where what it guards is acceptable to lose, e.g.
     `["per_call_uid", "own_proc"]` when not root; the service then starts and logs a WARNING with the
     missing ones. `network = "host"` needs no_network and private_abstract_sockets here, `namespaces =
-    false` also minimal_root, private_tmp, own_proc and pid_namespace."""
+    false` also minimal_root, private_tmp, own_proc, pid_namespace and private_ipc."""
 
     @model_validator(mode="after")
     def _weakening_settings_are_allowed(self) -> SandboxConfig:

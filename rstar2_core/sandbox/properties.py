@@ -15,6 +15,7 @@ PROPERTIES: dict[str, str] = {
     "pid_namespace": "when a call ends, the kernel kills every process it started",
     "no_network": "calls have no network (an empty network namespace)",
     "private_abstract_sockets": "concurrent calls share no abstract Unix sockets (a network namespace per slot)",
+    "private_ipc": "System V IPC and POSIX message queues are the call's own and gone after it (an IPC namespace per call)",
     "seccomp": "system calls no tool call needs are refused (seccomp filter)",
     "per_call_uid": "each running call has its own uid",
 }
@@ -26,7 +27,8 @@ def properties(features: dict) -> dict[str, bool]:
     return {"minimal_root": f.get("minimal_root") is not None, "no_capabilities": bool(f.get("caps_dropped")),
             "private_tmp": bool(f.get("private_tmp")), "own_proc": bool(f.get("own_proc")),
             "pid_namespace": bool(f.get("pidns")), "no_network": bool(f.get("netns")),
-            "private_abstract_sockets": bool(f.get("netns_per_slot")), "seccomp": bool(f.get("seccomp")),
+            "private_abstract_sockets": bool(f.get("netns_per_slot")), "private_ipc": bool(f.get("ipcns")),
+            "seccomp": bool(f.get("seccomp")),
             "per_call_uid": bool(f.get("uid_drop"))}
 
 

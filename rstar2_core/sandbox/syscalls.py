@@ -13,7 +13,8 @@ Names this libseccomp does not know are skipped and reported.
 
 Four system calls the template itself uses per call are refused only in their other forms
 (`CONDITIONAL`): `mount` with the exact flags of a call's /tmp and /proc, `unshare` and `setns` of a
-mount or network namespace, and `clone` into a new PID namespace pass the filter. Each of them needs
+mount or network namespace, and `clone` into a new PID namespace (with or without a new IPC namespace)
+pass the filter. Each of them needs
 CAP_SYS_ADMIN, which a call never has (it cannot make a user namespace either: refused), so for a call
 they fail with EPERM all the same, from the kernel.
 """
@@ -53,7 +54,8 @@ CONDITIONAL: dict[str, str] = {
     "mount": "every mount but those with the flags of a call's /tmp and /proc (nosuid,nodev[,noexec])",
     "unshare": "of a user, PID, UTS, IPC, cgroup or time namespace",
     "setns": "into a user, PID, UTS, IPC, cgroup or time namespace, or of an unspecified type",
-    "clone": "with CLONE_NEWUSER, CLONE_NEWNS, CLONE_NEWNET, CLONE_NEWUTS, CLONE_NEWIPC or CLONE_NEWCGROUP",
+    "clone": "with CLONE_NEWUSER, CLONE_NEWNS, CLONE_NEWNET, CLONE_NEWUTS or CLONE_NEWCGROUP, or CLONE_NEWIPC "
+             "without CLONE_NEWPID",
 }
 
 
@@ -117,8 +119,10 @@ def _add_conditional(sc, f) -> None:
         f.add_rule(eperm, "unshare", sc.Arg(0, sc.MASKED_EQ, NS[name], NS[name]))
         f.add_rule(eperm, "setns", sc.Arg(1, sc.MASKED_EQ, NS[name], NS[name]))
     f.add_rule(eperm, "setns", sc.Arg(1, sc.EQ, 0))
-    for name in ("CLONE_NEWUSER", "CLONE_NEWNS", "CLONE_NEWNET", "CLONE_NEWUTS", "CLONE_NEWIPC", "CLONE_NEWCGROUP"):
+    for name in ("CLONE_NEWUSER", "CLONE_NEWNS", "CLONE_NEWNET", "CLONE_NEWUTS", "CLONE_NEWCGROUP"):
         f.add_rule(eperm, "clone", sc.Arg(0, sc.MASKED_EQ, NS[name], NS[name]))
+    ipc_pid = NS["CLONE_NEWIPC"] | NS["CLONE_NEWPID"]   # a call's clone makes both; NEWIPC alone is refused
+    f.add_rule(eperm, "clone", sc.Arg(0, sc.MASKED_EQ, ipc_pid, NS["CLONE_NEWIPC"]))
 
 
 def describe(filt: Filter) -> str:

@@ -26,6 +26,8 @@ Per call (see docs/sandbox.md for what is and is not isolated):
   and it cannot signal or write anything of the service's), rlimits AS/CPU/NPROC/FSIZE/CORE/NOFILE,
   no capabilities, no_new_privs, the inherited seccomp filter, a scrubbed environment, and
   PR_SET_PDEATHSIG so it dies with the template;
+- its own IPC namespace (the same clone): System V shared memory, message queues, semaphores and
+  POSIX message queues are the call's own and go with it;
 - its slot's network namespace (made on the slot's first call, no interfaces up; an unprivileged uid
   cannot bring loopback up): no network, and no abstract Unix socket shared with a concurrent call;
 - stdout/stderr read incrementally: the first bytes are kept, the rest counted and thrown away;
@@ -160,6 +162,7 @@ class Template:
         gc.collect()
         gc.freeze()  # keep the collector from touching (and so copying) the template's pages in children
         self.feats, self.as_base = feats, iso.vm_size_bytes(self.procfd)
+        self.clone_extra = iso.CLONE_NEWIPC if feats["ipcns"] else 0
         self.uids = None
         if feats["uid_drop"]:
             self.uids = [int(self.s["uid_base"]) + i for i in range(int(self.s["slots"]))]
@@ -247,7 +250,7 @@ class Template:
                     iso.setns(call.nsfd, iso.CLONE_NEWNS)
                 else:
                     call.nsfd = iso.enter_call_mount_ns(self.procfd)
-            pid = iso.clone_newpid() if self.feats["pidns"] else os.fork()
+            pid = iso.clone_newpid(self.clone_extra) if self.feats["pidns"] else os.fork()
         except OSError:
             for fd in made:
                 os.close(fd)

@@ -156,6 +156,63 @@ def test_proc_shows_only_the_calls_own_processes(sb):
     assert ast.literal_eval(pids) == [1, int(child)], r.stdout
 
 
+_IPC = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+libc.mq_open.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p]
+key, name, make = {key}, {name!r}, {make}
+flags = 0o1000 | 0o666 if make else 0   # IPC_CREAT
+shm, msg = libc.shmget(key, 4096, flags), libc.msgget(key, flags)
+mq = libc.mq_open(name, (os.O_CREAT | os.O_RDWR) if make else os.O_RDONLY, 0o666, None)
+if make and min(shm, msg, mq) >= 0:
+    p = libc.shmat(shm, None, 0)
+    ctypes.memmove(p, b"LEFT-BY-CALL", 12)
+    sent = libc.msgsnd(msg, ctypes.byref((ctypes.c_long * 9)(1)), 64, 0), libc.mq_send(mq, b"LEFT", 4, 0)
+    print("made", sent)
+else:
+    print("found", [x >= 0 for x in (shm, msg, mq)])
+"""
+
+
+def _host_ipc(key: int, name: bytes, remove: bool = False) -> list[str]:
+    """Which of the System V segment and queue with `key` and the POSIX queue `name` exist in the test's
+    (the host's) IPC namespace; `remove` deletes them."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mq_open.argtypes = [ctypes.c_char_p, ctypes.c_int]
+    found = []
+    shm, msg, mq = libc.shmget(key, 0, 0), libc.msgget(key, 0), libc.mq_open(name, os.O_RDONLY)
+    for kind, ident in (("shm", shm), ("msg", msg), ("mqueue", mq)):
+        if ident >= 0:
+            found.append(kind)
+    if remove:
+        libc.shmctl(shm, 0, None)    # IPC_RMID
+        libc.msgctl(msg, 0, None)
+        libc.mq_unlink(name)
+    if mq >= 0:
+        libc.mq_close(mq)
+    return found
+
+
+def test_ipc_objects_do_not_pass_between_calls_or_outlive_them(one_worker):
+    """SysV shared memory and message queues and POSIX message queues live in an IPC namespace: each call
+    has its own (review t2, t9, t5: they persisted between calls and after close(), pinning host RAM)."""
+    require(one_worker, "ipcns")
+    key, name = int.from_bytes(os.urandom(3), "big") | 0x52000000, f"/rstar2-{uuid.uuid4().hex[:8]}".encode()
+    try:
+        w = run(one_worker, _IPC.format(key=key, name=name, make=True))
+        assert w.stdout == "made (0, 0)\n", (w.stdout, w.stderr)
+        r = run(one_worker, _IPC.format(key=key, name=name, make=False))
+        assert r.stdout == "found [False, False, False]\n", (r.stdout, r.stderr)
+        assert _host_ipc(key, name) == []
+        ipcs = subprocess.run(["ipcs"], capture_output=True, text=True, check=False).stdout
+        assert f"0x{key:08x}" not in ipcs, ipcs
+    finally:
+        _host_ipc(key, name, remove=True)
+
+
 _SYSCALLS = """
 import ctypes, errno
 libc = ctypes.CDLL(None, use_errno=True)
@@ -198,7 +255,9 @@ def test_every_refused_system_call_fails_with_eperm(sb):
             f"         'unshare(NEWUSER)': ({sc.resolve_syscall(arch, 'unshare')}, 0x10000000, 0),\n"
             f"         'unshare(NEWNS)': ({sc.resolve_syscall(arch, 'unshare')}, 0x20000, 0),\n"
             f"         'setns(any type)': ({sc.resolve_syscall(arch, 'setns')}, 0, 0),\n"
-            f"         'setns(NEWUSER)': ({sc.resolve_syscall(arch, 'setns')}, 0, 0x10000000)}}\n"
+            f"         'setns(NEWUSER)': ({sc.resolve_syscall(arch, 'setns')}, 0, 0x10000000),\n"
+            f"         'clone(NEWIPC)': ({sc.resolve_syscall(arch, 'clone')}, 0x8000000 | 17, 0),\n"
+            f"         'clone(NEWPID | NEWIPC)': ({sc.resolve_syscall(arch, 'clone')}, 0x28000000 | 17, 0)}}\n"
             "for name, (nr, a, b) in forms.items():\n"
             "    if libc.syscall(nr, a, b, 0, 0, 0, 0) != -1 or ctypes.get_errno() != errno.EPERM:\n"
             "        bad.append((name, ctypes.get_errno()))\n"
@@ -359,7 +418,8 @@ def test_settings_that_turn_isolation_off_must_allow_it(make_cfg, caplog):
             make_cfg(**kw)
     with pytest.raises(ValidationError):
         make_cfg(allow_missing_isolation=["no_such_property"])
-    lost = ["minimal_root", "private_tmp", "own_proc", "pid_namespace", "no_network", "private_abstract_sockets"]
+    lost = ["minimal_root", "private_tmp", "own_proc", "pid_namespace", "no_network", "private_abstract_sockets",
+            "private_ipc"]
     with caplog.at_level(logging.WARNING, logger="rstar2.sandbox"), \
             LocalSandbox(make_cfg(preload=["math"], namespaces=False, allow_missing_isolation=lost)) as box:
         f = box.features["light"]["features"]
