@@ -40,6 +40,8 @@ REFUSED: dict[str, str] = {
     **dict.fromkeys(("bpf", "perf_event_open", "fanotify_init"), "load kernel programs or trace the system"),
     **dict.fromkeys(("keyctl", "add_key", "request_key"), "use the kernel keyrings (credentials)"),
     **dict.fromkeys(("open_by_handle_at", "name_to_handle_at"), "open files by handle, around path checks"),
+    **dict.fromkeys(("memfd_create", "memfd_secret", "shmget", "msgget"),
+                    "hold RAM outside the address-space limit (a file in memory, SysV shared memory or message queues)"),
     "userfaultfd": "stall the kernel on a page fault (exploit primitive)",
     **dict.fromkeys(("io_uring_setup", "io_uring_enter", "io_uring_register"),
                     "submit system calls the filter cannot see"),

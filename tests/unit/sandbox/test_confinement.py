@@ -159,37 +159,28 @@ def test_proc_shows_only_the_calls_own_processes(sb):
 _IPC = """
 import ctypes, os
 libc = ctypes.CDLL(None, use_errno=True)
-libc.shmat.restype = ctypes.c_void_p
 libc.mq_open.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p]
 key, name, make = {key}, {name!r}, {make}
-flags = 0o1000 | 0o666 if make else 0   # IPC_CREAT
-shm, msg = libc.shmget(key, 4096, flags), libc.msgget(key, flags)
+sem = libc.semget(key, 1, 0o1000 | 0o666 if make else 0)   # IPC_CREAT
 mq = libc.mq_open(name, (os.O_CREAT | os.O_RDWR) if make else os.O_RDONLY, 0o666, None)
-if make and min(shm, msg, mq) >= 0:
-    p = libc.shmat(shm, None, 0)
-    ctypes.memmove(p, b"LEFT-BY-CALL", 12)
-    sent = libc.msgsnd(msg, ctypes.byref((ctypes.c_long * 9)(1)), 64, 0), libc.mq_send(mq, b"LEFT", 4, 0)
-    print("made", sent)
+if make and min(sem, mq) >= 0:
+    print("made", libc.mq_send(mq, b"LEFT-BY-CALL", 12, 0))
 else:
-    print("found", [x >= 0 for x in (shm, msg, mq)])
+    print("found", [x >= 0 for x in (sem, mq)])
 """
 
 
 def _host_ipc(key: int, name: bytes, remove: bool = False) -> list[str]:
-    """Which of the System V segment and queue with `key` and the POSIX queue `name` exist in the test's
-    (the host's) IPC namespace; `remove` deletes them."""
+    """Which of the System V semaphore set with `key` and the POSIX message queue `name` exist in the
+    test's (the host's) IPC namespace; `remove` deletes them."""
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mq_open.argtypes = [ctypes.c_char_p, ctypes.c_int]
-    found = []
-    shm, msg, mq = libc.shmget(key, 0, 0), libc.msgget(key, 0), libc.mq_open(name, os.O_RDONLY)
-    for kind, ident in (("shm", shm), ("msg", msg), ("mqueue", mq)):
-        if ident >= 0:
-            found.append(kind)
+    sem, mq = libc.semget(key, 0, 0), libc.mq_open(name, os.O_RDONLY)
+    found = [kind for kind, ident in (("sem", sem), ("mqueue", mq)) if ident >= 0]
     if remove:
-        libc.shmctl(shm, 0, None)    # IPC_RMID
-        libc.msgctl(msg, 0, None)
+        libc.semctl(sem, 0, 0)    # IPC_RMID
         libc.mq_unlink(name)
     if mq >= 0:
         libc.mq_close(mq)
@@ -197,20 +188,71 @@ def _host_ipc(key: int, name: bytes, remove: bool = False) -> list[str]:
 
 
 def test_ipc_objects_do_not_pass_between_calls_or_outlive_them(one_worker):
-    """SysV shared memory and message queues and POSIX message queues live in an IPC namespace: each call
-    has its own (review t2, t9, t5: they persisted between calls and after close(), pinning host RAM)."""
+    """System V IPC objects and POSIX message queues live in an IPC namespace: each call has its own
+    (review t2, t9, t5: they persisted between calls and after close(), pinning host RAM). SysV shared
+    memory and message queues are refused outright (test_memory_outside_the_address_space_limit_...)."""
     require(one_worker, "ipcns")
     key, name = int.from_bytes(os.urandom(3), "big") | 0x52000000, f"/rstar2-{uuid.uuid4().hex[:8]}".encode()
     try:
         w = run(one_worker, _IPC.format(key=key, name=name, make=True))
-        assert w.stdout == "made (0, 0)\n", (w.stdout, w.stderr)
+        assert w.stdout == "made 0\n", (w.stdout, w.stderr)
         r = run(one_worker, _IPC.format(key=key, name=name, make=False))
-        assert r.stdout == "found [False, False, False]\n", (r.stdout, r.stderr)
+        assert r.stdout == "found [False, False]\n", (r.stdout, r.stderr)
         assert _host_ipc(key, name) == []
         ipcs = subprocess.run(["ipcs"], capture_output=True, text=True, check=False).stdout
         assert f"0x{key:08x}" not in ipcs, ipcs
     finally:
         _host_ipc(key, name, remove=True)
+
+
+_OUTSIDE_AS = """
+import ctypes, errno, os, time
+libc = ctypes.CDLL(None, use_errno=True)
+out = {}
+try:
+    os.memfd_create("m")
+    out["memfd"] = "made"
+except OSError as e:
+    out["memfd"] = errno.errorcode[e.errno]
+for name, fn in (("shmget", lambda: libc.shmget(0, 1 << 20, 0o1000 | 0o600)), ("msgget", lambda: libc.msgget(0, 0o1000 | 0o600))):
+    out[name] = "made" if fn() >= 0 else errno.errorcode[ctypes.get_errno()]
+written = 0
+try:
+    for i in range(64):   # /dev/shm is the call's /tmp: a tmpfs of scratch_mb / workers
+        with open(f"/dev/shm/f{i}", "wb") as fh:
+            fh.write(b"x" * (1 << 20))
+        written += 1
+    out["shm_files"] = written
+except OSError as e:
+    out["shm_files"] = (written, errno.errorcode[e.errno])
+kids = 0
+try:
+    for _ in range(3 * NPROC):
+        if os.fork() == 0:
+            time.sleep(5)
+            os._exit(0)
+        kids += 1
+except OSError as e:
+    out["forks"] = (kids, errno.errorcode[e.errno])
+print(out)
+"""
+
+
+def test_memory_outside_the_address_space_limit_is_refused_or_bounded(make_cfg):
+    """What would hold RAM beyond memory_mb (review t5: 1.4 GiB through memfd_create, segments left on
+    the host): memfd_create, SysV shared memory and message queues are refused (seccomp); files in
+    /dev/shm and /tmp stop at the call's tmpfs size; processes stop at max_processes."""
+    with LocalSandbox(make_cfg(preload=["math"], workers=2, scratch_mb=16, max_processes=6)) as box:
+        require(box, "seccomp")
+        require(box, "private_tmp")
+        r = run(box, _OUTSIDE_AS.replace("NPROC", "6"))
+        per_call_uid = box.features["light"]["features"]["uid_drop"]
+    assert r.status is Status.OK, r
+    out = ast.literal_eval(r.stdout)
+    assert (out["memfd"], out["shmget"], out["msgget"]) == ("EPERM", "EPERM", "EPERM"), out
+    assert out["shm_files"][1] == "ENOSPC" and out["shm_files"][0] <= 8, out   # 16 MiB / 2 workers
+    if per_call_uid:   # RLIMIT_NPROC counts the call's own uid only
+        assert out["forks"][1] == "EAGAIN" and out["forks"][0] < 6, out
 
 
 _SYSCALLS = """
