@@ -16,6 +16,7 @@ import sbx_isolation as iso
 
 EXIT_MEMORY = 109   # the child runtime's code for "MemoryError" (reported as exit code 1)
 EXIT_SETUP = 110    # the child could not set itself up: the service's fault (status internal)
+CODE_FD = 3         # where the child finds the code pipe (after stdin, stdout, stderr)
 FILENAME = "<tool>"
 CHILD_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
              "PYTHONIOENCODING": "utf-8", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1",
@@ -59,19 +60,21 @@ def make_child_stdio() -> tuple:
     return streams
 
 
-def run_child(req: dict, cwd: str, uid: int | None, fds: tuple[int, int, int], as_base: int, conf: dict,
+def run_child(req: dict, cwd: str, uid: int | None, fds: tuple[int, int, int, int], as_base: int, conf: dict,
               netfd: int) -> None:
-    """Runs in the fresh child: isolate, then run the program. Never returns. `conf`: the template's
-    per-call set-up (`tmp_opts`: mount a private /tmp in the call's own mount namespace, `proc`: and a
-    /proc); `netfd`: this slot's network namespace or -1."""
+    """Runs in the fresh child (cloned by the zygote, sbx_zygote.py): isolate, read the program from
+    the code pipe, run it. Never returns. `req`: the call's limits (no code); `fds`: stdin, stdout,
+    stderr and the code pipe's read end; `conf`: the per-call set-up (`tmp_opts`: mount a private
+    /tmp in the call's own mount namespace, `proc`: and a /proc); `netfd`: this slot's network
+    namespace or -1."""
     try:
         iso.libc.prctl(iso.PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         os.setsid()
-        for target, fd in enumerate(fds):
-            os.dup2(fd, target)
-        if netfd >= 0:
+        if netfd >= 0:   # before the dup2s: fd CODE_FD may be one of the zygote's
             iso.setns(netfd, iso.CLONE_NEWNET)
-        os.closerange(3, 1 << 20)   # the template's fds (its host /proc included) stay with it
+        for target, fd in enumerate(fds):   # every source fd is > 2 and CODE_FD comes last
+            os.dup2(fd, target)
+        os.closerange(CODE_FD + 1, 1 << 20)   # the zygote's fds (its host /proc included) stay with it
         if conf["tmp_opts"] is not None:
             owner = b",uid=%d,gid=%d" % (uid, uid) if uid is not None else b""
             iso.mount_call_dirs(conf["tmp_opts"] + owner, conf["proc"], conf["tmp_links"])
@@ -106,10 +109,11 @@ def run_child(req: dict, cwd: str, uid: int | None, fds: tuple[int, int, int], a
     # program's atexit handlers included, and print the template's traceback.
     rc = 1
     try:
-        rc = _run_program(req["code"])
+        rc = _run_program(_read_code())
     except BaseException as e:  # noqa: BLE001 - e.g. raised by the program's trace function or its threads
+        rc = EXIT_MEMORY if isinstance(e, MemoryError) else 1
         _print_exception(e)
-        _flush(1)
+        _flush(rc)
     finally:
         while True:   # a retry per exception raised here (a profile function raising is then unset)
             try:
@@ -118,6 +122,24 @@ def run_child(req: dict, cwd: str, uid: int | None, fds: tuple[int, int, int], a
                 os._exit(rc)
             except BaseException:  # noqa: BLE001, S110 - nothing of the program may run past this point
                 pass
+
+
+def _read_code() -> str:
+    """The program, from the code pipe: an 8-byte length, then the UTF-8 text (surrogatepass: lone
+    surrogates reach the parser as they were sent). Read as the call's uid, under its limits."""
+    chunks, n = [], 0
+    while True:
+        data = os.read(CODE_FD, 1 << 20)
+        if not data:
+            break
+        chunks.append(data)
+        n += len(data)
+    os.close(CODE_FD)
+    raw = b"".join(chunks)
+    if n < 8 or int.from_bytes(raw[:8], "big") != n - 8:   # the template died while writing it
+        os.write(2, b"sandbox set-up failed: the program's code arrived incomplete\n")
+        os._exit(EXIT_SETUP)
+    return raw[8:].decode("utf-8", "surrogatepass")
 
 
 def _run_program(code: str) -> int:

@@ -98,10 +98,14 @@ def load_seccomp(prog: SockFprog) -> None:
 
 def clone_newpid(extra: int = 0) -> int:
     """fork() into a new PID namespace (the child is its PID 1), and the namespaces of `extra` (0 or
-    CLONE_NEWIPC: the only other one the seccomp filter lets through, syscalls.py). Python's fork hooks
-    run around it."""
+    CLONE_NEWIPC: the only other one the seccomp filter lets through, syscalls.py)."""
+    return clone_child(CLONE_NEWPID | extra)
+
+
+def clone_child(flags: int) -> int:
+    """fork() with the clone `flags` (namespaces, CLONE_PARENT). Python's fork hooks run around it."""
     ctypes.pythonapi.PyOS_BeforeFork()
-    pid = plibc.syscall(SYS_CLONE, CLONE_NEWPID | extra | signal.SIGCHLD, 0, 0, 0, 0)
+    pid = plibc.syscall(SYS_CLONE, flags | signal.SIGCHLD, 0, 0, 0, 0)
     if pid == 0:
         ctypes.pythonapi.PyOS_AfterFork_Child()
         return 0

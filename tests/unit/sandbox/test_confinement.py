@@ -392,6 +392,78 @@ def test_an_interpreter_under_tmp_keeps_the_minimal_root(sb):
         shutil.rmtree(d)
 
 
+_SCAN = r"""
+import ctypes, gc, re, sys
+pat = re.compile(rb"TAG(?:CODE|OUT)[0-9]+END")
+hits = set()
+def look(b):
+    hits.update(m.decode() for m in pat.findall(b))
+seen, todo = set(), [sys._getframe().f_back, *gc.get_objects()]   # what the runner's frames and the collector reach
+while todo and len(seen) < 400000:
+    o = todo.pop()
+    if id(o) in seen:
+        continue
+    seen.add(id(o))
+    try:
+        if isinstance(o, str):
+            look(o.encode("utf-8", "surrogatepass"))
+        elif isinstance(o, (bytes, bytearray, memoryview)):
+            look(bytes(o))
+        else:
+            todo.extend(gc.get_referents(o))
+    except (ValueError, TypeError):
+        pass
+for ln in open("/proc/self/maps").read().splitlines():   # every private anonymous mapping of this process
+    f = ln.split()
+    name = f[5] if len(f) > 5 else ""
+    if "r" in f[1] and "p" in f[1] and not name.startswith("/") and name not in ("[vvar]", "[vsyscall]", "[vvar_vclock]"):
+        lo, hi = (int(x, 16) for x in f[0].split("-"))
+        look(ctypes.string_at(lo, hi - lo))
+print(sorted(hits))
+"""
+
+
+def _victim(tag: str, sleep_s: float = 0.0) -> tuple[str, str]:
+    """A call whose code holds `<tag>CODE<n>END` and whose output is `<tag>OUT<7n>END` (computed: not
+    in the code), and the scan of another call for `tag` (its pattern matches neither)."""
+    n = int.from_bytes(os.urandom(3), "big")
+    code = (f"import time\nsecret = '{tag}CODE{n}END'\nprint('{tag}' + 'OUT' + str({n} * 7) + 'END', flush=True)\n"
+            f"time.sleep({sleep_s})")
+    return code, _SCAN.replace("TAG", tag)
+
+
+def test_a_call_cannot_find_a_concurrent_calls_code_or_output(make_cfg):
+    """Review t3: a call's child was a fork of the template, whose frames (Template.calls) held every
+    running call's request and output so far. Now children are cloned from a zygote that never holds
+    a request: the running victim's code and printed output are not reachable from the spy's frames
+    or objects, nor anywhere in its anonymous memory."""
+    tag = "Q" + uuid.uuid4().hex[:8].upper()
+    code, scan = _victim(tag, sleep_s=4.0)
+    with LocalSandbox(make_cfg(preload=["math"], workers=2, timeout_s=20.0, cpu_time_s=20.0,
+                               memory_mb=512)) as box:
+        out: dict = {}
+        t = threading.Thread(target=lambda: out.update(victim=run(box, code), victim_end=time.monotonic()))
+        t.start()
+        time.sleep(1.5)   # the victim has started and printed
+        spy = run(box, scan)
+        spy_end = time.monotonic()
+        t.join()
+    assert out["victim"].stdout.startswith(f"{tag}OUT"), out["victim"]
+    assert spy_end < out["victim_end"], "the spy did not run while the victim was running"
+    assert spy.status is Status.OK and spy.stdout == "[]\n", (spy.stdout, spy.stderr[-2000:])
+
+
+def test_a_later_call_cannot_find_an_earlier_calls_code_or_output(one_worker):
+    """Review t4/t11: the template's freed memory (request pickles, output chunks) went into every
+    later child, which found earlier calls' code and output by scanning its own memory."""
+    tag = "Q" + uuid.uuid4().hex[:8].upper()
+    code, scan = _victim(tag)
+    first = run(one_worker, code)
+    assert first.stdout.startswith(f"{tag}OUT"), first
+    later = run(one_worker, scan)
+    assert later.status is Status.OK and later.stdout == "[]\n", (later.stdout, later.stderr[-2000:])
+
+
 _NO_UNSHARE = """
 import errno, json, logging, sys
 import pyseccomp as sc
