@@ -313,7 +313,7 @@ class Dispatcher:
             self.templates[t.kind][t.index] = self._spawn(t.kind, t.index)
         for call in sorted(t.inflight.values(), key=lambda c: c.cid, reverse=True):
             self.inflight -= 1
-            if call.retried:
+            if call.retried and t.kind not in self.failed_kinds:   # a failed kind: _schedule gives the reason
                 self._finish(call, internal_result(call.req.id, Status.INTERNAL, msg + " twice while running this call"))
             else:
                 call.retried = True

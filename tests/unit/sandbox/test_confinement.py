@@ -524,6 +524,27 @@ def test_a_host_without_the_seccomp_filter_is_refused_unless_allowed(make_cfg, m
     assert "seccomp (" in warning and "simulated" in warning, warning
 
 
+def test_a_template_restarted_with_less_isolation_runs_no_call(make_cfg, monkeypatch):
+    """Fail closed after start-up too: a template that dies and comes back lacking a property (simulated:
+    its hello reads as without the seccomp filter) is stopped, and calls of its kind get `internal`
+    with the reason instead of running."""
+    from rstar2_core.sandbox import dispatcher
+    from rstar2_core.sandbox import properties as props
+
+    real = props.properties
+    with LocalSandbox(make_cfg(preload=["math"], workers=1)) as box:
+        assert run(box, "print(1)").stdout == "1\n"
+        weaker = lambda f: {**real(f), "seccomp": False}
+        monkeypatch.setattr(props, "properties", weaker)
+        monkeypatch.setattr(dispatcher, "properties", weaker)
+        os.kill(box._d.templates["light"][0].proc.pid, 9)
+        r = run(box, "print(2)")
+        assert r.status is Status.INTERNAL and r.stdout == "", r
+        assert "seccomp" in r.stderr and "allow_missing_isolation" in r.stderr, r.stderr
+        assert run(box, "print(3)").status is Status.INTERNAL
+        assert all(t.dead for t in box._d.templates["light"])
+
+
 def test_settings_that_turn_isolation_off_must_allow_it(make_cfg, caplog):
     from pydantic import ValidationError
 
