@@ -15,16 +15,18 @@ the calls' mount namespaces, an empty capability bounding set, the seccomp filte
 itself: calls inherit it), one probe child that finds out which per-call steps this host allows;
 then the preloads, imported inside that root; then the zygote, forked before any request.
 
-The template holds the requests' code and stdin and the calls' output, so it never forks once it
-has read a request: every call's child is cloned by the zygote (runtime/sbx_zygote.py), which holds
-none of them, with CLONE_PARENT so that it is this template's child all the same (wait4, rusage,
-kill). The template sends the zygote the call's slot, uid and limits with the call's pipe fds, and
-writes the code into a pipe the child reads after the clone. A call's child thus cannot find another
-call's code or output, running or finished, in its frames, objects or memory.
+The template holds the requests' code and stdin and the calls' output, so once it has read a request
+it forks nothing that runs a program (only, without PID namespaces, `_kill_uid`'s helper): every
+call's child is cloned by the zygote (runtime/sbx_zygote.py), which holds none of them, with
+CLONE_PARENT so that it is this template's child all the same (wait4, rusage, kill). The template
+sends the zygote the call's slot, uid and limits with the call's pipe fds, and writes the code into
+a pipe the child reads after the clone. A call's child thus cannot find another call's code or
+output, running or finished, in its frames, objects or memory.
 
 Per call (see docs/sandbox.md for what is and is not isolated):
-- a fresh child from the zygote's `clone(CLONE_PARENT | CLONE_NEWPID | CLONE_NEWIPC)`: the program is PID 1 of its own PID namespace, so when it
-  exits or is killed the kernel kills every process it started, double-forked daemons included;
+- a fresh child from the zygote's `clone(CLONE_PARENT | CLONE_NEWPID | CLONE_NEWIPC)`: the program
+  is PID 1 of its own PID namespace, so when it exits or is killed the kernel kills every process it
+  started, double-forked daemons included;
   without PID namespaces (host forbids them) it gets its own session and the group is killed;
 - its own mount namespace (made by the zygote ahead of the call, handed to the reaper after)
   with a fresh tmpfs on /tmp (cwd, HOME, /dev/shm) and a procfs of its PID namespace; where there is
@@ -35,8 +37,9 @@ Per call (see docs/sandbox.md for what is and is not isolated):
   PR_SET_PDEATHSIG so it dies with the template;
 - its own IPC namespace (the same clone): System V shared memory, message queues, semaphores and
   POSIX message queues are the call's own and go with it;
-- its slot's network namespace (made by the zygote on the slot's first call, no interfaces up; an unprivileged uid
-  cannot bring loopback up): no network, and no abstract Unix socket shared with a concurrent call;
+- its slot's network namespace (made by the zygote on the slot's first call, no interfaces up; an
+  unprivileged uid cannot bring loopback up): no network, and no abstract Unix socket shared with a
+  concurrent call;
 - stdout/stderr read incrementally: the first bytes are kept, the rest counted and thrown away;
   a flood beyond `drain_bytes` gets the tree killed (status output_limit).
 
