@@ -133,6 +133,13 @@ class DataConfig(_Section):
 
 
 # ------------------------------------------------------------------------------------------- sandbox
+IsolationProperty = Literal["minimal_root", "no_capabilities", "private_tmp", "own_proc", "pid_namespace",
+                           "no_network", "private_abstract_sockets", "private_ipc", "seccomp", "per_call_uid"]
+"""The names of rstar2_core/sandbox/properties.py's PROPERTIES (a test keeps the two equal)."""
+_NO_NAMESPACE_LOSS = ("minimal_root", "private_tmp", "own_proc", "pid_namespace", "no_network",
+                      "private_abstract_sockets", "private_ipc")
+
+
 class SandboxConfig(_Section):
     backend: Literal["local", "ray"] = "local"
     """`local`: forked workers on this host. `ray`: an actor pool over every node's CPUs."""
@@ -177,6 +184,25 @@ class SandboxConfig(_Section):
     uid_base: int = Field(1_500_000, ge=1000)
     """When the service runs as root, each running call gets its own uid from here up (no passwd entry
     needed), so RLIMIT_NPROC is per call and a program cannot signal the service or other calls."""
+    allow_missing_isolation: list[IsolationProperty] = Field(default_factory=list)
+    """Isolation properties (docs/sandbox.md, "What is isolated") the service may start without. Default
+    none: a service whose calls would lack any property refuses to start (SandboxError naming them and
+    why), rather than running the model's code with less confinement than documented. Name a property
+    here only on a host that cannot provide it and where what it guards is acceptable to lose, e.g.
+    `["per_call_uid", "own_proc"]` when not root; the service then starts and logs a WARNING with the
+    missing ones. `network = "host"` needs no_network and private_abstract_sockets here, `namespaces =
+    false` also minimal_root, private_tmp, own_proc, pid_namespace and private_ipc."""
+
+    @model_validator(mode="after")
+    def _weakening_settings_are_allowed(self) -> SandboxConfig:
+        lost = [*(_NO_NAMESPACE_LOSS if not self.namespaces else ()),
+                *(("no_network", "private_abstract_sockets") if self.network == "host" else ())]
+        absent = [p for p in dict.fromkeys(lost) if p not in self.allow_missing_isolation]
+        if absent:
+            why = "namespaces = false" if not self.namespaces else 'network = "host"'
+            raise ValueError(f"sandbox {why} turns off isolation properties {absent}: list them in "
+                             f"sandbox.allow_missing_isolation to accept that, or drop the setting")
+        return self
 
 
 # ------------------------------------------------------------------------------------------- rollout

@@ -13,6 +13,9 @@ queue, and hands each result to the caller's callback. `service.LocalSandbox` is
   in flight are retried once, then answered `internal`.
 - Confinement (docs/sandbox.md): the minimal root's plan (`rootfs.plan_root`) and the compiled
   seccomp program (`syscalls.compile_filter`) are computed here once and handed to every template.
+  A template whose hello reports an isolation property missing that `cfg.allow_missing_isolation`
+  does not name is stopped and its kind fails (at start-up: the service does not start); it runs
+  no call.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rstar2_core.config import SandboxConfig
+from rstar2_core.sandbox.properties import missing, properties
 from rstar2_core.sandbox.rootfs import plan_root
 from rstar2_core.sandbox.syscalls import compile_filter
 from rstar2_core.sandbox.types import ExecutionRequest, ExecutionResult, Status
@@ -246,6 +250,14 @@ class Dispatcher:
             msg = pickle.loads(bytes(t.inbuf[4:4 + n]))
             del t.inbuf[:4 + n]
             if msg.get("hello"):
+                refusal = self._isolation_refusal(msg["features"])
+                if refusal:   # fail closed: no call runs with less isolation than allowed
+                    self.failed_kinds[t.kind] = refusal
+                    if not self.started.is_set():
+                        self.start_error = refusal
+                        self.started.set()
+                    self._template_died(t, "its calls would lack isolation properties")
+                    return
                 t.hello = msg
                 self.quick_deaths[t.kind] = 0
                 if not self.started.is_set() and all(x.hello for ts in self.templates.values() for x in ts):
@@ -290,7 +302,9 @@ class Dispatcher:
         if t.hello is None:
             self.quick_deaths[t.kind] += 1
         msg = f"sandbox {t.kind} template died ({why}, exit {t.proc.returncode})"
-        if not self.started.is_set() or self.quick_deaths[t.kind] >= MAX_QUICK_RESTARTS:
+        if t.kind in self.failed_kinds:
+            pass   # not restarted: _schedule answers its calls with the reason
+        elif not self.started.is_set() or self.quick_deaths[t.kind] >= MAX_QUICK_RESTARTS:
             self.failed_kinds[t.kind] = msg + " before it started"
             if not self.started.is_set():
                 self.start_error = self.failed_kinds[t.kind]
@@ -299,12 +313,29 @@ class Dispatcher:
             self.templates[t.kind][t.index] = self._spawn(t.kind, t.index)
         for call in sorted(t.inflight.values(), key=lambda c: c.cid, reverse=True):
             self.inflight -= 1
-            if call.retried:
+            if call.retried and t.kind not in self.failed_kinds:   # a failed kind: _schedule gives the reason
                 self._finish(call, internal_result(call.req.id, Status.INTERNAL, msg + " twice while running this call"))
             else:
                 call.retried = True
                 self.queue.appendleft(call)
         t.inflight.clear()
+
+    def _isolation_refusal(self, features: dict) -> str | None:
+        """Why a template with these `features` must not run calls: the isolation properties its calls
+        would lack that `cfg.allow_missing_isolation` does not name (None when there are none, or when
+        confinement is off for a measurement)."""
+        if not self.confine:
+            return None
+        lacking = missing(features, self.seccomp.why if self.seccomp else "", self.cfg.allow_missing_isolation)
+        if not lacking:
+            return None
+        names = [n for n, ok in properties(features).items() if not ok]
+        notes = "; ".join(features.get("notes") or [])
+        return (f"sandbox isolation MISSING on this host, so the service refuses to run calls: {'; '.join(lacking)}"
+                + (f" (the template found: {notes})" if notes else "")
+                + ". Fix the host (run the service as root where namespaces are allowed, e.g. a container with "
+                  "CAP_SYS_ADMIN and seccomp=unconfined; the system's libseccomp2 and pyseccomp for the filter), "
+                  f"or accept weaker isolation with sandbox.allow_missing_isolation = {names!r}")
 
     def _check_hung(self) -> None:
         limit = self.cfg.timeout_s + HUNG_GRACE_S

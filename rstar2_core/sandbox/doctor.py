@@ -48,7 +48,8 @@ def host_report(cfg: SandboxConfig) -> dict:
     report: dict = {"python": sys.version.split()[0], "kernel": platform.release(), "euid": os.geteuid(),
                     "cpus": os.cpu_count(), "workers": default_workers(cfg), "seccomp": describe(filt)}
     try:
-        with LocalSandbox(cfg.model_copy(update={"workers": 1})) as sb:
+        # every property allowed to be missing: the doctor reports what the service would refuse
+        with LocalSandbox(cfg.model_copy(update={"workers": 1, "allow_missing_isolation": list(PROPERTIES)})) as sb:
             report["root_packages"] = list(sb._d.root_plan.packages) if sb._d.root_plan else []
             report["root_notes"] = list(sb._d.root_plan.notes) if sb._d.root_plan else []
             report["templates"] = {k: {"features": v.get("features"), "preloaded": v.get("preloaded"),

@@ -13,7 +13,8 @@ Names this libseccomp does not know are skipped and reported.
 
 Four system calls the template itself uses per call are refused only in their other forms
 (`CONDITIONAL`): `mount` with the exact flags of a call's /tmp and /proc, `unshare` and `setns` of a
-mount or network namespace, and `clone` into a new PID namespace pass the filter. Each of them needs
+mount or network namespace, and `clone` into a new PID namespace (with or without a new IPC namespace)
+pass the filter. Each of them needs
 CAP_SYS_ADMIN, which a call never has (it cannot make a user namespace either: refused), so for a call
 they fail with EPERM all the same, from the kernel.
 """
@@ -39,6 +40,8 @@ REFUSED: dict[str, str] = {
     **dict.fromkeys(("bpf", "perf_event_open", "fanotify_init"), "load kernel programs or trace the system"),
     **dict.fromkeys(("keyctl", "add_key", "request_key"), "use the kernel keyrings (credentials)"),
     **dict.fromkeys(("open_by_handle_at", "name_to_handle_at"), "open files by handle, around path checks"),
+    **dict.fromkeys(("memfd_create", "memfd_secret", "shmget", "msgget"),
+                    "hold RAM outside the address-space limit (a file in memory, SysV shared memory or message queues)"),
     "userfaultfd": "stall the kernel on a page fault (exploit primitive)",
     **dict.fromkeys(("io_uring_setup", "io_uring_enter", "io_uring_register"),
                     "submit system calls the filter cannot see"),
@@ -53,7 +56,8 @@ CONDITIONAL: dict[str, str] = {
     "mount": "every mount but those with the flags of a call's /tmp and /proc (nosuid,nodev[,noexec])",
     "unshare": "of a user, PID, UTS, IPC, cgroup or time namespace",
     "setns": "into a user, PID, UTS, IPC, cgroup or time namespace, or of an unspecified type",
-    "clone": "with CLONE_NEWUSER, CLONE_NEWNS, CLONE_NEWNET, CLONE_NEWUTS, CLONE_NEWIPC or CLONE_NEWCGROUP",
+    "clone": "with CLONE_NEWUSER, CLONE_NEWNS, CLONE_NEWNET, CLONE_NEWUTS or CLONE_NEWCGROUP, or CLONE_NEWIPC "
+             "without CLONE_NEWPID",
 }
 
 
@@ -117,8 +121,10 @@ def _add_conditional(sc, f) -> None:
         f.add_rule(eperm, "unshare", sc.Arg(0, sc.MASKED_EQ, NS[name], NS[name]))
         f.add_rule(eperm, "setns", sc.Arg(1, sc.MASKED_EQ, NS[name], NS[name]))
     f.add_rule(eperm, "setns", sc.Arg(1, sc.EQ, 0))
-    for name in ("CLONE_NEWUSER", "CLONE_NEWNS", "CLONE_NEWNET", "CLONE_NEWUTS", "CLONE_NEWIPC", "CLONE_NEWCGROUP"):
+    for name in ("CLONE_NEWUSER", "CLONE_NEWNS", "CLONE_NEWNET", "CLONE_NEWUTS", "CLONE_NEWCGROUP"):
         f.add_rule(eperm, "clone", sc.Arg(0, sc.MASKED_EQ, NS[name], NS[name]))
+    ipc_pid = NS["CLONE_NEWIPC"] | NS["CLONE_NEWPID"]   # a call's clone makes both; NEWIPC alone is refused
+    f.add_rule(eperm, "clone", sc.Arg(0, sc.MASKED_EQ, ipc_pid, NS["CLONE_NEWIPC"]))
 
 
 def describe(filt: Filter) -> str:

@@ -1,33 +1,45 @@
-"""The warm template process: imports the configured modules once, then forks one isolated child per
-tool call and supervises it (limits, output caps, timeout, clean-up).
+"""The warm template process: imports the configured modules once, then has one isolated child per
+tool call cloned by its zygote and supervises it (limits, output caps, timeout, clean-up).
 
 Run only by `rstar2_core.sandbox.service` as `python -I template.py '<json settings>'` (isolated mode:
 no PYTHON* variables, no script directory on sys.path, so this package's `types.py` cannot shadow the
 standard library inside the user's program). Standard library only; never import `rstar2_core` here,
 so the user's program does not find the trainer's modules already loaded. Its helpers live in
 `runtime/` (`sbx_isolation.py`: namespaces, capabilities, seccomp, host probing; `sbx_rootfs.py`:
-the minimal root; `sbx_child.py`: the child side of a call) and are imported from there by file
-location.
+the minimal root; `sbx_zygote.py`: the process that clones the children; `sbx_child.py`: the child
+side of a call) and are imported from there by file location.
 
 At start (runtime/sbx_isolation.py, sbx_rootfs.py): a network namespace, a mount namespace whose root
 is the minimal read-only root of the service's plan (pivot_root), a reaper process that tears down
 the calls' mount namespaces, an empty capability bounding set, the seccomp filter (on the template
 itself: calls inherit it), one probe child that finds out which per-call steps this host allows;
-then the preloads, imported inside that root.
+then the preloads, imported inside that root; then the zygote, forked before any request.
+
+The template holds the requests' code and stdin and the calls' output, so once it has read a request
+it forks nothing that runs a program (only, without PID namespaces, `_kill_uid`'s helper): every
+call's child is cloned by the zygote (runtime/sbx_zygote.py), which holds none of them, with
+CLONE_PARENT so that it is this template's child all the same (wait4, rusage, kill). The template
+sends the zygote the call's slot, uid and limits with the call's pipe fds, and writes the code into
+a pipe the child reads after the clone. A call's child thus cannot find another call's code or
+output, running or finished, in its frames, objects or memory.
 
 Per call (see docs/sandbox.md for what is and is not isolated):
-- a fresh child from `clone(CLONE_NEWPID)`: the program is PID 1 of its own PID namespace, so when it
-  exits or is killed the kernel kills every process it started, double-forked daemons included;
+- a fresh child from the zygote's `clone(CLONE_PARENT | CLONE_NEWPID | CLONE_NEWIPC)`: the program
+  is PID 1 of its own PID namespace, so when it exits or is killed the kernel kills every process it
+  started, double-forked daemons included;
   without PID namespaces (host forbids them) it gets its own session and the group is killed;
-- its own mount namespace (made by the template just before the clone, handed to the reaper after)
+- its own mount namespace (made by the zygote ahead of the call, handed to the reaper after)
   with a fresh tmpfs on /tmp (cwd, HOME, /dev/shm) and a procfs of its PID namespace; where there is
   none, a fresh private working directory removed afterwards;
 - its own uid from this template's pool when the service runs as root (so RLIMIT_NPROC is per call,
   and it cannot signal or write anything of the service's), rlimits AS/CPU/NPROC/FSIZE/CORE/NOFILE,
   no capabilities, no_new_privs, the inherited seccomp filter, a scrubbed environment, and
   PR_SET_PDEATHSIG so it dies with the template;
-- its slot's network namespace (made on the slot's first call, no interfaces up; an unprivileged uid
-  cannot bring loopback up): no network, and no abstract Unix socket shared with a concurrent call;
+- its own IPC namespace (the same clone): System V shared memory, message queues, semaphores and
+  POSIX message queues are the call's own and go with it;
+- its slot's network namespace (made by the zygote on the slot's first call, no interfaces up; an
+  unprivileged uid cannot bring loopback up): no network, and no abstract Unix socket shared with a
+  concurrent call;
 - stdout/stderr read incrementally: the first bytes are kept, the rest counted and thrown away;
   a flood beyond `drain_bytes` gets the tree killed (status output_limit).
 
@@ -58,6 +70,7 @@ _RUNTIME = os.path.join(os.path.dirname(os.path.abspath(__file__)), "runtime")
 sys.path.insert(0, _RUNTIME)   # only while importing our helpers (names no program would use)
 import sbx_child as child
 import sbx_isolation as iso
+import sbx_zygote as zygote
 
 sys.path.remove(_RUNTIME)
 
@@ -67,6 +80,8 @@ MAX_DEAD_NS = 1024   # finished calls' mount namespaces (their /tmp in RAM) wait
 # ------------------------------------------------------------------------------- the parent side
 class _Call:
     __slots__ = (
+        "code",
+        "code_fd",
         "cwd",
         "deadline",
         "err",
@@ -89,7 +104,10 @@ class _Call:
     def __init__(self, req: dict, slot: int, cwd: str):
         self.req, self.slot, self.cwd = req, slot, cwd
         self.out, self.err = _Capture(req), _Capture(req)
-        self.stdin = req["stdin"].encode("utf-8", "surrogatepass")  # lone surrogates reach the program as U+FFFD
+        self.stdin = memoryview(req["stdin"].encode("utf-8", "surrogatepass"))  # lone surrogates: U+FFFD
+        code = req["code"].encode("utf-8", "surrogatepass")   # the child decodes it the same way
+        self.code = memoryview(len(code).to_bytes(8, "big") + code)
+        self.code_fd = -1
         self.kill_reason: str | None = None
         self.nsfd = -1   # the call's own mount namespace, when it has one
         self.exited = False
@@ -134,7 +152,6 @@ class Template:
         self.stopping = False
         self.seq = 0
         self.dead_ns: list[int] = []   # mount namespaces of finished calls, for the reaper
-        self.spare_ns = -1             # one made ahead while idle, for the next call
 
     # -- start
     def start(self) -> None:
@@ -163,21 +180,20 @@ class Template:
         self.uids = None
         if feats["uid_drop"]:
             self.uids = [int(self.s["uid_base"]) + i for i in range(int(self.s["slots"]))]
+        # Before any request: the zygote's memory holds none, and every call's child is cloned from it.
+        cs = self.cs
+        ns_fds = {fd for fd in (cs.home_mnt, cs.home_net, *cs.slot_net.values()) if fd >= 0}
+        self.zygote = zygote.start(feats, self.call_conf, cs, self.procfd, self.as_base, ns_fds)
+        for fd in ns_fds:   # the zygote's now
+            os.close(fd)
+        cs.home_mnt = cs.home_net = -1
+        cs.slot_net.clear()
         for fd in (self.ctrl_in, self.ctrl_out):
             os.set_blocking(fd, False)
         self.sel.register(self.ctrl_in, selectors.EVENT_READ, "ctrl")
         self._send({"hello": True, "kind": self.s["kind"], "pid": os.getpid(), "features": feats,
-                    "preloaded": loaded, "missing": missing, "vm_mb": self.as_base >> 20})
-
-    def _netns_for(self, slot: int) -> int:
-        """The network namespace of call slot `slot` (made on first use): concurrent calls never
-        share one, so not their abstract Unix sockets either; a call's sockets die with the call."""
-        if not self.feats["netns_per_slot"]:
-            return -1
-        fd = self.cs.slot_net.get(slot)
-        if fd is None:
-            fd = self.cs.slot_net[slot] = iso.new_netns(self.procfd, self.cs.home_net)
-        return fd
+                    "preloaded": loaded, "missing": missing, "vm_mb": self.as_base >> 20,
+                    "zygote_pid": self.zygote.pid})
 
     # -- messages
     def _send(self, msg: dict) -> None:
@@ -237,28 +253,19 @@ class Template:
             made += [out_r, out_w]
             err_r, err_w = os.pipe()
             made += [err_r, err_w]
+            code_r, code_w = os.pipe()
+            made += [code_r, code_w]
             call.t0 = time.monotonic()
             call.deadline = call.t0 + float(req["timeout_s"])
-            uid = self.uids[slot] if self.uids else None
-            netfd = self._netns_for(slot)
-            if self.call_conf["tmp_opts"]:   # the child is cloned into the call's own mount namespace
-                if self.spare_ns >= 0:
-                    call.nsfd, self.spare_ns = self.spare_ns, -1
-                    iso.setns(call.nsfd, iso.CLONE_NEWNS)
-                else:
-                    call.nsfd = iso.enter_call_mount_ns(self.procfd)
-            pid = iso.clone_newpid() if self.feats["pidns"] else os.fork()
+            spec = {"slot": slot, "uid": self.uids[slot] if self.uids else None, "cwd": cwd,
+                    **{k: req[k] for k in ("memory_mb", "cpu_s", "nproc", "fsize_mb")}}   # no code, no stdin
+            pid, call.nsfd = self.zygote.spawn(spec, [in_r, out_w, err_w, code_r])
         except OSError:
             for fd in made:
                 os.close(fd)
-            self._leave_call_ns(call)
             self.free_slots.append(slot)
             raise
-        if pid == 0:
-            child.run_child(req, call.cwd, uid, (in_r, out_w, err_w), self.as_base, self.call_conf, netfd)
-        if call.nsfd >= 0:
-            iso.setns(self.cs.home_mnt, iso.CLONE_NEWNS)
-        for fd in (in_r, out_w, err_w):
+        for fd in (in_r, out_w, err_w, code_r):
             if fd != self.devnull:
                 os.close(fd)
         call.pid = pid
@@ -269,31 +276,33 @@ class Template:
             self.sel.register(fd, selectors.EVENT_READ, role)
             self.fd_owner[fd] = (call, role)
             call.open_fds.add(fd)
-        call.stdin_fd = in_w
-        if in_w >= 0:
-            os.set_blocking(in_w, False)
-            self.fd_owner[in_w] = (call, "in")
-            call.open_fds.add(in_w)
-            self._write_stdin(call)
+        call.stdin_fd, call.code_fd = in_w, code_w
+        for fd, role in ((code_w, "code"), (in_w, "in")):
+            if fd >= 0:
+                os.set_blocking(fd, False)
+                self.fd_owner[fd] = (call, role)
+                call.open_fds.add(fd)
+                self._write_input(call, role)
 
-    def _leave_call_ns(self, call: _Call) -> None:
-        if call.nsfd >= 0:
-            iso.setns(self.cs.home_mnt, iso.CLONE_NEWNS)
-            os.close(call.nsfd)
-            call.nsfd = -1
-
-    def _write_stdin(self, call: _Call) -> None:
-        fd = call.stdin_fd
+    def _write_input(self, call: _Call, role: str) -> None:
+        """Feed the child its code ("code") or stdin ("in") as far as the pipe takes it; the rest when
+        the pipe has room again. The pipe is closed at the end (EOF for the child)."""
+        fd, data = (call.code_fd, call.code) if role == "code" else (call.stdin_fd, call.stdin)
         try:
-            while call.stdin:
-                n = os.write(fd, call.stdin[:READ_CHUNK])
-                call.stdin = call.stdin[n:]
+            while data:
+                n = os.write(fd, data[:READ_CHUNK])
+                data = data[n:]
         except BlockingIOError:
             if fd not in self.sel.get_map():
-                self.sel.register(fd, selectors.EVENT_WRITE, "in")
+                self.sel.register(fd, selectors.EVENT_WRITE, role)
             return
-        except BrokenPipeError:  # the program stopped reading: its business
-            call.stdin = b""
+        except BrokenPipeError:  # the program stopped reading (or died): its business
+            data = memoryview(b"")
+        finally:
+            if role == "code":
+                call.code = data
+            else:
+                call.stdin = data
         self._close_fd(call, fd)
 
     def _close_fd(self, call: _Call, fd: int) -> None:
@@ -359,6 +368,7 @@ class Template:
             self._kill_uid(call)
         self._close_fd(call, call.pidfd)
         self._close_fd(call, call.stdin_fd)
+        self._close_fd(call, call.code_fd)
         for fd, role in [(fd, self.fd_owner[fd][1]) for fd in list(call.open_fds)]:
             if role in ("out", "err"):
                 self._read_stream(call, fd, role)
@@ -445,8 +455,6 @@ class Template:
                     os.close(self.dead_ns.pop(0))
                 else:
                     break   # retried on the next loop turn
-            if self.spare_ns < 0 and self.call_conf["tmp_opts"] and not self.pending and self.free_slots:
-                self.spare_ns = iso.make_mount_ns(self.procfd, self.cs.home_mnt)
             try:
                 events = self.sel.select(timeout)
             except InterruptedError:
@@ -468,8 +476,8 @@ class Template:
                     call, _ = owner
                     if role == "exit":
                         self._on_exit(call)
-                    elif role == "in":
-                        self._write_stdin(call)
+                    elif role in ("in", "code"):
+                        self._write_input(call, role)
                     else:
                         self._read_stream(call, key.fd, role)
 

@@ -16,6 +16,7 @@ import sys
 import sbx_rootfs
 
 CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x20000, 0x10000000, 0x20000000, 0x40000000
+CLONE_NEWIPC = 0x8000000
 PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_SECCOMP, PR_SET_NO_NEW_PRIVS = 1, 24, 22, 38
 SECCOMP_MODE_FILTER = 2
 MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 1 << 14, 1 << 18
@@ -95,10 +96,16 @@ def load_seccomp(prog: SockFprog) -> None:
     _check(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0), "seccomp")
 
 
-def clone_newpid() -> int:
-    """fork() into a new PID namespace (the child is its PID 1). Python's fork hooks run around it."""
+def clone_newpid(extra: int = 0) -> int:
+    """fork() into a new PID namespace (the child is its PID 1), and the namespaces of `extra` (0 or
+    CLONE_NEWIPC: the only other one the seccomp filter lets through, syscalls.py)."""
+    return clone_child(CLONE_NEWPID | extra)
+
+
+def clone_child(flags: int) -> int:
+    """fork() with the clone `flags` (namespaces, CLONE_PARENT). Python's fork hooks run around it."""
     ctypes.pythonapi.PyOS_BeforeFork()
-    pid = plibc.syscall(SYS_CLONE, CLONE_NEWPID | signal.SIGCHLD, 0, 0, 0, 0)
+    pid = plibc.syscall(SYS_CLONE, flags | signal.SIGCHLD, 0, 0, 0, 0)
     if pid == 0:
         ctypes.pythonapi.PyOS_AfterFork_Child()
         return 0
@@ -157,7 +164,7 @@ def setup_isolation(s: dict, procfd: int) -> dict:
     scratch tmpfs, probe PID namespaces. `s`: the template's settings; `procfd`: the host's /proc."""
     network, workdir = s["network"], s["workdir"]
     f = {"root": os.geteuid() == 0, "userns": False, "netns": False, "pidns": False, "uid_drop": False,
-         "scratch_tmpfs": False, "minimal_root": None, "root_mounts": 0, "tmp_links": [], "private_tmp": False,
+         "scratch_tmpfs": False, "ipcns": False, "minimal_root": None, "root_mounts": 0, "tmp_links": [], "private_tmp": False,
          "own_proc": False, "netns_per_slot": False, "seccomp": False, "caps_dropped": False, "notes": []}
     uid, gid = os.getuid(), os.getgid()
     if not s.get("namespaces", True):
@@ -211,6 +218,15 @@ def setup_isolation(s: dict, procfd: int) -> dict:
         f["pidns"] = os.WIFEXITED(st) and os.WEXITSTATUS(st) == 0
     except OSError as e:
         f["notes"].append(f"clone(CLONE_NEWPID): {e.strerror}")
+    if f["pidns"]:   # each call's own IPC namespace, made by the same clone
+        try:
+            pid = clone_newpid(CLONE_NEWIPC)
+            if pid == 0:
+                os._exit(0)
+            _, st = os.waitpid(pid, 0)
+            f["ipcns"] = os.WIFEXITED(st) and os.WEXITSTATUS(st) == 0
+        except OSError as e:
+            f["notes"].append(f"clone(CLONE_NEWPID | CLONE_NEWIPC): {e.strerror}")
     f["uid_drop"] = f["root"] and not f["userns"]
     _note_hidden_interpreter(f)
     return f
@@ -309,7 +325,7 @@ def probe_call_setup(f: dict, tmp_opts: bytes | None, netns_fd: int, filtered: b
     try:
         if tmp_opts:
             nsfd = enter_call_mount_ns(procfd)
-        pid = clone_newpid() if f["pidns"] else os.fork()
+        pid = clone_newpid(CLONE_NEWIPC if f["ipcns"] else 0) if f["pidns"] else os.fork()
     except OSError:
         pid = -1
     if pid == 0:

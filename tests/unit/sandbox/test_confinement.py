@@ -156,6 +156,105 @@ def test_proc_shows_only_the_calls_own_processes(sb):
     assert ast.literal_eval(pids) == [1, int(child)], r.stdout
 
 
+_IPC = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mq_open.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p]
+key, name, make = {key}, {name!r}, {make}
+sem = libc.semget(key, 1, 0o1000 | 0o666 if make else 0)   # IPC_CREAT
+mq = libc.mq_open(name, (os.O_CREAT | os.O_RDWR) if make else os.O_RDONLY, 0o666, None)
+if make and min(sem, mq) >= 0:
+    print("made", libc.mq_send(mq, b"LEFT-BY-CALL", 12, 0))
+else:
+    print("found", [x >= 0 for x in (sem, mq)])
+"""
+
+
+def _host_ipc(key: int, name: bytes, remove: bool = False) -> list[str]:
+    """Which of the System V semaphore set with `key` and the POSIX message queue `name` exist in the
+    test's (the host's) IPC namespace; `remove` deletes them."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mq_open.argtypes = [ctypes.c_char_p, ctypes.c_int]
+    sem, mq = libc.semget(key, 0, 0), libc.mq_open(name, os.O_RDONLY)
+    found = [kind for kind, ident in (("sem", sem), ("mqueue", mq)) if ident >= 0]
+    if remove:
+        libc.semctl(sem, 0, 0)    # IPC_RMID
+        libc.mq_unlink(name)
+    if mq >= 0:
+        libc.mq_close(mq)
+    return found
+
+
+def test_ipc_objects_do_not_pass_between_calls_or_outlive_them(one_worker):
+    """System V IPC objects and POSIX message queues live in an IPC namespace: each call has its own
+    (review t2, t9, t5: they persisted between calls and after close(), pinning host RAM). SysV shared
+    memory and message queues are refused outright (test_memory_outside_the_address_space_limit_...)."""
+    require(one_worker, "ipcns")
+    key, name = int.from_bytes(os.urandom(3), "big") | 0x52000000, f"/rstar2-{uuid.uuid4().hex[:8]}".encode()
+    try:
+        w = run(one_worker, _IPC.format(key=key, name=name, make=True))
+        assert w.stdout == "made 0\n", (w.stdout, w.stderr)
+        r = run(one_worker, _IPC.format(key=key, name=name, make=False))
+        assert r.stdout == "found [False, False]\n", (r.stdout, r.stderr)
+        assert _host_ipc(key, name) == []
+        ipcs = subprocess.run(["ipcs"], capture_output=True, text=True, check=False).stdout
+        assert f"0x{key:08x}" not in ipcs, ipcs
+    finally:
+        _host_ipc(key, name, remove=True)
+
+
+_OUTSIDE_AS = """
+import ctypes, errno, os, time
+libc = ctypes.CDLL(None, use_errno=True)
+out = {}
+try:
+    os.memfd_create("m")
+    out["memfd"] = "made"
+except OSError as e:
+    out["memfd"] = errno.errorcode[e.errno]
+for name, fn in (("shmget", lambda: libc.shmget(0, 1 << 20, 0o1000 | 0o600)), ("msgget", lambda: libc.msgget(0, 0o1000 | 0o600))):
+    out[name] = "made" if fn() >= 0 else errno.errorcode[ctypes.get_errno()]
+written = 0
+try:
+    for i in range(64):   # /dev/shm is the call's /tmp: a tmpfs of scratch_mb / workers
+        with open(f"/dev/shm/f{i}", "wb") as fh:
+            fh.write(b"x" * (1 << 20))
+        written += 1
+    out["shm_files"] = written
+except OSError as e:
+    out["shm_files"] = (written, errno.errorcode[e.errno])
+kids = 0
+try:
+    for _ in range(3 * NPROC):
+        if os.fork() == 0:
+            time.sleep(5)
+            os._exit(0)
+        kids += 1
+except OSError as e:
+    out["forks"] = (kids, errno.errorcode[e.errno])
+print(out)
+"""
+
+
+def test_memory_outside_the_address_space_limit_is_refused_or_bounded(make_cfg):
+    """What would hold RAM beyond memory_mb (review t5: 1.4 GiB through memfd_create, segments left on
+    the host): memfd_create, SysV shared memory and message queues are refused (seccomp); files in
+    /dev/shm and /tmp stop at the call's tmpfs size; processes stop at max_processes."""
+    with LocalSandbox(make_cfg(preload=["math"], workers=2, scratch_mb=16, max_processes=6)) as box:
+        require(box, "seccomp")
+        require(box, "private_tmp")
+        r = run(box, _OUTSIDE_AS.replace("NPROC", "6"))
+        per_call_uid = box.features["light"]["features"]["uid_drop"]
+    assert r.status is Status.OK, r
+    out = ast.literal_eval(r.stdout)
+    assert (out["memfd"], out["shmget"], out["msgget"]) == ("EPERM", "EPERM", "EPERM"), out
+    assert out["shm_files"][1] == "ENOSPC" and out["shm_files"][0] <= 8, out   # 16 MiB / 2 workers
+    if per_call_uid:   # RLIMIT_NPROC counts the call's own uid only
+        assert out["forks"][1] == "EAGAIN" and out["forks"][0] < 6, out
+
+
 _SYSCALLS = """
 import ctypes, errno
 libc = ctypes.CDLL(None, use_errno=True)
@@ -198,7 +297,9 @@ def test_every_refused_system_call_fails_with_eperm(sb):
             f"         'unshare(NEWUSER)': ({sc.resolve_syscall(arch, 'unshare')}, 0x10000000, 0),\n"
             f"         'unshare(NEWNS)': ({sc.resolve_syscall(arch, 'unshare')}, 0x20000, 0),\n"
             f"         'setns(any type)': ({sc.resolve_syscall(arch, 'setns')}, 0, 0),\n"
-            f"         'setns(NEWUSER)': ({sc.resolve_syscall(arch, 'setns')}, 0, 0x10000000)}}\n"
+            f"         'setns(NEWUSER)': ({sc.resolve_syscall(arch, 'setns')}, 0, 0x10000000),\n"
+            f"         'clone(NEWIPC)': ({sc.resolve_syscall(arch, 'clone')}, 0x8000000 | 17, 0),\n"
+            f"         'clone(NEWPID | NEWIPC)': ({sc.resolve_syscall(arch, 'clone')}, 0x28000000 | 17, 0)}}\n"
             "for name, (nr, a, b) in forms.items():\n"
             "    if libc.syscall(nr, a, b, 0, 0, 0, 0) != -1 or ctypes.get_errno() != errno.EPERM:\n"
             "        bad.append((name, ctypes.get_errno()))\n"
@@ -291,15 +392,186 @@ def test_an_interpreter_under_tmp_keeps_the_minimal_root(sb):
         shutil.rmtree(d)
 
 
-def test_missing_properties_are_logged_at_start(make_cfg, caplog):
+_SCAN = r"""
+import ctypes, gc, re, sys
+pat = re.compile(rb"TAG(?:CODE|OUT)[0-9]+END")
+hits = set()
+def look(b):
+    hits.update(m.decode() for m in pat.findall(b))
+seen, todo = set(), [sys._getframe().f_back, *gc.get_objects()]   # what the runner's frames and the collector reach
+while todo and len(seen) < 400000:
+    o = todo.pop()
+    if id(o) in seen:
+        continue
+    seen.add(id(o))
+    try:
+        if isinstance(o, str):
+            look(o.encode("utf-8", "surrogatepass"))
+        elif isinstance(o, (bytes, bytearray, memoryview)):
+            look(bytes(o))
+        else:
+            todo.extend(gc.get_referents(o))
+    except (ValueError, TypeError):
+        pass
+for ln in open("/proc/self/maps").read().splitlines():   # every private anonymous mapping of this process
+    f = ln.split()
+    name = f[5] if len(f) > 5 else ""
+    if "r" in f[1] and "p" in f[1] and not name.startswith("/") and name not in ("[vvar]", "[vsyscall]", "[vvar_vclock]"):
+        lo, hi = (int(x, 16) for x in f[0].split("-"))
+        look(ctypes.string_at(lo, hi - lo))
+print(sorted(hits))
+"""
+
+
+def _victim(tag: str, sleep_s: float = 0.0) -> tuple[str, str]:
+    """A call whose code holds `<tag>CODE<n>END` and whose output is `<tag>OUT<7n>END` (computed: not
+    in the code), and the scan of another call for `tag` (its pattern matches neither)."""
+    n = int.from_bytes(os.urandom(3), "big")
+    code = (f"import time\nsecret = '{tag}CODE{n}END'\nprint('{tag}' + 'OUT' + str({n} * 7) + 'END', flush=True)\n"
+            f"time.sleep({sleep_s})")
+    return code, _SCAN.replace("TAG", tag)
+
+
+def test_a_call_cannot_find_a_concurrent_calls_code_or_output(make_cfg):
+    """Review t3: a call's child was a fork of the template, whose frames (Template.calls) held every
+    running call's request and output so far. Now children are cloned from a zygote that never holds
+    a request: the running victim's code and printed output are not reachable from the spy's frames
+    or objects, nor anywhere in its anonymous memory."""
+    tag = "Q" + uuid.uuid4().hex[:8].upper()
+    code, scan = _victim(tag, sleep_s=4.0)
+    with LocalSandbox(make_cfg(preload=["math"], workers=2, timeout_s=20.0, cpu_time_s=20.0,
+                               memory_mb=512)) as box:
+        out: dict = {}
+        t = threading.Thread(target=lambda: out.update(victim=run(box, code), victim_end=time.monotonic()))
+        t.start()
+        time.sleep(1.5)   # the victim has started and printed
+        spy = run(box, scan)
+        spy_end = time.monotonic()
+        t.join()
+    assert out["victim"].stdout.startswith(f"{tag}OUT"), out["victim"]
+    assert spy_end < out["victim_end"], "the spy did not run while the victim was running"
+    assert spy.status is Status.OK and spy.stdout == "[]\n", (spy.stdout, spy.stderr[-2000:])
+
+
+def test_a_later_call_cannot_find_an_earlier_calls_code_or_output(one_worker):
+    """Review t4/t11: the template's freed memory (request pickles, output chunks) went into every
+    later child, which found earlier calls' code and output by scanning its own memory."""
+    tag = "Q" + uuid.uuid4().hex[:8].upper()
+    code, scan = _victim(tag)
+    first = run(one_worker, code)
+    assert first.stdout.startswith(f"{tag}OUT"), first
+    later = run(one_worker, scan)
+    assert later.status is Status.OK and later.stdout == "[]\n", (later.stdout, later.stderr[-2000:])
+
+
+_NO_UNSHARE = """
+import errno, json, logging, sys
+import pyseccomp as sc
+f = sc.SyscallFilter(sc.ALLOW)
+f.add_rule(sc.ERRNO(errno.EPERM), "unshare")   # a host that forbids namespaces (an unprivileged container)
+f.load()                                       # inherited by the templates this process starts
+from rstar2_core.config import SandboxConfig
+from rstar2_core.sandbox import ExecutionRequest, LocalSandbox, SandboxError
+out = {}
+try:
+    LocalSandbox(SandboxConfig(workers=1, preload=["math"])).start()
+    out["refused"] = None
+except SandboxError as e:
+    out["refused"] = str(e)
+logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="LOG %(levelname)s %(message)s")
+allow = ["minimal_root", "private_tmp", "own_proc", "no_network", "private_abstract_sockets"]
+with LocalSandbox(SandboxConfig(workers=1, preload=["math"], allow_missing_isolation=allow)) as sb:
+    out["stdout"] = sb.run_sync(ExecutionRequest(code="print(6 * 7)")).stdout
+print(json.dumps(out))
+"""
+
+
+def test_a_host_without_namespaces_is_refused_unless_allowed():
+    """Fail closed: where the host refuses unshare (simulated with a seccomp filter on the service, as
+    an unprivileged container would), calls would see the host's files and network. Before, the
+    service started with a WARNING and ran them so; now start() refuses unless each lost property is
+    named in allow_missing_isolation, and with them named it starts and logs them."""
+    pytest.importorskip("pyseccomp")
+    proc = subprocess.run([sys.executable, "-c", _NO_UNSHARE], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    out = json.loads(lines[-1])
+    assert out["refused"] is not None, "the service started without namespaces"
+    for prop in ("minimal_root", "private_tmp", "own_proc", "no_network", "private_abstract_sockets"):
+        assert prop in out["refused"], out["refused"]
+    assert "allow_missing_isolation" in out["refused"] and "unshare" in out["refused"], out["refused"]
+    assert "seccomp (" not in out["refused"] and "pid_namespace" not in out["refused"]
+    assert out["stdout"] == "42\n"
+    warning = " ".join(ln for ln in lines if ln.startswith("LOG WARNING"))
+    assert "minimal_root" in warning and "no_network" in warning, proc.stdout
+
+
+def test_a_host_without_the_seccomp_filter_is_refused_unless_allowed(make_cfg, monkeypatch, caplog):
+    """No libseccomp (simulated: compile_filter finds none): without the filter a call can make a user
+    namespace and hold every capability in it. Refused unless seccomp is allowed to be missing."""
+    from rstar2_core.sandbox import SandboxError, dispatcher
+    from rstar2_core.sandbox.syscalls import Filter
+
+    monkeypatch.setattr(dispatcher, "compile_filter", lambda: Filter(None, why="no seccomp filter: simulated"))
+    with pytest.raises(SandboxError, match=r"seccomp .*simulated.*allow_missing_isolation = \['seccomp'\]"):
+        LocalSandbox(make_cfg(preload=["math"])).start()
     with caplog.at_level(logging.WARNING, logger="rstar2.sandbox"), \
-            LocalSandbox(make_cfg(preload=["math"], namespaces=False)) as box:
+            LocalSandbox(make_cfg(preload=["math"], allow_missing_isolation=["seccomp"])) as box:
+        r = run(box, "print([l.split()[1] for l in open('/proc/self/status') if l.startswith('Seccomp:')])")
+    assert r.stdout == "['0']\n", r   # it says what it lacks: there is no filter
+    warning = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert "seccomp (" in warning and "simulated" in warning, warning
+
+
+def test_a_template_restarted_with_less_isolation_runs_no_call(make_cfg, monkeypatch):
+    """Fail closed after start-up too: a template that dies and comes back lacking a property (simulated:
+    its hello reads as without the seccomp filter) is stopped, and calls of its kind get `internal`
+    with the reason instead of running."""
+    from rstar2_core.sandbox import dispatcher
+    from rstar2_core.sandbox import properties as props
+
+    real = props.properties
+    with LocalSandbox(make_cfg(preload=["math"], workers=1)) as box:
+        assert run(box, "print(1)").stdout == "1\n"
+        weaker = lambda f: {**real(f), "seccomp": False}
+        monkeypatch.setattr(props, "properties", weaker)
+        monkeypatch.setattr(dispatcher, "properties", weaker)
+        os.kill(box._d.templates["light"][0].proc.pid, 9)
+        r = run(box, "print(2)")
+        assert r.status is Status.INTERNAL and r.stdout == "", r
+        assert "seccomp" in r.stderr and "allow_missing_isolation" in r.stderr, r.stderr
+        assert run(box, "print(3)").status is Status.INTERNAL
+        assert all(t.dead for t in box._d.templates["light"])
+
+
+def test_settings_that_turn_isolation_off_must_allow_it(make_cfg, caplog):
+    from pydantic import ValidationError
+
+    for kw in ({"namespaces": False}, {"network": "host"}):
+        with pytest.raises(ValidationError, match="allow_missing_isolation"):
+            make_cfg(**kw)
+    with pytest.raises(ValidationError):
+        make_cfg(allow_missing_isolation=["no_such_property"])
+    lost = ["minimal_root", "private_tmp", "own_proc", "pid_namespace", "no_network", "private_abstract_sockets",
+            "private_ipc"]
+    with caplog.at_level(logging.WARNING, logger="rstar2.sandbox"), \
+            LocalSandbox(make_cfg(preload=["math"], namespaces=False, allow_missing_isolation=lost)) as box:
         f = box.features["light"]["features"]
     assert f["minimal_root"] is None and not f["private_tmp"]
     warning = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
-    for prop in ("minimal_root", "private_tmp", "own_proc", "pid_namespace", "no_network", "private_abstract_sockets"):
+    for prop in lost:
         assert prop in warning, warning
     assert "seccomp (" not in warning   # the filter needs no namespace: still installed
+
+
+def test_the_config_names_every_isolation_property():
+    from typing import get_args
+
+    from rstar2_core.config.sections import IsolationProperty
+    from rstar2_core.sandbox.properties import PROPERTIES
+
+    assert list(get_args(IsolationProperty)) == list(PROPERTIES)
 
 
 def test_scratch_zero_is_refused_when_calls_are_confined(make_cfg):

@@ -89,3 +89,30 @@ def test_lone_surrogates_in_code_or_stdin_do_not_break_the_service(sb):
     assert r.status in (Status.ERROR, Status.OK)
     assert run(sb, "print('still fine')").stdout == "still fine\n"
     assert sb.stats().get("sandbox/template_deaths", 0) == 0
+
+
+_ATEXIT = "import atexit, sys\natexit.register(lambda: print('ATEXIT RAN', flush=True))\n"
+_ESCAPES = {   # each one escaped the program's runner into the template's frames in the child (review t7)
+    "SystemExit with a hostile __str__": (
+        "class E:\n    def __str__(self):\n        raise ZeroDivisionError('boom')\nraise SystemExit(E())",
+        Status.ERROR, "<exception str() failed>"),
+    "MemoryError with a broken sys.stderr": (
+        ("class W:\n    def write(self, x):\n        raise RuntimeError('w')\n    flush = write\n"
+         "sys.stderr = W()\nraise MemoryError('big')"), Status.MEMORY, "MemoryError: big"),
+    "ValueError with fds 1 and 2 closed": ("import os\nos.close(1)\nos.close(2)\nraise ValueError('x')",
+                                           Status.ERROR, ""),
+    "a trace function raising in the runner": (
+        ("def tr(frame, event, arg):\n    if frame.f_code.co_name == '_flush':\n        raise RuntimeError('trace')\n"
+         "sys.settrace(tr)"), Status.ERROR, "RuntimeError: trace"),
+}
+
+
+def test_the_child_never_runs_past_the_program(sb):
+    """Whatever the program raises or breaks, the child ends in os._exit: its atexit handlers do not
+    run, no frame of the template is shown, the call is answered, and the next call works."""
+    for name, (code, status, stderr) in _ESCAPES.items():
+        r = run(sb, _ATEXIT + code, rid=name)
+        assert (r.status, r.exit_code) == (status, 1), (name, r)
+        assert "ATEXIT" not in r.stdout and "template.py" not in r.stderr and "sbx_child" not in r.stderr, (name, r)
+        assert stderr in r.stderr, (name, r.stderr)
+        assert run(sb, "print(6 * 7)").stdout == "42\n", name

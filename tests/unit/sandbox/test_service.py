@@ -76,6 +76,22 @@ def test_template_dying_twice_answers_internal(make_cfg):
         assert box.run_sync(ExecutionRequest(code="print(2)")).stdout == "2\n"
 
 
+def test_a_dead_zygote_takes_its_template_down_and_the_call_is_retried(make_cfg):
+    """Every call's child is cloned by the template's zygote (docs/sandbox.md): when the zygote dies the
+    template exits, the dispatcher starts a fresh one (with its own zygote) and runs the call there."""
+    with LocalSandbox(make_cfg(preload=["math"], workers=1)) as box:
+        zygote = box._d.templates["light"][0].hello["zygote_pid"]
+        os.kill(zygote, signal.SIGKILL)
+        r = box.run_sync(ExecutionRequest(code="print(6 * 7)", id="r"))
+        assert (r.status, r.stdout) == (Status.OK, "42\n"), r
+        fresh = box._d.templates["light"][0].hello["zygote_pid"]
+        assert fresh != zygote and box.stats()["sandbox/template_deaths"] == 1
+    deadline = time.monotonic() + 10
+    while _alive({fresh}) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive({fresh}), "close() left the zygote running"
+
+
 def test_close_and_garbage_collection_stop_every_process(make_cfg):
     box = LocalSandbox(make_cfg(preload=["math"])).start()
     pids, workdir = _pids(box), box._d.workdir

@@ -1,0 +1,140 @@
+"""The zygote: the process every call's child is cloned from, so that no child inherits the memory of
+the template, which holds the requests' code and stdin and the calls' output.
+
+The template forks it once at start-up, after its imports and preloads and before it reads any
+request. For a call, the template sends it (a SOCK_SEQPACKET socketpair) the call's slot, uid, cwd
+and limits, never its code or stdin, with the call's pipe fds (SCM_RIGHTS: stdin, stdout, stderr
+and a pipe the child reads its code from after the fork). The zygote moves into the call's own mount
+namespace (one made ahead, after the previous call), clones the child with CLONE_PARENT, so the child
+is the template's (which waits for it, reads its rusage and kills it, as before), moves back, and
+answers the child's pid with the namespace's fd (the template hands it to the reaper after the call).
+The zygote also keeps the slots' network namespaces. So a child's memory is the template's as it was
+before the first request plus the zygote's own small messages; it cannot find another call's code or
+output by walking frames or scanning its memory.
+
+Loaded by template.py from this directory; standard library only. It dies with the template
+(PR_SET_PDEATHSIG), and stops when the template's end of the socket closes.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import socket
+
+import sbx_child as child
+import sbx_isolation as iso
+
+CLONE_PARENT = 0x8000
+N_FDS = 4   # stdin, stdout, stderr, code
+
+
+class Zygote:
+    """The template's handle: `spawn` one child per call (blocking, a round trip of ~0.1 ms)."""
+
+    def __init__(self, sock: socket.socket, pid: int):
+        self.sock, self.pid = sock, pid
+
+    def spawn(self, spec: dict, fds: list[int]) -> tuple[int, int]:
+        """Clone the child of a call: `spec` {slot, uid, cwd, memory_mb, cpu_s, nproc, fsize_mb}, `fds`
+        [stdin read end, stdout write end, stderr write end, code read end]. Returns (pid, the call's
+        mount namespace fd or -1). OSError: the zygote could not clone (this call fails);
+        RuntimeError: the zygote is gone (the template cannot go on)."""
+        try:
+            socket.send_fds(self.sock, [pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)], fds)
+            msg, got, _, _ = socket.recv_fds(self.sock, 4096, 1)
+        except (BrokenPipeError, ConnectionResetError) as e:
+            raise RuntimeError(f"the sandbox zygote died: {e}") from e
+        if not msg:
+            raise RuntimeError("the sandbox zygote died")
+        reply = pickle.loads(msg)
+        if "error" in reply:
+            raise OSError(reply["errno"], reply["error"])
+        return reply["pid"], (got[0] if got else -1)
+
+
+def start(feats: dict, conf: dict, cs: iso.CallSetup, procfd: int, as_base: int, keep: set[int]) -> Zygote:
+    """Fork the zygote from the template (before any request). In the zygote every fd is closed but
+    0-2, its socket, the host's /proc (`procfd`) and `keep` (the namespaces of `cs`)."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    template = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            iso.libc.prctl(iso.PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            if os.getppid() != template:
+                os._exit(0)
+            ours.detach()   # its fd is closed below with the template's others; no object may close it later
+            if cs.reaper is not None:
+                cs.reaper.detach()
+            prev = 0
+            for fd in sorted({0, 1, 2, theirs.fileno(), procfd, *keep}):   # not the template's pipes, reaper, selector
+                if prev < fd:   # os.closerange(n, n) closes every fd from n (close_range(n, ~0))
+                    os.closerange(prev, fd)
+                prev = fd + 1
+            os.closerange(prev, 1 << 20)
+            _serve(theirs, feats, conf, cs, procfd, as_base)
+        except BaseException:  # noqa: BLE001 - the template reports "the sandbox zygote died"; this says why
+            import traceback
+
+            traceback.print_exc()
+            os._exit(1)
+        finally:
+            os._exit(0)
+    theirs.close()
+    return Zygote(ours, pid)
+
+
+def _serve(sock: socket.socket, feats: dict, conf: dict, cs: iso.CallSetup, procfd: int, as_base: int) -> None:
+    flags = CLONE_PARENT
+    if feats["pidns"]:
+        flags |= iso.CLONE_NEWPID | (iso.CLONE_NEWIPC if feats["ipcns"] else 0)
+    spare = -1
+    while True:
+        if spare < 0 and conf["tmp_opts"]:   # the next call's mount namespace, made while idle
+            spare = iso.make_mount_ns(procfd, cs.home_mnt)
+        msg, fds, _, _ = socket.recv_fds(sock, 4096, N_FDS)
+        if not msg:
+            return   # the template is gone
+        spec = pickle.loads(msg)
+        nsfd = -1
+        try:
+            if len(fds) != N_FDS:
+                raise OSError(0, f"expected {N_FDS} fds, got {len(fds)}")
+            netfd = _netns_for(feats, cs, procfd, spec["slot"])
+            if conf["tmp_opts"]:   # the child is cloned into the call's own mount namespace
+                if spare >= 0:
+                    nsfd, spare = spare, -1
+                    iso.setns(nsfd, iso.CLONE_NEWNS)
+                else:
+                    nsfd = iso.enter_call_mount_ns(procfd)
+            pid = iso.clone_child(flags)
+        except OSError as e:
+            if nsfd >= 0:
+                iso.setns(cs.home_mnt, iso.CLONE_NEWNS)
+                os.close(nsfd)
+            for fd in fds:
+                os.close(fd)
+            sock.send(pickle.dumps({"errno": e.errno or 0, "error": e.strerror or str(e)}))
+            continue
+        if pid == 0:
+            child.run_child(spec, spec["cwd"], spec["uid"], tuple(fds), as_base, conf, netfd)
+        if nsfd >= 0:
+            iso.setns(cs.home_mnt, iso.CLONE_NEWNS)
+        for fd in fds:
+            os.close(fd)
+        socket.send_fds(sock, [pickle.dumps({"pid": pid})], [nsfd] if nsfd >= 0 else [])
+        if nsfd >= 0:
+            os.close(nsfd)   # the template's copy keeps the namespace until it hands it to the reaper
+
+
+def _netns_for(feats: dict, cs: iso.CallSetup, procfd: int, slot: int) -> int:
+    """The network namespace of call slot `slot` (made on first use): concurrent calls never share one,
+    so not their abstract Unix sockets either; a call's sockets die with the call."""
+    if not feats["netns_per_slot"]:
+        return -1
+    fd = cs.slot_net.get(slot)
+    if fd is None:
+        fd = cs.slot_net[slot] = iso.new_netns(procfd, cs.home_net)
+    return fd
