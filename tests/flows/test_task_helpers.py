@@ -170,3 +170,60 @@ def test_config_snapshot_is_written_once_and_read_back_identical(tmp_path, monke
     gap = read_snapshot(store)
     assert gap.config.eval.comparison_confidence == 0.95
     assert any("eval.comparison_confidence" in n for n in drift_notes(gap, "tiny", overrides))
+
+
+def _pipeline_keys_in_code() -> tuple[set[str], set[str]]:
+    """Every literal name the pipeline keys a run's store, MLflow runs or evaluations by, read from tasks/ and
+    flows/: the first argument of RunStore.save/load/record/tracking_id/set_tracking_id, the parts of
+    RunStore.url after its folder (`state/config.json` -> "config"), the key of `_run_tracked`, the stage
+    of `evaluate_checkpoint`, the keys of the `evals` dict and what is assigned to a variable `key`; and the
+    f-string keys (`eval-{}`)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    names: set[str] = set()
+    templates: set[str] = set()
+
+    def add(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names.add(node.value.removesuffix(".json"))
+        elif isinstance(node, ast.JoinedStr):
+            templates.add("".join(v.value if isinstance(v, ast.Constant) else "{}" for v in node.values
+                                  ).removesuffix(".json"))
+
+    for path in sorted((root / "tasks").glob("*.py")) + sorted((root / "flows").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                f = node.func
+                attr = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+                if attr in {"save", "load", "record", "tracking_id", "set_tracking_id"} and node.args:
+                    add(node.args[0])
+                elif attr == "url":
+                    for a in node.args[1:]:
+                        add(a)
+                elif attr == "_run_tracked" and len(node.args) > 2:
+                    add(node.args[2])
+                elif "evaluate_checkpoint" in ast.unparse(f) and len(node.args) > 1:
+                    add(node.args[1])
+                elif attr == "submit" and len(node.args) > 2 and ast.unparse(node.args[1]) == "'evaluate'":
+                    add(node.args[2])
+            elif isinstance(node, ast.Assign) and any(ast.unparse(t) == "evals" for t in node.targets):
+                if isinstance(node.value, ast.Dict):
+                    for k in node.value.keys:
+                        add(k)
+            elif isinstance(node, ast.Assign) and any(ast.unparse(t) == "key" for t in node.targets):
+                add(node.value)  # key = f"eval-{stage}", then passed to _run_tracked
+    return names, templates
+
+
+def test_rl_stage_names_may_not_be_the_pipelines_own_keys():
+    from rstar2_core.config.rl import DERIVED_KEY_PREFIXES, DERIVED_KEY_SUFFIXES, PIPELINE_KEYS
+
+    names, templates = _pipeline_keys_in_code()
+    assert {"sft", "parent", "register", "promotion", "curate", "config", "summary"} <= names  # the scan works
+    assert names <= PIPELINE_KEYS, f"keys the pipeline uses that a stage could be named: {names - PIPELINE_KEYS}"
+    # the keys derived from a stage name: `eval-{stage}`, `{stage}-hard-subset`; plain `{key}` forms are the
+    # store's own methods
+    derived = {t for t in templates if t != "{}"}
+    assert derived == {p + "{}" for p in DERIVED_KEY_PREFIXES} | {"{}" + s for s in DERIVED_KEY_SUFFIXES}, derived
