@@ -20,7 +20,7 @@ def test_retry_rule_retries_infrastructure_only():
     import ray.exceptions as rex
 
     from rstar2_core.cluster.errors import ActorFailure
-    from rstar2_core.errors import InfraFailureShareExceeded, StaleEngineWeights
+    from rstar2_core.errors import CorruptCheckpoint, InfraFailureShareExceeded, StaleEngineWeights
 
     assert is_infrastructure_error(InjectedFault("x"))
     assert is_infrastructure_error(ActorFailure("trainer-1", "killed"))
@@ -28,6 +28,11 @@ def test_retry_rule_retries_infrastructure_only():
     assert is_infrastructure_error(StaleEngineWeights("gap 0.3"))
     assert is_infrastructure_error(ConnectionResetError())
     assert is_infrastructure_error(OSError("disk"))
+    # a storage hiccup (a read that failed, a file not there yet) is retried; a checkpoint marked complete
+    # that lacks its trainer state is deterministic and fails at once
+    assert is_infrastructure_error(FileNotFoundError("s3://b/runs/r/state/sft.json"))
+    assert is_infrastructure_error(PermissionError("s3: 503 Slow Down"))
+    assert not is_infrastructure_error(CorruptCheckpoint("step-000010 has no RL trainer state; delete it"))
     assert is_infrastructure_error(TimeoutError())
     assert is_infrastructure_error(rex.WorkerCrashedError())
     assert not is_infrastructure_error(ConfigError("bad profile"))
@@ -227,3 +232,4 @@ def test_rl_stage_names_may_not_be_the_pipelines_own_keys():
     # store's own methods
     derived = {t for t in templates if t != "{}"}
     assert derived == {p + "{}" for p in DERIVED_KEY_PREFIXES} | {"{}" + s for s in DERIVED_KEY_SUFFIXES}, derived
+
