@@ -26,7 +26,9 @@ from rstar2_core.config import REPO_ROOT, Config
 from rstar2_core.config.snapshot import flatten_tree
 from rstar2_core.results import DatasetRef
 
-_PLOT_FIRST = ("rollout/reward_mean", "actor/loss", "actor/grad_norm", "rollout/response_tokens_mean",
+# The panels a stage's PNG shows first, by the names the core emits (tests/flows/test_task_helpers.py
+# checks each against the metrics of the RL step, the evaluation and curation); the rest follow by name.
+_PLOT_FIRST = ("rollout/reward_mean", "actor/pg_loss", "actor/grad_norm", "rollout/response_tokens_mean",
                "rollout/tool_calls_per_traj", "rollout/dropped_group_frac", "eval/synthetic/pass1", "data/kept")
 _BAD_KEY_CHARS = re.compile(r"[^0-9A-Za-z_\-. /:]")
 

@@ -233,3 +233,44 @@ def test_rl_stage_names_may_not_be_the_pipelines_own_keys():
     derived = {t for t in templates if t != "{}"}
     assert derived == {p + "{}" for p in DERIVED_KEY_PREFIXES} | {"{}" + s for s in DERIVED_KEY_SUFFIXES}, derived
 
+
+def test_stage_plot_panels_name_metrics_the_stages_emit(tmp_path):
+    """Every panel the stage PNG puts first is a metric a stage emits: the RL step's (rollout metrics of
+    build_step_batch merged with the update's actor metrics, as rl_step merges them), an evaluation's and
+    curation's, each taken from a real call."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from rstar2_core.config import GRPOConfig
+    from rstar2_core.data.curate import curate
+    from rstar2_core.eval.metrics import BenchmarkMetrics
+    from rstar2_core.models.backend import TorchBackend
+    from rstar2_core.rl.groups import build_step_batch
+    from rstar2_core.rl.trainer import rl_update
+    from rstar2_core.rollout.types import ToolCallRecord, Trajectory
+    from tasks.tracking import _PLOT_FIRST
+
+    def traj(i):
+        return Trajectory(prompt_ids=(1, 2), response_ids=(3 + i, 4, 5), loss_mask=(1, 1, 1), logprobs=(0.0,) * 3,
+                          response_text=str(i), tool_calls=(ToolCallRecord(name="python", status="ok", failed=False),),
+                          n_turns=2, n_answer_blocks=1, finish="answer", truncated=False)
+
+    sb = build_step_batch([[traj(i) for i in range(4)]], [[1.0, 0.0, 1.0, 0.0]],
+                          GRPOConfig(group_size=4, oversample=1, resample="none"), seed=0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16))
+    actor = rl_update(TorchBackend(model, lr=1e-3, total_steps=1, schedule="constant"), list(sb.trajectories),
+                      list(sb.advantages), pad_id=0)
+    rl = set(sb.metrics) | set(actor)
+    evaluation = set(BenchmarkMetrics("synthetic", 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0).as_metrics())
+    from pathlib import Path
+
+    fix = Path(__file__).resolve().parents[1] / "fixtures"
+    cfg = load_config("tiny", [f'data.sources=[{{url="{fix}/generic.jsonl", layout="generic", name="g"}}]',
+                               "data.synthetic.enabled=false", "data.label_check.enabled=false",
+                               f'eval.benchmarks=[{{name="aime24", url="{fix}/aime24.jsonl", layout="aime"}}]'])
+    curation: set[str] = set()
+    curate(cfg, (tmp_path / "ds").as_uri(), log_metrics=lambda m, s: curation.update(m), progress=False)
+    emitted = rl | evaluation | curation
+    assert {"actor/pg_loss", "actor/grad_norm", "rollout/reward_mean"} <= rl  # a real step, not an empty one
+    assert [k for k in _PLOT_FIRST if k not in emitted] == []
+    assert "actor/pg_loss" in _PLOT_FIRST  # the policy loss is among the panels an RL stage's PNG shows
