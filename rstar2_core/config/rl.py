@@ -46,6 +46,7 @@ PIPELINE_KEYS: frozenset[str] = frozenset({
     "model",                                    # the evaluate flows' evaluation (eval/model, eval-model)
     "register", "promotion", "summary",         # records of register-best and of the recipe's summary
     "config", "mlflow", "parent",               # the config snapshot, the MLflow ids folder, the parent run
+    "open-failure",                             # an attempt that failed before freezing the config
 })
 DERIVED_KEY_PREFIXES = ("eval-",)               # eval-<stage>: a stage's evaluation
 DERIVED_KEY_SUFFIXES = ("-hard-subset",)        # <stage>-hard-subset: the hard subset a stage trains on
