@@ -6,7 +6,7 @@ champion then) with the core's paired comparison (rstar2_core/eval/compare.py), 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rstar2_core import storage
 from rstar2_core.config import Config
@@ -21,6 +21,8 @@ class NightlyComparison:
     rows: list[dict]
     markdown: str
     regressions: list[str]
+    incomparable: list[str] = field(default_factory=list)
+    """Benchmarks the previous night measured another way (protocol or benchmark content): no verdict."""
 
 
 def _dir(cfg: Config) -> str:
@@ -82,11 +84,16 @@ def compare_with_previous(cfg: Config, model: str, version: str | None, report: 
                  f"(version {prev.get('version') or '-'})")
         if prev_report is None:
             title += ": the previous night's report is gone, nothing to compare"
+    apart = [r for r in rows if r.verdict == "incomparable"]
+    if apart:  # neither a regression nor "ok": say that these benchmarks were not compared, and why
+        title += (": " + ", ".join(r.benchmark for r in apart) + " not compared, the previous night measured "
+                  "them another way (" + "; ".join(sorted({d for r in apart for d in r.differs})) + ")")
     return NightlyComparison(rows=[_row(r) for r in rows], markdown=comparisons_markdown(rows, title),
-                             regressions=[r.benchmark for r in rows if r.verdict == "worse"])
+                             regressions=[r.benchmark for r in rows if r.verdict == "worse"],
+                             incomparable=[r.benchmark for r in apart])
 
 
 def _row(c: Comparison) -> dict:
     return {"benchmark": c.benchmark, "previous": c.baseline, "current": c.candidate, "delta": c.delta,
             "low": c.low, "high": c.high, "n_paired": c.n_paired, "verdict": c.verdict,
-            "regression": c.verdict == "worse"}
+            "regression": c.verdict == "worse", "differs": list(c.differs)}

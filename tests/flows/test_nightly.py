@@ -50,3 +50,21 @@ def test_the_first_night_stays_the_first_on_a_retry(cfg):
     nightly.record(cfg, res, "run-1")
     retry = nightly.compare_with_previous(cfg, "champion", "1", tonight, "run-1")
     assert "first night" in retry.markdown and retry.regressions == []
+
+
+def test_a_night_measured_another_way_is_reported_as_not_compared_not_as_a_regression_or_ok(cfg):
+    from dataclasses import replace
+
+    res1, _ = _night(cfg, "night1", 0.5)
+    nightly.record(cfg, res1, "run-night-1")
+    _, tonight = _night(cfg, "night2", 0.1)  # would be a regression under the same protocol...
+    tonight = replace(tonight, protocol={**tonight.protocol, "k": 8})  # ...but sampled with k=8, not 4
+    night = nightly.compare_with_previous(cfg, "champion", "1", tonight, "run-night-2")
+    assert night.regressions == [] and night.incomparable == ["synthetic"]
+    assert night.rows[0]["verdict"] == "incomparable" and night.rows[0]["differs"] == ["k: 8 vs 4"]
+    assert "synthetic not compared, the previous night measured them another way (k: 8 vs 4)" in night.markdown
+    assert "| not comparable (k: 8 vs 4) |" in night.markdown and "| ok |" not in night.markdown
+    # benchmark content edited between the nights: the same
+    edited = replace(_night(cfg, "night3", 0.1)[1], benchmark_digests={"synthetic": "e" * 64})
+    night = nightly.compare_with_previous(cfg, "champion", "1", edited, "run-night-3")
+    assert night.regressions == [] and "synthetic content: digest eeeeeeeeeeee vs dddddddddddd" in night.markdown
