@@ -79,7 +79,8 @@ def nightly_eval(model: str = "champion", benchmarks: list[str] | None = None, p
     ctx = _open("nightly-eval", profile, overrides)
     result, report = _evaluate(ctx, model, benchmarks, None)
     cfg = ctx.config()
-    night = nightly.compare_with_previous(cfg, model, result["version"], report)
+    # the current flow run id: a Retry of this run must not compare tonight with its own earlier record
+    night = nightly.compare_with_previous(cfg, model, result["version"], report, runtime.flow_run.id)
     create_markdown_artifact(key="nightly-eval", markdown=night.markdown,
                              description="nightly pass@1 vs previous night")
     nightly.record(cfg, result, runtime.flow_run.id)

@@ -10,7 +10,10 @@ a grader pool none of whose workers became ready in time (`GraderUnavailable`), 
 subclasses, and a retried stage resumes from its last complete checkpoint.
 
 Bad input never raises these: a malformed config raises `ConfigError` (a `ValueError`), bad data a
-`ValueError` with the row and the reason; neither is retried.
+`ValueError` with the row and the reason; neither is retried. A complete checkpoint (its `_COMPLETE`
+marker is there) that lacks what a resume needs raises `CorruptCheckpoint`, also a `ValueError`: a retry
+reads the same files and fails the same way, so it fails at once with the fix (delete the checkpoint).
+A storage error while reading one (an `OSError` of the file system or of S3) stays retryable.
 """
 
 from __future__ import annotations
@@ -36,3 +39,9 @@ class StaleEngineWeights(InfraError):
     """The engines' sampling log-probs differ from the trainer's recomputed ones by more than
     `rl.max_engine_logprob_gap`: after a weight sync the engines serve other weights than the trainer
     holds (the failure TRL issue #5312 describes for sleep-mode engines)."""
+
+
+class CorruptCheckpoint(ValueError):
+    """A checkpoint marked complete lacks what resuming from it needs (the RL or SFT trainer state, a
+    rank's optimizer state). Deterministic: the message names the checkpoint and the fix (delete it, and
+    the stage resumes from the previous one or starts again); never retried (tasks/retry.py)."""

@@ -14,7 +14,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from rstar2_core import storage
-from rstar2_core.config import Config, ConfigError, load_config
+from rstar2_core.config import Config, ConfigError, SnapshotError, load_config
 from rstar2_core.eval.compare import primary_benchmark, rank_checkpoints
 from rstar2_core.eval.promotion import SFT_STAGE, decide_promotion
 from rstar2_core.eval.run import EvalReport
@@ -62,9 +62,12 @@ def open_recipe(profile: str, overrides: list[str], run_id: str | None, flow_run
     (named `<kind> <profile> <id>`); returns the tasks' context.
 
     First attempt: the profile + overrides are validated, checked (`preflight`) and only then written as
-    the run's snapshot. Any later attempt (the UI's Retry) runs that snapshot, whatever the profile on
-    disk says now, and logs what differs (Prefect log, and tag `rstar2.drift.attempt_<n>` on the parent
-    MLflow run)."""
+    the run's snapshot (an attempt that fails before that leaves `state/open-failure.json`). Any later
+    attempt (the UI's Retry) runs that snapshot, whatever the profile on disk says now, and logs what
+    differs (Prefect log, and tag `rstar2.drift.attempt_<n>` on the parent MLflow run). A later attempt
+    that finds neither the snapshot nor that record is looking in another store than the first attempt
+    wrote to (another RSTAR2_HOME or storage root): it fails with `SnapshotError` naming the path and the
+    fix, instead of starting the run again from the profile."""
     log = get_run_logger()
     rid = run_id or flow_run_id
     if not rid:
@@ -73,13 +76,28 @@ def open_recipe(profile: str, overrides: list[str], run_id: str | None, flow_run
     rc = read_snapshot(store)
     notes: list[str] = []
     if rc is None:
-        if attempt > 1:
-            log.warning(f"attempt {attempt} of run {rid} found no config snapshot at {store.config_url()} (the "
-                        "first attempt failed before writing it, or the profile's storage root changed since): "
-                        "starting from the profile on disk")
-        cfg = load_config(profile, overrides)
-        preflight(cfg)
-        rc = write_snapshot(store, cfg, profile, overrides)
+        failed = store.open_failure()
+        if attempt > 1 and failed is None:
+            raise SnapshotError(
+                f"attempt {attempt} of run {rid} found no config snapshot at {store.config_url()}, and no record "
+                "there of an earlier attempt that failed before writing one: the run's first attempt froze its "
+                "config under another storage root (this attempt resolves it from RSTAR2_HOME / state_dir / "
+                f"storage.root to {store.root}). Retry with the same RSTAR2_HOME (or state_dir, storage.root) as "
+                "the first attempt, e.g. in the worker's environment, so that the retry runs that snapshot and "
+                "reuses its finished stages; or start a new run. Nothing was run.")
+        if failed is not None:
+            log.info(f"run {rid}: attempt {failed['attempt']} failed before freezing the config "
+                     f"({failed['error'][:200]}); attempt {attempt} freezes it from the profile")
+        try:
+            cfg = load_config(profile, overrides)
+            preflight(cfg)
+            rc = write_snapshot(store, cfg, profile, overrides)
+        except BaseException as e:
+            why = store.record_open_failure(attempt, e)
+            if why is not None:
+                log.warning(f"run {rid}: could not note in {store.root} that attempt {attempt} failed before "
+                            f"freezing its config ({why}); a retry will refuse to start without a snapshot")
+            raise
         log.info(f"run {rid}: config snapshot {rc.digest[:12]} written to {store.config_url()}")
     else:
         preflight(rc.config)

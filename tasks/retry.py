@@ -4,16 +4,17 @@ A retried stage resumes from its own last checkpoint (the core stages do that wh
 `out_url`), so retrying is cheap and safe for flaky infrastructure: any `rstar2_core.errors.InfraError`
 (an injected fault `RSTAR2_FAULT_INJECT`, a dead engine or trainer actor, a step over
 `rl.max_infra_failure_share`, stale engine weights), a Ray worker or actor that died, an
-OS/connection/timeout error. Bad config
-(`ConfigError`) and bad data (`ValueError`, `KeyError`, `TypeError`) fail at once: a retry would only
-fail again, later.
+OS/connection/timeout error (a storage read that failed included). Bad config
+(`ConfigError`), bad data (`ValueError`, `KeyError`, `TypeError`) and a checkpoint marked complete that
+lacks its trainer state (`rstar2_core.errors.CorruptCheckpoint`, a `ValueError`) fail at once: a retry
+would only fail again, later.
 """
 
 from __future__ import annotations
 
 from rstar2_core.errors import InfraError
 
-_NEVER = (ValueError, KeyError, TypeError, AssertionError)  # ConfigError is a ValueError
+_NEVER = (ValueError, KeyError, TypeError, AssertionError)  # ConfigError and CorruptCheckpoint are ValueErrors
 
 
 def _ray_infra_errors() -> tuple[type[BaseException], ...]:

@@ -8,6 +8,7 @@ A recipe run (one Prefect flow run of `full_recipe`, keyed by its flow-run id, o
         checkpoints/base checkpoints/sft checkpoints/<rl stage>/   HF checkpoints (+ step checkpoints)
         eval/<stage>/                                    evaluation reports
         state/config.json                                the run's frozen config snapshot (written once)
+        state/open-failure.json                          an attempt that failed before writing the snapshot
         state/<stage>.json                               the finished stage's result (atomic write)
         state/mlflow/<key>.json                          MLflow run id of the parent run and of each stage
 
@@ -87,6 +88,23 @@ class RunStore:
             return have
         storage.write_json_atomic(self.config_url(), record)
         return record
+
+    def record_open_failure(self, attempt: int, error: BaseException) -> str | None:
+        """Note that attempt `attempt` failed before it froze the run's config (so that a retry can tell
+        "no snapshot yet" from "the snapshot is in another store"). Best effort, the store may be what
+        failed: returns why the note could not be written, else None."""
+        try:
+            storage.write_json_atomic(self.url("state", "open-failure.json"), {
+                "attempt": attempt, "error": f"{type(error).__name__}: {error}"[:2000],
+                "failed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+        except Exception as e:  # noqa: BLE001 - the attempt's own error is the one the caller raises
+            return f"{type(e).__name__}: {e}"
+        return None
+
+    def open_failure(self) -> dict | None:
+        """The record of an attempt that failed before writing the snapshot, or None."""
+        url = self.url("state", "open-failure.json")
+        return storage.read_json(url) if storage.exists(url) else None
 
     # tracking ids (one file per key: evaluations of several stages may run at once) ---------------
     def tracking_id(self, key: str) -> str | None:

@@ -19,6 +19,7 @@ import subprocess
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,9 @@ from rstar2_core.config import REPO_ROOT, Config
 from rstar2_core.config.snapshot import flatten_tree
 from rstar2_core.results import DatasetRef
 
-_PLOT_FIRST = ("rollout/reward_mean", "actor/loss", "actor/grad_norm", "rollout/response_tokens_mean",
+# The panels a stage's PNG shows first, by the names the core emits (tests/flows/test_task_helpers.py
+# checks each against the metrics of the RL step, the evaluation and curation); the rest follow by name.
+_PLOT_FIRST = ("rollout/reward_mean", "actor/pg_loss", "actor/grad_norm", "rollout/response_tokens_mean",
                "rollout/tool_calls_per_traj", "rollout/dropped_group_frac", "eval/synthetic/pass1", "data/kept")
 _BAD_KEY_CHARS = re.compile(r"[^0-9A-Za-z_\-. /:]")
 
@@ -135,13 +138,23 @@ class MetricsLogger:
 
     Metrics are buffered and written in one `log_batch` once `flush_s` seconds passed since the last
     write (on the call that finds it so), and by `flush()`, which the stage task calls when the stage
-    ends, failed or not. A write per step is one SQLite commit (6.6 ms on the 2-core machine, timed once), which SFT's
-    1,993 steps would pay on the critical path. Trade-off: the MLflow UI shows a stage's curves up to
-    `flush_s` late, and a process killed outright loses at most that much of them (a resumed stage logs
-    the steps after its checkpoint again)."""
+    finished. A write per step is one SQLite commit (6.6 ms on the 2-core machine, timed once), which SFT's
+    1,993 steps would pay on the critical path.
 
-    def __init__(self, cfg: Config, run_id: str, prefix: str = "", flush_s: float = 5.0):
+    No step twice, across a retry: a failed stage resumes from its last complete checkpoint and logs the
+    steps after it again (RL checkpoints every `rl.checkpoint_every` steps, SFT every
+    `sft.checkpoint_every`). `resumed_through()` says up to which step a resume would *not* log again (the
+    last complete checkpoint's step in the metrics' numbering; None: a retry starts the stage over), and
+    only steps up to it are written before the stage finishes; `fail()` writes those and hands back the
+    rest, which the retry logs again. Without `resumed_through` every step counts as final (a caller that
+    never resumes). Trade-off: the MLflow UI shows a stage's curves up to `flush_s` late and never past its
+    last checkpoint until the stage ends (10 RL steps in the production profile); a process killed outright
+    loses at most `flush_s` of steps before that checkpoint (never repeated)."""
+
+    def __init__(self, cfg: Config, run_id: str, prefix: str = "", flush_s: float = 5.0,
+                 resumed_through: Callable[[], int | None] | None = None):
         self._client, self.run_id, self.prefix, self.flush_s = client(cfg), run_id, prefix, flush_s
+        self._resumed_through = resumed_through
         self._pending: list = []
         self._last = time.monotonic()
 
@@ -152,19 +165,54 @@ class MetricsLogger:
         self._pending += [Metric(metric_key(self.prefix + k), float(v), now, int(step)) for k, v in metrics.items()
                           if isinstance(v, (int, float)) and not isinstance(v, bool)]
         if time.monotonic() - self._last >= self.flush_s:
-            self.flush()
+            self._write(self._final_step())
 
-    def flush(self) -> None:
-        """Write every buffered metric (MLflow takes at most 1,000 per call)."""
-        batch, self._pending = self._pending, []
+    def _final_step(self) -> float:
+        """Steps up to this one will not be logged again by a resume (inf: no resume; -inf: none)."""
+        if self._resumed_through is None:
+            return float("inf")
+        step = self._resumed_through()
+        return float("-inf") if step is None else float(step)
+
+    def _write(self, through: float) -> None:
+        """Write the buffered metrics of steps <= `through` (MLflow takes at most 1,000 per call)."""
+        batch = [m for m in self._pending if m.step <= through]
+        self._pending = [m for m in self._pending if m.step > through]
         self._last = time.monotonic()
         for i in range(0, len(batch), 1000):
             self._client.log_batch(self.run_id, metrics=batch[i:i + 1000])
 
+    def flush(self) -> None:
+        """Write every buffered metric: the stage finished, no step will be logged again."""
+        self._write(float("inf"))
 
-def metrics_logger(cfg: Config, run_id: str, prefix: str = "", flush_s: float = 5.0) -> MetricsLogger:
-    """The `log_metrics(metrics, step)` callback of a stage's run (`MetricsLogger`; call `.flush()` at the end)."""
-    return MetricsLogger(cfg, run_id, prefix, flush_s)
+    def fail(self) -> dict[int, dict[str, float]]:
+        """The stage failed: write the steps a resume will not log again, drop the others and return them
+        ({step: {key: value}}), which the retry logs again."""
+        self._write(self._final_step())
+        dropped: dict[int, dict[str, float]] = {}
+        for m in self._pending:
+            dropped.setdefault(m.step, {})[m.key] = m.value
+        self._pending = []
+        return dropped
+
+
+def metrics_logger(cfg: Config, run_id: str, prefix: str = "", flush_s: float = 5.0,
+                   resumed_through: Callable[[], int | None] | None = None) -> MetricsLogger:
+    """The `log_metrics(metrics, step)` callback of a stage's run (`MetricsLogger`: `.flush()` when the stage
+    finished, `.fail()` when it failed)."""
+    return MetricsLogger(cfg, run_id, prefix, flush_s, resumed_through)
+
+
+def log_unwritten_steps(cfg: Config, run_id: str, stage: str, steps: dict[int, dict[str, float]]) -> str:
+    """Keep a failed attempt's metrics that were not written (steps after its last checkpoint, which the
+    retry logs again) as a JSON artifact of the stage's run, `failed-attempts/<stage>-<time>.json`, so that a
+    failure that is not retried still shows what its last steps measured."""
+    import json
+
+    name = f"failed-attempts/{stage}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
+    client(cfg).log_text(run_id, json.dumps({str(k): v for k, v in sorted(steps.items())}, indent=1), name)
+    return name
 
 
 def log_dataset(cfg: Config, run_id: str, ref: DatasetRef, *, name: str, context: str = "training") -> None:

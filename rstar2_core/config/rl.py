@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from rstar2_core.config.base import _Section
 
@@ -34,9 +35,30 @@ class GRPOConfig(_Section):
     """Added to the group std in the advantage denominator."""
 
 
+# The names the pipeline (tasks/, flows/) keys its own records by in a run's store
+# (`state/<key>.json`, `state/mlflow/<key>.json`, `checkpoints/<key>`, `data/<key>`, `eval/<key>`) and in
+# the evaluations it ranks ("sft" is the promotion baseline). An RL stage's name keys the same places, so
+# it may be none of these, nor have the shape of a key the pipeline derives from a stage name.
+# tests/flows/test_task_helpers.py reads every such literal in tasks/ and flows/ and checks it is here.
+PIPELINE_KEYS: frozenset[str] = frozenset({
+    "curate", "sft-data", "base-model", "sft",  # stage records and MLflow runs (tasks/stages.py)
+    "base", "curated",                          # checkpoints/base, data/curated
+    "model",                                    # the evaluate flows' evaluation (eval/model, eval-model)
+    "register", "promotion", "summary",         # records of register-best and of the recipe's summary
+    "config", "mlflow", "parent",               # the config snapshot, the MLflow ids folder, the parent run
+    "open-failure",                             # an attempt that failed before freezing the config
+})
+DERIVED_KEY_PREFIXES = ("eval-",)               # eval-<stage>: a stage's evaluation
+DERIVED_KEY_SUFFIXES = ("-hard-subset",)        # <stage>-hard-subset: the hard subset a stage trains on
+STAGE_NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9-]*$")
+
+
 class RLStageConfig(_Section):
     name: str = ""
-    """Stage name used in run names and URLs; default `rl-stage-<n>`."""
+    """Stage name used in run names, run-store keys, MLflow runs and checkpoint URLs; default
+    `rl-stage-<n>`. Lower-case letters, digits and `-`, starting with a letter or digit, and none of the
+    names the pipeline uses itself (`PIPELINE_KEYS`: sft, curate, register, ...; nor `eval-...` or
+    `...-hard-subset`)."""
     steps: int = Field(ge=1)
     """RL steps in this stage. Paper: 300, 85, 125."""
     max_response_tokens: int = Field(ge=1)
@@ -49,6 +71,28 @@ class RLStageConfig(_Section):
     """Start this stage with fresh AdamW state (paper: at stage 3)."""
     hard_subset_k: int = Field(8, ge=1)
     """For dataset = hard_subset: rollouts per problem; problems solved k/k are dropped. Paper: 8."""
+
+    @field_validator("name")
+    @classmethod
+    def _name_rules(cls, name: str) -> str:
+        if name == "":  # filled with rl-stage-<n> by RLConfig
+            return name
+        if not STAGE_NAME_PATTERN.match(name):
+            raise ValueError(f"{name!r} is not a stage name: use lower-case letters, digits and '-', starting "
+                             "with a letter or digit (it becomes a folder and a run-store key), e.g. "
+                             "\"rl-stage-1\"")
+        if name in PIPELINE_KEYS:
+            clash, fix = f"{name!r} is a name the pipeline uses itself", f"e.g. \"rl-{name}\""
+        elif name.startswith(DERIVED_KEY_PREFIXES):
+            clash, fix = f"{name!r} has the shape of the key of a stage's evaluation", "one not starting with eval-"
+        elif name.endswith(DERIVED_KEY_SUFFIXES):
+            clash, fix = f"{name!r} has the shape of the key of a stage's hard subset", "one not ending with -hard-subset"
+        else:
+            return name
+        raise ValueError(f"{clash}, so the stage would share run-store records, MLflow runs or folders with "
+                         f"it; pick another name ({fix}) or leave it unset for rl-stage-<n>. Reserved: "
+                         f"{', '.join(sorted(PIPELINE_KEYS))}, names starting with "
+                         f"{' or '.join(DERIVED_KEY_PREFIXES)} and names ending with {' or '.join(DERIVED_KEY_SUFFIXES)}")
 
 
 class RLConfig(_Section):

@@ -1,7 +1,7 @@
 """Comparing evaluation reports: paired bootstrap intervals per benchmark, and ranking checkpoints.
 
     c = compare_benchmark(candidate, baseline, "synthetic", confidence=0.95, seed=1234)
-    c.verdict                        # "better" | "worse" | "tie" | "new" | "unpaired"
+    c.verdict                        # "better" | "worse" | "tie" | "new" | "unpaired" | "incomparable"
     rows = compare_reports(candidate, baseline, confidence=0.95, seed=1234)   # every benchmark
     ranked = rank_checkpoints({"sft": r0, "rl-stage-1": r1}, "synthetic")   # best first
 
@@ -10,7 +10,12 @@ reports evaluated (same id), d = candidate pass@1 - baseline pass@1 (each the sh
 that were correct). The interval is the percentile bootstrap of mean(d) over problems resampled with
 replacement (`RESAMPLES` draws from a generator seeded with `seed`, so the same reports give the same
 interval). The verdict is `better` when the whole interval lies above 0, `worse` when it lies below,
-else `tie`; `new` when the baseline lacks the benchmark, `unpaired` when the two share no problem id.
+else `tie`; `new` when the baseline lacks the benchmark, `unpaired` when the two share no problem id,
+`incomparable` when the two were not measured the same way: another evaluation protocol (`EvalReport.protocol`:
+k, temperature, top_p, turn and token limits; not the seed, nor the wall time) or another content of the
+benchmark (`EvalReport.benchmark_digests`, where both reports have one). `Comparison.differs` names what
+differs; like `unpaired`, an `incomparable` row carries no interval and decides nothing (no promotion, no
+regression).
 Pairing removes the problem-difficulty variance that two independent pass@1s would carry; the
 bootstrap treats problems as the sampled unit (the k samples within one problem are not resampled),
 which is what a different draw of eval problems would change. With few problems whose outcome differs
@@ -33,7 +38,11 @@ from rstar2_core.eval.run import EvalReport
 RESAMPLES = 10_000
 """Bootstrap draws per interval: the Monte-Carlo error of its endpoints is then ~1% of their width."""
 
-Verdict = Literal["better", "worse", "tie", "new", "unpaired"]
+Verdict = Literal["better", "worse", "tie", "new", "unpaired", "incomparable"]
+
+PROTOCOL_FREE = frozenset({"seed", "seconds"})
+"""Protocol entries two reports may differ in and still be compared: the sampling seed (another draw of the
+same protocol) and the wall time the evaluation took."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +60,8 @@ class Comparison:
     n_paired: int
     confidence: float
     verdict: Verdict
+    differs: tuple[str, ...] = ()
+    """For `incomparable`: what differs, candidate's value first (`k: 8 vs 4`)."""
 
     def interval_text(self) -> str:
         """`+0.21 [0.14, 0.28]`, or `-` when nothing was paired."""
@@ -90,14 +101,33 @@ def compare_benchmark(candidate: EvalReport, baseline: EvalReport, benchmark: st
     cand = candidate.metrics[benchmark].pass1
     if benchmark not in baseline.metrics:
         return Comparison(benchmark, cand, None, None, None, None, 0, confidence, "new")
+    base = baseline.metrics[benchmark].pass1
+    differs = measurement_differences(candidate, baseline, benchmark)
+    if differs:
+        return Comparison(benchmark, cand, base, None, None, None, 0, confidence, "incomparable", differs)
     base_rows = {r.id: r for r in baseline.rows.get(benchmark, ())}
     pairs = [(r.pass1, base_rows[r.id].pass1) for r in candidate.rows.get(benchmark, ()) if r.id in base_rows]
-    base = baseline.metrics[benchmark].pass1
     if not pairs:
         return Comparison(benchmark, cand, base, None, None, None, 0, confidence, "unpaired")
     delta, low, high = paired_bootstrap([a - b for a, b in pairs], confidence, seed)
     verdict: Verdict = "better" if low > 0 else "worse" if high < 0 else "tie"
     return Comparison(benchmark, cand, base, delta, low, high, len(pairs), confidence, verdict)
+
+
+def measurement_differences(candidate: EvalReport, baseline: EvalReport, benchmark: str) -> tuple[str, ...]:
+    """What makes the two reports' pass@1 on `benchmark` not comparable, candidate's value first: protocol
+    entries (other than `PROTOCOL_FREE`) that differ or that only one report has, and the benchmark's
+    content digest when both have one and they differ. Empty when they were measured the same way."""
+    out = []
+    cp, bp = candidate.protocol or {}, baseline.protocol or {}
+    for key in sorted((set(cp) | set(bp)) - PROTOCOL_FREE):
+        a, b = cp.get(key, "absent"), bp.get(key, "absent")
+        if a != b:
+            out.append(f"{key}: {a} vs {b}")
+    da, db = candidate.benchmark_digests.get(benchmark), baseline.benchmark_digests.get(benchmark)
+    if da and db and da != db:
+        out.append(f"{benchmark} content: digest {str(da)[:12]} vs {str(db)[:12]}")
+    return tuple(out)
 
 
 def compare_reports(candidate: EvalReport, baseline: EvalReport | None, *, confidence: float,
@@ -131,7 +161,8 @@ def rank_checkpoints(reports: Mapping[str, EvalReport], benchmark: str) -> list[
 
 def comparisons_markdown(rows: Sequence[Comparison], title: str) -> str:
     """Markdown table of `compare_reports` rows: pass@1 of both, paired delta with its interval, status."""
-    status = {"better": "better", "worse": "REGRESSION", "tie": "ok", "new": "new", "unpaired": "not paired"}
+    status = {"better": "better", "worse": "REGRESSION", "tie": "ok", "new": "new", "unpaired": "not paired",
+              "incomparable": "not comparable"}
     conf = f"{rows[0].confidence:.0%}" if rows else "-"
     lines = [f"## {title}", "",
              (f"Paired bootstrap over the eval problems, {conf} interval of the pass@1 difference; a "
@@ -140,6 +171,7 @@ def comparisons_markdown(rows: Sequence[Comparison], title: str) -> str:
              "|---|---|---|---|---|---|"]
     for r in rows:
         prev = "-" if r.baseline is None else f"{r.baseline:.3f}"
+        why = f" ({'; '.join(r.differs)})" if r.differs else ""
         lines.append(f"| {r.benchmark} | {prev} | {r.candidate:.3f} | {r.interval_text()} | {r.n_paired} | "
-                     f"{status[r.verdict]} |")
+                     f"{status[r.verdict]}{why} |")
     return "\n".join(lines)

@@ -11,8 +11,9 @@ A run whose RL did not beat its SFT checkpoint (or whose best checkpoint is the 
 the version is still registered. The best checkpoint is chosen by point estimate first
 (`rank_checkpoints`) and only then tested, so with three RL stages the chance that noise alone passes
 is up to about three times the one-sided level (~7.5% at 0.95) in the worst case.
-A champion whose report cannot be read or shares no problem with the candidate is kept (no comparison
-means no evidence); `champion=None` means there is none yet.
+A champion whose report cannot be read, shares no problem with the candidate, or was evaluated another
+way (another protocol or benchmark content: `incomparable`, eval/compare.py) is kept (no comparison means
+no evidence); `champion=None` means there is none yet.
 """
 
 from __future__ import annotations
@@ -54,8 +55,12 @@ class Promotion:
         return {"stage": self.stage, "benchmark": self.benchmark, "pass1": self.pass1,
                 "aliases": list(self.aliases), "reason": self.reason, "line": self.line(),
                 "champion_label": self.champion_label,
-                "vs_sft": None if self.vs_sft is None else asdict(self.vs_sft),
-                "vs_champion": None if self.vs_champion is None else asdict(self.vs_champion)}
+                "vs_sft": _plain(self.vs_sft), "vs_champion": _plain(self.vs_champion)}
+
+
+def _plain(c: Comparison | None) -> dict | None:
+    """A comparison as JSON reads it back (lists, not tuples): a stored decision equals a fresh one."""
+    return None if c is None else {**asdict(c), "differs": list(c.differs)}
 
 
 def decide_promotion(stage: str, report: EvalReport, sft_report: EvalReport, *,
@@ -69,7 +74,8 @@ def decide_promotion(stage: str, report: EvalReport, sft_report: EvalReport, *,
     vs_sft = compare_benchmark(report, sft_report, benchmark, confidence=confidence, seed=seed)
     if vs_sft.verdict != "better":
         why = {"worse": "RL made it worse than SFT", "tie": "RL did not beat SFT beyond noise",
-               "new": f"the SFT evaluation has no {benchmark!r}", "unpaired": "no problem in common with SFT"}
+               "new": f"the SFT evaluation has no {benchmark!r}", "unpaired": "no problem in common with SFT",
+               "incomparable": "not comparable with the SFT evaluation: " + "; ".join(vs_sft.differs)}
         return Promotion(stage, benchmark, pass1, (), why[vs_sft.verdict], vs_sft=vs_sft)
     if champion is None:
         return Promotion(stage, benchmark, pass1, ("candidate", "champion"), "no champion yet", vs_sft=vs_sft)
@@ -84,6 +90,8 @@ def decide_promotion(stage: str, report: EvalReport, sft_report: EvalReport, *,
                          vs_champion=vs_champ, champion_label=label)
     why = {"worse": "worse than the champion", "tie": "ties the champion",
            "new": f"the champion was not evaluated on {benchmark!r}", "unpaired": "no problem in common with "
-           "the champion's evaluation"}
+           "the champion's evaluation",
+           "incomparable": f"champion ({label}) kept: its evaluation is not comparable with this one ("
+           + "; ".join(vs_champ.differs) + ")"}
     return Promotion(stage, benchmark, pass1, ("candidate",), why[vs_champ.verdict], vs_sft=vs_sft,
                      vs_champion=vs_champ, champion_label=label)

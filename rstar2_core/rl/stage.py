@@ -44,6 +44,7 @@ import torch
 from rstar2_core import storage
 from rstar2_core.cluster import open_runtime
 from rstar2_core.config import Config
+from rstar2_core.errors import CorruptCheckpoint
 from rstar2_core.faults import maybe_inject_fault
 from rstar2_core.models.io import load_tokenizer, read_meta
 from rstar2_core.progress import progress_bar
@@ -73,6 +74,18 @@ LogMetrics = Callable[[dict, int], None]
 def stage_offset(cfg: Config, stage_index: int) -> int:
     """Global RL steps taken before stage `stage_index`."""
     return sum(s.steps for s in cfg.rl.stages[:stage_index])
+
+
+def resumed_through(cfg: Config, stage_index: int, out_url: str) -> int | None:
+    """The last global step whose metrics a resume of stage `stage_index` at `out_url` does not log again:
+    the stage's last step once its `final/` is complete, else the step of its newest complete step
+    checkpoint (every `rl.checkpoint_every` steps; the resume starts after it); None when a resume starts
+    the stage from its first step. The tasks layer writes a failed attempt's metrics only up to it."""
+    offset = stage_offset(cfg, stage_index)
+    if storage.is_complete(final_url(out_url)):
+        return offset + cfg.rl.stages[stage_index].steps
+    ckpt = latest_step_checkpoint(out_url)
+    return None if ckpt is None else offset + int(ckpt.rstrip("/").rsplit("-", 1)[1])
 
 
 def step_seed(seed: int, global_step: int) -> int:
@@ -118,6 +131,11 @@ async def _run(cfg: Config, stage_index: int, init_url: str, data_url: str, out_
     total_steps = stage_offset(cfg, len(cfg.rl.stages))
     problems, rejected = load_problems(data_url)
     ckpt = latest_step_checkpoint(out_url) if resume else None
+    state = read_rl_state(ckpt) if ckpt is not None else None
+    if ckpt is not None and state is None:  # before any engine starts: a retry would find the same files
+        raise CorruptCheckpoint(f"{ckpt} has no RL trainer state ({STATE_FILE}); delete it (the stage then "
+                                "resumes from the step checkpoint before it, or starts again) or run with "
+                                "resume=False")
     policy = ckpt or init_url
     chat = ChatFormat(load_tokenizer(policy), with_tools=True)
     tok = chat.tokenizer
@@ -131,10 +149,10 @@ async def _run(cfg: Config, stage_index: int, init_url: str, data_url: str, out_
     async with open_runtime(cfg, policy_url=policy, trainer=spec,
                             max_model_len=engine_seq_len(chat, problems, stage.max_response_tokens)) as rt:
         if ckpt is not None:
-            state = read_rl_state(ckpt)
-            if state is None or not rt.trainer.load_state(ckpt):
-                raise FileNotFoundError(f"{ckpt} has no RL trainer state ({STATE_FILE}, trainer/); delete it or "
-                                        "run with resume=False")
+            if not rt.trainer.load_state(ckpt):
+                raise CorruptCheckpoint(f"{ckpt} has no optimizer state (trainer/); delete it (the stage then "
+                                        "resumes from the step checkpoint before it, or starts again) or run "
+                                        "with resume=False")
             set_rng_state(state["rng"])
             start_step, cursor = int(state["step"]), int(state["cursor"])
             run_id = state.get("tracking_run_id") or tracking_run_id

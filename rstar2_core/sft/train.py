@@ -36,6 +36,7 @@ import torch
 from rstar2_core import storage
 from rstar2_core.cluster import open_runtime
 from rstar2_core.config import Config
+from rstar2_core.errors import CorruptCheckpoint
 from rstar2_core.faults import maybe_inject_fault
 from rstar2_core.models.io import latest_complete, load_tokenizer, read_extra, read_meta
 from rstar2_core.progress import progress_bar
@@ -62,6 +63,18 @@ def _save_step(trainer, tokenizer, steps_url: str, step: int, loss: float) -> No
         storage.remove(old)
 
 
+def resumed_through(out_url: str) -> int | None:
+    """The last step whose metrics a resume of SFT at `out_url` does not log again: the last step once
+    `final/` is complete, else the step of the newest complete step checkpoint (every
+    `sft.checkpoint_every` steps; the resume starts after it); None when a resume starts from step 1. The
+    tasks layer writes a failed attempt's metrics only up to it."""
+    final_url = storage.join(out_url, "final")
+    if storage.is_complete(final_url):
+        return int(read_meta(final_url)["step"])
+    last = latest_complete(storage.join(out_url, "steps"))
+    return None if last is None else int(last.rstrip("/").rsplit("-", 1)[1])
+
+
 def _batches(rows: list[PackedRow], batch_size: int) -> int:
     return max(1, math.ceil(len(rows) / batch_size))
 
@@ -85,6 +98,9 @@ async def _run_sft(cfg: Config, base_model_url: str, sft_data_url: str, out_url:
     sc = cfg.sft
     final_url, steps_url = storage.join(out_url, "final"), storage.join(out_url, "steps")
     last = latest_complete(steps_url) if resume else None
+    if last is not None and not storage.exists(storage.join(last, STATE_FILE)):  # a retry finds the same files
+        raise CorruptCheckpoint(f"{last} has no SFT state ({STATE_FILE}); delete it (SFT then resumes from the "
+                                "step checkpoint before it, or starts again)")
     tokenizer = load_tokenizer(last or base_model_url)
     chat = ChatFormat(tokenizer)
     docs, too_long = encode_conversations(read_sft_rows(sft_data_url), chat, sc.max_seq_len)
@@ -104,7 +120,8 @@ async def _run_sft(cfg: Config, base_model_url: str, sft_data_url: str, out_url:
         if last is not None:
             state = torch.load(io.BytesIO(read_extra(last, STATE_FILE)), weights_only=False)
             if not rt.trainer.load_state(last):
-                raise FileNotFoundError(f"{last} has no trainer state (trainer/); delete it to restart SFT")
+                raise CorruptCheckpoint(f"{last} has no trainer state (trainer/); delete it (SFT then resumes "
+                                        "from the step checkpoint before it, or starts again)")
             torch.set_rng_state(state["torch_rng"])
             start = int(state["step"])
         bar = progress_bar(total=total_steps, initial=start, desc="sft", unit="step", dynamic_ncols=True)

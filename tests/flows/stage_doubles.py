@@ -2,7 +2,8 @@
 (fast, no model). `install(monkeypatch)` puts them in place of the real ones (`tasks.stages.<name>`).
 
 They follow the contracts in docs/CONTRACTS.md where the pipeline depends on them: artifacts at
-`out_url` published atomically with `_COMPLETE`, RL stages that checkpoint every step under `out_url`,
+`out_url` published atomically with `_COMPLETE`, RL stages that checkpoint every `rl.checkpoint_every` steps
+(and at the last) under `out_url/steps/step-NNNNNN`,
 resume from the last step checkpoint, call `maybe_inject_fault(stage.name, step, out_url)` at each step start
 and log the summary plot's rollout metrics per step at global steps (counted across stages), SFT that logs
 `sft/loss`; evaluation returns an `EvalReport` with per-problem rows (checkpoint "quality" q: the first
@@ -97,7 +98,8 @@ def run_rl_stage(cfg, stage_index, *, init_checkpoint_url, data_url, out_url, lo
             log_metrics({"rollout/reward_mean": step / st.steps, "rollout/pass_rate": step / st.steps,
                          "rollout/pos_tool_error_ratio": 0.5 / step, "rollout/kept_pos_tool_error_ratio": 0.0},
                         offset + step)
-        _checkpoint(storage.join(steps_dir, f"step-{step:06d}"), {"step": step, "run_id": tracking_run_id})
+        if step % cfg.rl.checkpoint_every == 0 or step == st.steps:  # the real stage's checkpoint rule
+            _checkpoint(storage.join(steps_dir, f"step-{step:06d}"), {"step": step, "run_id": tracking_run_id})
     quality = round(0.3 + 0.1 * stage_index, 6)
     url = _checkpoint(storage.join(out_url, "final"), {"stage": st.name, "quality": quality})
     return StageResult(name=st.name, checkpoint_url=url, metrics={"rollout/reward_mean": 1.0}, steps=st.steps,

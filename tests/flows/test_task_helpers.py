@@ -20,7 +20,7 @@ def test_retry_rule_retries_infrastructure_only():
     import ray.exceptions as rex
 
     from rstar2_core.cluster.errors import ActorFailure
-    from rstar2_core.errors import InfraFailureShareExceeded, StaleEngineWeights
+    from rstar2_core.errors import CorruptCheckpoint, InfraFailureShareExceeded, StaleEngineWeights
 
     assert is_infrastructure_error(InjectedFault("x"))
     assert is_infrastructure_error(ActorFailure("trainer-1", "killed"))
@@ -28,6 +28,11 @@ def test_retry_rule_retries_infrastructure_only():
     assert is_infrastructure_error(StaleEngineWeights("gap 0.3"))
     assert is_infrastructure_error(ConnectionResetError())
     assert is_infrastructure_error(OSError("disk"))
+    # a storage hiccup (a read that failed, a file not there yet) is retried; a checkpoint marked complete
+    # that lacks its trainer state is deterministic and fails at once
+    assert is_infrastructure_error(FileNotFoundError("s3://b/runs/r/state/sft.json"))
+    assert is_infrastructure_error(PermissionError("s3: 503 Slow Down"))
+    assert not is_infrastructure_error(CorruptCheckpoint("step-000010 has no RL trainer state; delete it"))
     assert is_infrastructure_error(TimeoutError())
     assert is_infrastructure_error(rex.WorkerCrashedError())
     assert not is_infrastructure_error(ConfigError("bad profile"))
@@ -170,3 +175,102 @@ def test_config_snapshot_is_written_once_and_read_back_identical(tmp_path, monke
     gap = read_snapshot(store)
     assert gap.config.eval.comparison_confidence == 0.95
     assert any("eval.comparison_confidence" in n for n in drift_notes(gap, "tiny", overrides))
+
+
+def _pipeline_keys_in_code() -> tuple[set[str], set[str]]:
+    """Every literal name the pipeline keys a run's store, MLflow runs or evaluations by, read from tasks/ and
+    flows/: the first argument of RunStore.save/load/record/tracking_id/set_tracking_id, the parts of
+    RunStore.url after its folder (`state/config.json` -> "config"), the key of `_run_tracked`, the stage
+    of `evaluate_checkpoint`, the keys of the `evals` dict and what is assigned to a variable `key`; and the
+    f-string keys (`eval-{}`)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    names: set[str] = set()
+    templates: set[str] = set()
+
+    def add(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names.add(node.value.removesuffix(".json"))
+        elif isinstance(node, ast.JoinedStr):
+            templates.add("".join(v.value if isinstance(v, ast.Constant) else "{}" for v in node.values
+                                  ).removesuffix(".json"))
+
+    for path in sorted((root / "tasks").glob("*.py")) + sorted((root / "flows").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                f = node.func
+                attr = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+                if attr in {"save", "load", "record", "tracking_id", "set_tracking_id"} and node.args:
+                    add(node.args[0])
+                elif attr == "url":
+                    for a in node.args[1:]:
+                        add(a)
+                elif attr == "_run_tracked" and len(node.args) > 2:
+                    add(node.args[2])
+                elif "evaluate_checkpoint" in ast.unparse(f) and len(node.args) > 1:
+                    add(node.args[1])
+                elif attr == "submit" and len(node.args) > 2 and ast.unparse(node.args[1]) == "'evaluate'":
+                    add(node.args[2])
+            elif isinstance(node, ast.Assign) and any(ast.unparse(t) == "evals" for t in node.targets):
+                if isinstance(node.value, ast.Dict):
+                    for k in node.value.keys:
+                        add(k)
+            elif isinstance(node, ast.Assign) and any(ast.unparse(t) == "key" for t in node.targets):
+                add(node.value)  # key = f"eval-{stage}", then passed to _run_tracked
+    return names, templates
+
+
+def test_rl_stage_names_may_not_be_the_pipelines_own_keys():
+    from rstar2_core.config.rl import DERIVED_KEY_PREFIXES, DERIVED_KEY_SUFFIXES, PIPELINE_KEYS
+
+    names, templates = _pipeline_keys_in_code()
+    assert {"sft", "parent", "register", "promotion", "curate", "config", "summary"} <= names  # the scan works
+    assert names <= PIPELINE_KEYS, f"keys the pipeline uses that a stage could be named: {names - PIPELINE_KEYS}"
+    # the keys derived from a stage name: `eval-{stage}`, `{stage}-hard-subset`; plain `{key}` forms are the
+    # store's own methods
+    derived = {t for t in templates if t != "{}"}
+    assert derived == {p + "{}" for p in DERIVED_KEY_PREFIXES} | {"{}" + s for s in DERIVED_KEY_SUFFIXES}, derived
+
+
+def test_stage_plot_panels_name_metrics_the_stages_emit(tmp_path):
+    """Every panel the stage PNG puts first is a metric a stage emits: the RL step's (rollout metrics of
+    build_step_batch merged with the update's actor metrics, as rl_step merges them), an evaluation's and
+    curation's, each taken from a real call."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from rstar2_core.config import GRPOConfig
+    from rstar2_core.data.curate import curate
+    from rstar2_core.eval.metrics import BenchmarkMetrics
+    from rstar2_core.models.backend import TorchBackend
+    from rstar2_core.rl.groups import build_step_batch
+    from rstar2_core.rl.trainer import rl_update
+    from rstar2_core.rollout.types import ToolCallRecord, Trajectory
+    from tasks.tracking import _PLOT_FIRST
+
+    def traj(i):
+        return Trajectory(prompt_ids=(1, 2), response_ids=(3 + i, 4, 5), loss_mask=(1, 1, 1), logprobs=(0.0,) * 3,
+                          response_text=str(i), tool_calls=(ToolCallRecord(name="python", status="ok", failed=False),),
+                          n_turns=2, n_answer_blocks=1, finish="answer", truncated=False)
+
+    sb = build_step_batch([[traj(i) for i in range(4)]], [[1.0, 0.0, 1.0, 0.0]],
+                          GRPOConfig(group_size=4, oversample=1, resample="none"), seed=0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16))
+    actor = rl_update(TorchBackend(model, lr=1e-3, total_steps=1, schedule="constant"), list(sb.trajectories),
+                      list(sb.advantages), pad_id=0)
+    rl = set(sb.metrics) | set(actor)
+    evaluation = set(BenchmarkMetrics("synthetic", 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0).as_metrics())
+    from pathlib import Path
+
+    fix = Path(__file__).resolve().parents[1] / "fixtures"
+    cfg = load_config("tiny", [f'data.sources=[{{url="{fix}/generic.jsonl", layout="generic", name="g"}}]',
+                               "data.synthetic.enabled=false", "data.label_check.enabled=false",
+                               f'eval.benchmarks=[{{name="aime24", url="{fix}/aime24.jsonl", layout="aime"}}]'])
+    curation: set[str] = set()
+    curate(cfg, (tmp_path / "ds").as_uri(), log_metrics=lambda m, s: curation.update(m), progress=False)
+    emitted = rl | evaluation | curation
+    assert {"actor/pg_loss", "actor/grad_norm", "rollout/reward_mean"} <= rl  # a real step, not an empty one
+    assert [k for k in _PLOT_FIRST if k not in emitted] == []
+    assert "actor/pg_loss" in _PLOT_FIRST  # the policy loss is among the panels an RL stage's PNG shows

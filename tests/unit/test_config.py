@@ -45,6 +45,30 @@ def test_bad_values_name_the_field_and_the_fix(override, needle):
     assert needle in str(e.value)
 
 
+@pytest.mark.parametrize("name, needle", [
+    ("sft", "rl.stages.1.name: 'sft' is a name the pipeline uses itself"),
+    ("parent", "'parent' is a name the pipeline uses itself"),
+    ("register", "'register' is a name the pipeline uses itself"),
+    ("promotion", "'promotion' is a name the pipeline uses itself"),
+    ("curate", "'curate' is a name the pipeline uses itself"),
+    ("config", "'config' is a name the pipeline uses itself"),
+    ("eval-sft", "shape of the key of a stage's evaluation"),
+    ("rl-stage-1-hard-subset", "shape of the key of a stage's hard subset"),
+    ("../x", "rl.stages.1.name: '../x' is not a stage name: use lower-case letters, digits and '-'"),
+    ("a/b", "'a/b' is not a stage name"),
+    ("Stage1", "'Stage1' is not a stage name"),
+    ("-x", "'-x' is not a stage name"),
+])
+def test_rl_stage_names_that_would_collide_or_escape_are_refused(name, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny", [f'rl.stages.1.name="{name}"'])
+    assert needle in str(e.value)
+    if "not a stage name" not in needle:
+        assert "pick another name" in str(e.value) and "leave it unset for rl-stage-<n>" in str(e.value)
+    assert [s.name for s in load_config("tiny", ['rl.stages.1.name="long-ctx-2"']).rl.stages] == [
+        "rl-stage-1", "long-ctx-2", "rl-stage-3"]
+
+
 def test_unknown_profile_lists_the_valid_ones():
     with pytest.raises(ConfigError, match="tiny"):
         load_config("does-not-exist")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import numpy as np
@@ -146,3 +147,46 @@ def test_promotion_champion_when_clearly_better_or_none_yet():
     assert again == p  # seeded: the same reports give the same decision and numbers
     d = p.to_json()
     assert d["aliases"] == ["candidate", "champion"] and d["line"] == p.line() and d["vs_sft"]["verdict"] == "better"
+
+
+def test_reports_measured_another_way_are_incomparable_not_better_or_worse():
+    from dataclasses import replace
+
+    base = replace(report({"s": [0] * 20}), protocol={"k": K, "temperature": 0.6, "max_tokens": 64, "seed": 0,
+                                                    "seconds": 3.0},
+                   benchmark_digests={"s": "a" * 64})
+    high = report({"s": [4] * 20})  # clearly better if it were measured the same way
+    same = replace(high, protocol={**base.protocol, "seed": 1, "seconds": 9.0}, benchmark_digests={"s": "a" * 64})
+    assert compare_benchmark(same, base, "s", confidence=0.95, seed=0).verdict == "better"  # seed, time: free
+    cases = [({"k": 8}, {}, "k: 8 vs 4"), ({"max_tokens": 128}, {}, "max_tokens: 128 vs 64"),
+             ({"temperature": 1.0}, {}, "temperature: 1.0 vs 0.6"), ({}, {"s": "b" * 64}, "s content: digest bbbbbbbbbbbb vs aaaaaaaaaaaa")]
+    for proto, digests, needle in cases:
+        other = replace(same, protocol={**same.protocol, **proto}, benchmark_digests={"s": "a" * 64, **digests})
+        for a, b in ((other, base), (base, other)):
+            c = compare_benchmark(a, b, "s", confidence=0.95, seed=0)
+            assert c.verdict == "incomparable" and c.delta is None and c.interval_text() == "-"
+        c = compare_benchmark(other, base, "s", confidence=0.95, seed=0)
+        assert c.differs == (needle,) and c.baseline == 0.0 and c.candidate == 1.0
+        assert f"| not comparable ({needle}) |" in comparisons_markdown([c], "n")
+    # a protocol entry only one report has
+    newer = replace(same, protocol={**same.protocol, "top_p": 0.95})
+    assert compare_benchmark(newer, base, "s", confidence=0.95, seed=0).differs == ("top_p: 0.95 vs absent",)
+    # a report without a digest for the benchmark cannot tell: compared on its protocol
+    assert compare_benchmark(replace(same, benchmark_digests={}), base, "s", confidence=0.95, seed=0).verdict == "better"
+
+
+def test_promotion_decides_nothing_on_an_incomparable_evaluation():
+    from dataclasses import replace
+
+    rl, sft = replace(RL, protocol={"k": K, "seed": 0}), replace(SFT, protocol={"k": K, "seed": 0})
+    p = decide_promotion("rl-stage-1", rl, replace(sft, protocol={"k": 8, "seed": 0}), champion=None,
+                         benchmark="s", confidence=0.95, seed=1234)
+    assert p.aliases == () and p.reason == "not comparable with the SFT evaluation: k: 4 vs 8"
+    champ = replace(report({"s": [0] * 20}), protocol={"k": K, "max_tokens": 32, "seed": 0})  # far worse, other limit
+    q = decide_promotion("rl-stage-1", replace(rl, protocol={"k": K, "max_tokens": 64, "seed": 0}),
+                         replace(sft, protocol={"k": K, "max_tokens": 64, "seed": 0}), champion=("version 3", champ),
+                         benchmark="s", confidence=0.95, seed=1234)
+    assert q.vs_sft.verdict == "better" and q.vs_champion.verdict == "incomparable"
+    assert q.aliases == ("candidate",) and "champion (version 3) kept" in q.reason and "max_tokens: 64 vs 32" in q.reason
+    d = q.to_json()
+    assert d["vs_champion"]["differs"] == ["max_tokens: 64 vs 32"] and json.loads(json.dumps(d)) == d

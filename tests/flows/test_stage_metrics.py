@@ -1,0 +1,77 @@
+"""A stage's metrics across a failure and its retry (tasks/stages.py `_run_tracked`, tasks/tracking.py
+`MetricsLogger`): each step reaches the stage's MLflow run exactly once, also when the stage checkpoints only
+every few steps and the retry resumes from an earlier step than the failure. The task bodies run directly
+(`.fn`, no Prefect server) over the stage doubles."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import stage_doubles
+
+from rstar2_core import storage
+from rstar2_core.faults import InjectedFault
+from rstar2_core.results import DatasetRef, StageResult
+from tasks import recipe, stages, tracking
+
+
+@pytest.fixture
+def run(tmp_path, monkeypatch, shared_mlflow, request):
+    """open(overrides) -> the RecipeContext of a fresh recipe run, with the doubles in place."""
+    logger = logging.getLogger("test-stage-metrics")
+    monkeypatch.setattr(recipe, "get_run_logger", lambda: logger)
+    monkeypatch.setattr(stages, "get_run_logger", lambda: logger)
+    monkeypatch.setenv("RSTAR2_HOME", str(tmp_path))
+    monkeypatch.delenv("RSTAR2_FAULT_INJECT", raising=False)
+    stage_doubles.install(monkeypatch)
+
+    def open_(overrides):
+        return recipe.open_recipe("tiny", [f"tracking.tracking_uri={shared_mlflow}", "cluster.use_ray=false",
+                                           *overrides], request.node.name[-40:], "flow-1", attempt=1)
+
+    return open_
+
+
+@pytest.mark.parametrize("flush_s", [0.0, 5.0], ids=["flush-every-step", "flush-at-the-end"])
+def test_a_resumed_rl_stage_logs_each_step_once_with_checkpoints_every_3_steps(run, monkeypatch, tmp_path, flush_s):
+    real = tracking.metrics_logger
+    monkeypatch.setattr(tracking, "metrics_logger", functools.partial(real, flush_s=flush_s))
+    ctx = run(["rl.checkpoint_every=3", "rl.stages.0.steps=7"])
+    cfg = ctx.config()
+    data = DatasetRef(url=storage.join(tmp_path.as_uri(), "rl.jsonl"), digest="d", n_rows=1)
+    storage.write_text_atomic(data.url, '{"id": 1}\n')
+    init = StageResult(name="sft", checkpoint_url=tmp_path.as_uri(), steps=1)
+    monkeypatch.setenv("RSTAR2_FAULT_INJECT", "rl-stage-1:step=6")  # fails at step 6: steps 1-5 logged, checkpoint 3
+    with pytest.raises(InjectedFault):
+        stages.rl_stage.fn(ctx, 0, init, data, label="rl-stage-1")
+    run_id = ctx.store(cfg).tracking_id("rl-stage-1")
+    assert tracking.metric_steps(cfg, run_id, "rollout/reward_mean") == [1, 2, 3]  # up to the checkpoint only
+    kept = [a.path for a in tracking.client(cfg).list_artifacts(run_id, "failed-attempts")]
+    assert len(kept) == 1  # steps 4 and 5 of the failed attempt, kept aside, not as metrics
+    local = tracking.client(cfg).download_artifacts(run_id, kept[0], str(tmp_path))
+    assert sorted(json.loads(Path(local).read_text())) == ["4", "5"]
+    stages.rl_stage.fn(ctx, 0, init, data, label="rl-stage-1")  # the retry resumes after step 3
+    assert [c["start"] for c in stage_doubles.calls("rl")] == [0, 3]
+    assert tracking.metric_steps(cfg, run_id, "rollout/reward_mean") == [1, 2, 3, 4, 5, 6, 7]
+
+
+def test_a_stage_that_starts_over_on_a_retry_logs_its_steps_once(run, monkeypatch):
+    ctx = run([])
+    cfg = ctx.config()
+
+    def curate_then_fail(cfg, out_url, log_metrics=None, *, sampler=None):
+        log_metrics({"data/kept": 1.0}, 0)
+        raise ConnectionError("storage went away after the metrics")
+
+    monkeypatch.setattr(stages, "curate", curate_then_fail)
+    with pytest.raises(ConnectionError):
+        stages.curate_data.fn(ctx, label="curate")
+    run_id = ctx.store(cfg).tracking_id("curate")
+    assert tracking.metric_steps(cfg, run_id, "data/kept") == []
+    monkeypatch.setattr(stages, "curate", stage_doubles.curate)
+    stages.curate_data.fn(ctx, label="curate")
+    assert tracking.metric_steps(cfg, run_id, "data/kept") == [0]
