@@ -31,10 +31,8 @@ from rstar2_core.eval.sampler import label_check_sampler
 from rstar2_core.models import prepare_base_model
 from rstar2_core.results import DatasetRef, StageResult
 from rstar2_core.rl.hard_subset import select_hard_subset
-from rstar2_core.rl.stage import resumed_through as rl_resumed_through
 from rstar2_core.rl.stage import run_rl_stage
 from rstar2_core.sft.data import build_sft_dataset
-from rstar2_core.sft.train import resumed_through as sft_resumed_through
 from rstar2_core.sft.train import run_sft
 from tasks import tracking
 from tasks.context import RecipeContext
@@ -48,20 +46,13 @@ def _stage_task(**kw):
                 cache_policy=NO_CACHE, persist_result=False, task_run_name="{label}", **kw)
 
 
-def _starts_over(cfg: Config) -> int | None:
-    """`resumed_through` of a stage that does not resume: its retry logs every step again."""
-    return None
-
-
 def _run_tracked(ctx: RecipeContext, kind: str, key: str, params: dict[str, Any],
                  compute: Callable[[Config, Callable, str], Any],
-                 inputs: tuple[tuple[str, DatasetRef], ...] = (),
-                 resumed_through: Callable[[Config], int | None] = _starts_over) -> Any:
+                 inputs: tuple[tuple[str, DatasetRef], ...] = ()) -> Any:
     """Return stage `key`'s stored result, or compute it inside its (re)opened nested MLflow run with the
-    torch threads of its task `kind` (tasks/runners.py). `resumed_through(cfg)`: the last step a retry of
-    the stage would not log again (its last complete checkpoint; None for a stage a retry starts over):
-    only steps up to it reach MLflow before the stage finishes, so that across retries every step is
-    logged once (tasks/tracking.py, `MetricsLogger`)."""
+    torch threads of its task `kind` (tasks/runners.py). Metrics reach the run live; a retry does not log
+    again the steps an earlier attempt wrote (tasks/tracking.py, `MetricsLogger`): a resumed stage re-runs
+    the steps after its last checkpoint."""
     log = get_run_logger()
     cfg = ctx.config()
     use_task_threads(cfg, kind)
@@ -71,24 +62,24 @@ def _run_tracked(ctx: RecipeContext, kind: str, key: str, params: dict[str, Any]
         log.info(f"{key}: finished in attempt {store.record(key)['attempt']}, reusing its result")
         return done
     run_id = store.tracking_id(key)
+    written = None
     if run_id is None:
         run_id = tracking.start_stage_run(cfg, parent_run_id=ctx.parent_run_id, stage=key, params=params)
         store.set_tracking_id(key, run_id)
     else:
-        log.info(f"{key}: continuing MLflow run {run_id}")
+        written = tracking.written_steps(cfg, run_id)
+        top = max(written.values(), default=None)
+        log.info(f"{key}: continuing MLflow run {run_id}" + ("" if top is None else
+                 f"; an earlier attempt logged its metrics up to step {top}: those points are kept, not logged again"))
         tracking.reopen(cfg, run_id)
     for name, ref in inputs:
         tracking.log_dataset(cfg, run_id, ref, name=name)
-    log_metrics = tracking.metrics_logger(cfg, run_id, resumed_through=lambda: resumed_through(cfg))
+    log_metrics = tracking.metrics_logger(cfg, run_id, written=written)
     try:
         result = compute(cfg, log_metrics, run_id)
     except BaseException:
         try:
-            dropped = log_metrics.fail()    # the curves up to the last checkpoint; the retry logs the rest
-            if dropped:
-                name = tracking.log_unwritten_steps(cfg, run_id, key, dropped)
-                log.info(f"{key}: steps {min(dropped)}-{max(dropped)} came after its last checkpoint, so a retry "
-                         f"logs them again; this attempt's values are kept in the run's artifact {name}")
+            log_metrics.flush()              # the curves up to the failure
         except Exception as err:             # noqa: BLE001 - the stage's own error is the one to raise
             log.warning(f"{key}: could not write its last metrics to MLflow: {err}")
         tracking.finish(cfg, run_id, "FAILED")
@@ -137,8 +128,7 @@ def sft(ctx: RecipeContext, base_model: dict, sft_data: DatasetRef, label: str =
 
     cfg = ctx.config()
     params = {**tracking.flatten(cfg.sft.model_dump(mode="json"), "sft."), "base_model_url": base_model["checkpoint_url"]}
-    return _run_tracked(ctx, "sft", "sft", params, compute, inputs=(("sft-data", sft_data),),
-                        resumed_through=lambda cfg: sft_resumed_through(ctx.store(cfg).url("checkpoints", "sft")))
+    return _run_tracked(ctx, "sft", "sft", params, compute, inputs=(("sft-data", sft_data),))
 
 
 @_stage_task(name="rl-stage")
@@ -152,9 +142,7 @@ def rl_stage(ctx: RecipeContext, stage_index: int, init: StageResult, data: Data
                             resume=True, tracking_run_id=run_id)
 
     params = {**tracking.flatten(st.model_dump(mode="json"), "stage."), "init_checkpoint_url": init.checkpoint_url}
-    return _run_tracked(ctx, "rl", st.name, params, compute, inputs=((f"{st.name}-data", data),),
-                        resumed_through=lambda cfg: rl_resumed_through(cfg, stage_index,
-                                                                       ctx.store(cfg).url("checkpoints", st.name)))
+    return _run_tracked(ctx, "rl", st.name, params, compute, inputs=((f"{st.name}-data", data),))
 
 
 @_stage_task(name="hard-subset")

@@ -19,7 +19,6 @@ import subprocess
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -138,23 +137,22 @@ class MetricsLogger:
 
     Metrics are buffered and written in one `log_batch` once `flush_s` seconds passed since the last
     write (on the call that finds it so), and by `flush()`, which the stage task calls when the stage
-    finished. A write per step is one SQLite commit (6.6 ms on the 2-core machine, timed once), which SFT's
-    1,993 steps would pay on the critical path.
+    ends, failed or not: the UI's curves are live, at most `flush_s` late. A write per step is one SQLite
+    commit (6.6 ms on the 2-core machine, timed once), which SFT's 1,993 steps would pay on the critical
+    path.
 
-    No step twice, across a retry: a failed stage resumes from its last complete checkpoint and logs the
-    steps after it again (RL checkpoints every `rl.checkpoint_every` steps, SFT every
-    `sft.checkpoint_every`). `resumed_through()` says up to which step a resume would *not* log again (the
-    last complete checkpoint's step in the metrics' numbering; None: a retry starts the stage over), and
-    only steps up to it are written before the stage finishes; `fail()` writes those and hands back the
-    rest, which the retry logs again. Without `resumed_through` every step counts as final (a caller that
-    never resumes). Trade-off: the MLflow UI shows a stage's curves up to `flush_s` late and never past its
-    last checkpoint until the stage ends (10 RL steps in the production profile); a process killed outright
-    loses at most `flush_s` of steps before that checkpoint (never repeated)."""
+    No point twice across a retry: a retried stage's logger gets `written` ({metric key: highest step an
+    earlier attempt wrote}, `written_steps`) and drops a metric at a step up to that. A failed RL or SFT
+    stage resumes from its last checkpoint (every `rl.checkpoint_every` / `sft.checkpoint_every` steps)
+    and runs the steps after it again: their points stay those of the first attempt, which an exact resume
+    repeats (docs/rl.md, "Checkpoints and resume"; wall-clock timings differ). A stage a retry starts over
+    (curation, evaluation) keeps its first attempt's points the same way, and logs what that attempt did
+    not reach. A process killed outright loses at most `flush_s` of points, which the retry then logs."""
 
     def __init__(self, cfg: Config, run_id: str, prefix: str = "", flush_s: float = 5.0,
-                 resumed_through: Callable[[], int | None] | None = None):
+                 written: dict[str, int] | None = None):
         self._client, self.run_id, self.prefix, self.flush_s = client(cfg), run_id, prefix, flush_s
-        self._resumed_through = resumed_through
+        self.written = dict(written or {})
         self._pending: list = []
         self._last = time.monotonic()
 
@@ -162,57 +160,32 @@ class MetricsLogger:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self._pending += [Metric(metric_key(self.prefix + k), float(v), now, int(step)) for k, v in metrics.items()
-                          if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        for k, v in metrics.items():
+            key = metric_key(self.prefix + k)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and step > self.written.get(key, -1 << 62):
+                self._pending.append(Metric(key, float(v), now, int(step)))
         if time.monotonic() - self._last >= self.flush_s:
-            self._write(self._final_step())
+            self.flush()
 
-    def _final_step(self) -> float:
-        """Steps up to this one will not be logged again by a resume (inf: no resume; -inf: none)."""
-        if self._resumed_through is None:
-            return float("inf")
-        step = self._resumed_through()
-        return float("-inf") if step is None else float(step)
-
-    def _write(self, through: float) -> None:
-        """Write the buffered metrics of steps <= `through` (MLflow takes at most 1,000 per call)."""
-        batch = [m for m in self._pending if m.step <= through]
-        self._pending = [m for m in self._pending if m.step > through]
+    def flush(self) -> None:
+        """Write every buffered metric (MLflow takes at most 1,000 per call)."""
+        batch, self._pending = self._pending, []
         self._last = time.monotonic()
         for i in range(0, len(batch), 1000):
             self._client.log_batch(self.run_id, metrics=batch[i:i + 1000])
 
-    def flush(self) -> None:
-        """Write every buffered metric: the stage finished, no step will be logged again."""
-        self._write(float("inf"))
 
-    def fail(self) -> dict[int, dict[str, float]]:
-        """The stage failed: write the steps a resume will not log again, drop the others and return them
-        ({step: {key: value}}), which the retry logs again."""
-        self._write(self._final_step())
-        dropped: dict[int, dict[str, float]] = {}
-        for m in self._pending:
-            dropped.setdefault(m.step, {})[m.key] = m.value
-        self._pending = []
-        return dropped
+def written_steps(cfg: Config, run_id: str) -> dict[str, int]:
+    """{metric key: the highest step logged} of a run: what an earlier attempt of its stage wrote."""
+    c = client(cfg)
+    return {key: max(m.step for m in c.get_metric_history(run_id, key))
+            for key in c.get_run(run_id).data.metrics}
 
 
 def metrics_logger(cfg: Config, run_id: str, prefix: str = "", flush_s: float = 5.0,
-                   resumed_through: Callable[[], int | None] | None = None) -> MetricsLogger:
-    """The `log_metrics(metrics, step)` callback of a stage's run (`MetricsLogger`: `.flush()` when the stage
-    finished, `.fail()` when it failed)."""
-    return MetricsLogger(cfg, run_id, prefix, flush_s, resumed_through)
-
-
-def log_unwritten_steps(cfg: Config, run_id: str, stage: str, steps: dict[int, dict[str, float]]) -> str:
-    """Keep a failed attempt's metrics that were not written (steps after its last checkpoint, which the
-    retry logs again) as a JSON artifact of the stage's run, `failed-attempts/<stage>-<time>.json`, so that a
-    failure that is not retried still shows what its last steps measured."""
-    import json
-
-    name = f"failed-attempts/{stage}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
-    client(cfg).log_text(run_id, json.dumps({str(k): v for k, v in sorted(steps.items())}, indent=1), name)
-    return name
+                   written: dict[str, int] | None = None) -> MetricsLogger:
+    """The `log_metrics(metrics, step)` callback of a stage's run (`MetricsLogger`; call `.flush()` at the end)."""
+    return MetricsLogger(cfg, run_id, prefix, flush_s, written)
 
 
 def log_dataset(cfg: Config, run_id: str, ref: DatasetRef, *, name: str, context: str = "training") -> None:

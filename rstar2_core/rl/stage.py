@@ -76,18 +76,6 @@ def stage_offset(cfg: Config, stage_index: int) -> int:
     return sum(s.steps for s in cfg.rl.stages[:stage_index])
 
 
-def resumed_through(cfg: Config, stage_index: int, out_url: str) -> int | None:
-    """The last global step whose metrics a resume of stage `stage_index` at `out_url` does not log again:
-    the stage's last step once its `final/` is complete, else the step of its newest complete step
-    checkpoint (every `rl.checkpoint_every` steps; the resume starts after it); None when a resume starts
-    the stage from its first step. The tasks layer writes a failed attempt's metrics only up to it."""
-    offset = stage_offset(cfg, stage_index)
-    if storage.is_complete(final_url(out_url)):
-        return offset + cfg.rl.stages[stage_index].steps
-    ckpt = latest_step_checkpoint(out_url)
-    return None if ckpt is None else offset + int(ckpt.rstrip("/").rsplit("-", 1)[1])
-
-
 def step_seed(seed: int, global_step: int) -> int:
     return (seed * 7_919 + global_step * 104_729 + 17) % (1 << 62)
 

@@ -63,18 +63,6 @@ def _save_step(trainer, tokenizer, steps_url: str, step: int, loss: float) -> No
         storage.remove(old)
 
 
-def resumed_through(out_url: str) -> int | None:
-    """The last step whose metrics a resume of SFT at `out_url` does not log again: the last step once
-    `final/` is complete, else the step of the newest complete step checkpoint (every
-    `sft.checkpoint_every` steps; the resume starts after it); None when a resume starts from step 1. The
-    tasks layer writes a failed attempt's metrics only up to it."""
-    final_url = storage.join(out_url, "final")
-    if storage.is_complete(final_url):
-        return int(read_meta(final_url)["step"])
-    last = latest_complete(storage.join(out_url, "steps"))
-    return None if last is None else int(last.rstrip("/").rsplit("-", 1)[1])
-
-
 def _batches(rows: list[PackedRow], batch_size: int) -> int:
     return max(1, math.ceil(len(rows) / batch_size))
 

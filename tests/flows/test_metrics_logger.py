@@ -29,21 +29,21 @@ def test_metrics_are_buffered_then_written_in_batches(shared_mlflow, tmp_path, m
     assert tracking.metric_steps(cfg, run_id, "sft/loss")[-1] == 401
 
 
-def test_before_the_stage_ends_only_steps_up_to_its_last_checkpoint_are_written(shared_mlflow, tmp_path, monkeypatch):
+def test_a_retry_keeps_the_points_an_earlier_attempt_wrote_and_adds_the_rest(shared_mlflow, tmp_path, monkeypatch):
     monkeypatch.setenv("RSTAR2_HOME", str(tmp_path))
     cfg = load_config("tiny", [f"tracking.tracking_uri={shared_mlflow}"])
     run_id = tracking.client(cfg).create_run(tracking.experiment_id(cfg)).info.run_id
-    last_ckpt = {"step": None}
-    log = tracking.metrics_logger(cfg, run_id, flush_s=0.0, resumed_through=lambda: last_ckpt["step"])
-    for step in (1, 2):
-        log({"actor/pg_loss": 1.0 / step}, step)
-    assert tracking.metric_steps(cfg, run_id, "actor/pg_loss") == []  # no checkpoint: a retry starts over
-    last_ckpt["step"] = 2
-    log({"actor/pg_loss": 0.3}, 3)
-    assert tracking.metric_steps(cfg, run_id, "actor/pg_loss") == [1, 2]
-    log({"actor/pg_loss": 0.25}, 4)
-    assert log.fail() == {3: {"actor/pg_loss": 0.3}, 4: {"actor/pg_loss": 0.25}}  # the retry logs them again
-    assert tracking.metric_steps(cfg, run_id, "actor/pg_loss") == [1, 2]
-    log({"actor/pg_loss": 0.2}, 3)
-    log.flush()  # the stage finished: everything
-    assert tracking.metric_steps(cfg, run_id, "actor/pg_loss") == [1, 2, 3]
+    first = tracking.metrics_logger(cfg, run_id, flush_s=0.0)
+    for step in (1, 2, 3):
+        first({"actor/pg_loss": 1.0 / step, "actor/lr": 1e-6}, step)
+    first({"actor/pg_loss": 0.2}, 4)                   # the attempt fails after step 4's loss
+    written = tracking.written_steps(cfg, run_id)
+    assert written == {"actor/pg_loss": 4, "actor/lr": 3}
+    retry = tracking.metrics_logger(cfg, run_id, flush_s=3600.0, written=written)
+    for step in (3, 4, 5):                              # resumed from a checkpoint at step 2
+        retry({"actor/pg_loss": 9.0, "actor/lr": 1e-6}, step)
+    retry.flush()
+    assert tracking.metric_steps(cfg, run_id, "actor/pg_loss") == [1, 2, 3, 4, 5]
+    assert tracking.metric_steps(cfg, run_id, "actor/lr") == [1, 2, 3, 4, 5]
+    history = {m.step: m.value for m in tracking.client(cfg).get_metric_history(run_id, "actor/pg_loss")}
+    assert history[3] == 1.0 / 3 and history[5] == 9.0  # the first attempt's points stay

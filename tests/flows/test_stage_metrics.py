@@ -1,14 +1,12 @@
 """A stage's metrics across a failure and its retry (tasks/stages.py `_run_tracked`, tasks/tracking.py
-`MetricsLogger`): each step reaches the stage's MLflow run exactly once, also when the stage checkpoints only
-every few steps and the retry resumes from an earlier step than the failure. The task bodies run directly
-(`.fn`, no Prefect server) over the stage doubles."""
+`MetricsLogger`): the curves are live while a stage runs, and each step reaches the stage's MLflow run exactly
+once, also when the stage checkpoints only every few steps and the retry resumes from an earlier step than
+the failure. The task bodies run directly (`.fn`, no Prefect server) over the stage doubles."""
 
 from __future__ import annotations
 
 import functools
-import json
 import logging
-from pathlib import Path
 
 import pytest
 import stage_doubles
@@ -49,29 +47,31 @@ def test_a_resumed_rl_stage_logs_each_step_once_with_checkpoints_every_3_steps(r
     with pytest.raises(InjectedFault):
         stages.rl_stage.fn(ctx, 0, init, data, label="rl-stage-1")
     run_id = ctx.store(cfg).tracking_id("rl-stage-1")
-    assert tracking.metric_steps(cfg, run_id, "rollout/reward_mean") == [1, 2, 3]  # up to the checkpoint only
-    kept = [a.path for a in tracking.client(cfg).list_artifacts(run_id, "failed-attempts")]
-    assert len(kept) == 1  # steps 4 and 5 of the failed attempt, kept aside, not as metrics
-    local = tracking.client(cfg).download_artifacts(run_id, kept[0], str(tmp_path))
-    assert sorted(json.loads(Path(local).read_text())) == ["4", "5"]
-    stages.rl_stage.fn(ctx, 0, init, data, label="rl-stage-1")  # the retry resumes after step 3
+    assert tracking.metric_steps(cfg, run_id, "rollout/reward_mean") == [1, 2, 3, 4, 5]  # live: up to the failure
+    stages.rl_stage.fn(ctx, 0, init, data, label="rl-stage-1")  # the retry resumes after step 3, re-runs 4 and 5
     assert [c["start"] for c in stage_doubles.calls("rl")] == [0, 3]
     assert tracking.metric_steps(cfg, run_id, "rollout/reward_mean") == [1, 2, 3, 4, 5, 6, 7]
 
 
-def test_a_stage_that_starts_over_on_a_retry_logs_its_steps_once(run, monkeypatch):
+def test_a_stage_that_starts_over_on_a_retry_logs_each_point_once_and_what_it_had_not_reached(run, monkeypatch):
     ctx = run([])
     cfg = ctx.config()
 
     def curate_then_fail(cfg, out_url, log_metrics=None, *, sampler=None):
-        log_metrics({"data/kept": 1.0}, 0)
+        log_metrics({"data/kept": 1.0}, 0)      # like an evaluation: one benchmark's metrics, then a failure
         raise ConnectionError("storage went away after the metrics")
 
     monkeypatch.setattr(stages, "curate", curate_then_fail)
     with pytest.raises(ConnectionError):
         stages.curate_data.fn(ctx, label="curate")
     run_id = ctx.store(cfg).tracking_id("curate")
-    assert tracking.metric_steps(cfg, run_id, "data/kept") == []
-    monkeypatch.setattr(stages, "curate", stage_doubles.curate)
-    stages.curate_data.fn(ctx, label="curate")
     assert tracking.metric_steps(cfg, run_id, "data/kept") == [0]
+
+    def curate_again(cfg, out_url, log_metrics=None, *, sampler=None):
+        log_metrics({"data/kept": 1.0, "data/rejected": 2.0}, 0)   # the same step: one metric new
+        return stage_doubles.curate(cfg, out_url, None, sampler=sampler)
+
+    monkeypatch.setattr(stages, "curate", curate_again)
+    stages.curate_data.fn(ctx, label="curate")
+    assert tracking.metric_steps(cfg, run_id, "data/kept") == [0]          # not twice
+    assert tracking.metric_steps(cfg, run_id, "data/rejected") == [0]      # not lost
