@@ -11,7 +11,10 @@ the `async with` block stops every actor and removes the placement groups in any
 
 One runtime per process at a time (`_OPEN`: a second one, e.g. an evaluation running in a thread beside
 the next RL stage, waits for the first to close), and one runtime-driving pipeline task per cluster at
-a time (the `rstar2_runtime` resource, cluster/ray_init.py): a runtime's layout takes the cluster.
+a time (the `rstar2_runtime` resource, cluster/ray_init.py): a runtime's layout takes the cluster. A
+constructor that fails anywhere after taking `_OPEN` (e.g. an S3 error reading the tokenizer, Ray, the
+placement groups, an actor) releases it, so the Prefect retry of the task in the same process can open
+the next runtime.
 
 Weight sync (`rollout.weight_sync`, cluster/weight_sync.py): `object_store` (rank 0's state dict, one
 `ray.put`, every engine loads the same object), `checkpoint` (engines reload the published step),
@@ -76,14 +79,7 @@ class RayRuntime:
         from rstar2_core.models.backend import backend_options
         from rstar2_core.models.io import load_tokenizer
 
-        if not _OPEN.acquire(blocking=False):
-            log.info("another stage's RayRuntime is open in this process; waiting for it to close (a runtime's "
-                     "layout takes the cluster)")
-            _OPEN.acquire()
-        self._holds_lock = True
         self.cfg, self.policy_url = cfg, policy_url
-        self.weight_sync_mode = resolved_weight_sync(cfg)
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(policy_url)
         self.engines: list[RemoteEngine] = []
         self.trainer: TrainerGroup | None = None
         self.sandbox = None
@@ -91,7 +87,15 @@ class RayRuntime:
         self._grader = OwnedGrader()
         self.group: ActorGroup | None = None
         self._want_grader = grader
-        try:
+        self._holds_lock = False
+        if not _OPEN.acquire(blocking=False):
+            log.info("another stage's RayRuntime is open in this process; waiting for it to close (a runtime's "
+                     "layout takes the cluster)")
+            _OPEN.acquire()
+        self._holds_lock = True
+        try:   # from here on every failure releases _OPEN (through _shutdown), or a retry here would wait forever
+            self.weight_sync_mode = resolved_weight_sync(cfg)
+            self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(policy_url)
             ensure_ray(cfg)
             self.layout = layout or compute_layout(cfg)
             self.group = ActorGroup(self.layout, timeout_s=cfg.cluster.placement_timeout_s,
