@@ -26,3 +26,14 @@ class ActorFailure(InfraError):
 
 class PlacementTimeout(TimeoutError):
     """A placement group was not scheduled in time; the message lists what the cluster has free."""
+
+
+class ActorConfigError(ValueError):
+    """A Ray actor of the stage could not start: its constructor raised a ValueError/TypeError (bad config
+    or arguments), so a retry would fail the same way. `error` is the constructor's `Type: message`."""
+
+    def __init__(self, actor: str, error: str):
+        self.actor = actor
+        self.error = error
+        super().__init__(f"cluster actor {actor} could not start: its constructor raised {error}. This is a "
+                         "configuration error, not retried; the stage's actors were shut down")

@@ -7,7 +7,8 @@ rule and one clean shutdown.
 - `ActorGroup` owns actors and placement groups. `call_all`/`get` turn any actor death (crash, OOM kill,
   `ray.kill`, lost node) into `ActorFailure` (retryable, errors.py) *after* killing every other actor
   of the group and removing its placement groups, so no process is left holding GPU memory while
-  Prefect waits to retry. `shutdown()` does the same on the normal path; the group is a context manager.
+  Prefect waits to retry. An actor whose constructor raised a `ValueError`/`TypeError` (bad config)
+  raises `ActorConfigError` instead (not retried; same shutdown first): Ray reports it as a death. `shutdown()` does the same on the normal path; the group is a context manager.
 
     with ActorGroup(layout) as group:                       # creates the placement groups
         a = group.spawn("engine-0", EngineActor, args, **engine_actor_options(slot, group.pg(slot.node)))
@@ -16,6 +17,7 @@ rule and one clean shutdown.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterable
 from typing import Any, Self
@@ -24,13 +26,53 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rstar2_core.cluster.errors import ActorFailure, PlacementTimeout
+from rstar2_core.cluster.errors import ActorConfigError, ActorFailure, PlacementTimeout
 from rstar2_core.cluster.layout import ClusterLayout
 
 _ACTOR_DEATHS = tuple(getattr(ray.exceptions, n) for n in
                       ("RayActorError", "ActorDiedError", "ActorUnavailableError", "WorkerCrashedError",
                        "NodeDiedError", "OwnerDiedError", "LocalRayletDiedError")
                       if hasattr(ray.exceptions, n))
+
+
+_CONFIG_ERRORS = (ValueError, TypeError)   # an actor constructor raising these: bad config, never retried
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def creation_config_error(e: BaseException) -> str | None:
+    """`"Type: message"` when `e` is an actor death caused by its constructor raising a ValueError or
+    TypeError (subclasses included), else None. Ray keeps only the creation task's traceback text
+    (`actor_init_failed`, `error_msg`), so the exception's class is read from its last line block and
+    resolved by name; an unknown class counts as a real death."""
+    if not getattr(e, "actor_init_failed", False):
+        return None
+    lines = _ANSI.sub("", str(getattr(e, "error_msg", "") or e)).splitlines()
+    frames = [i for i, line in enumerate(lines) if line.startswith("  File ")]
+    if not frames:
+        return None
+    tail = [line for line in lines[frames[-1] + 1:] if line and not line.startswith(" ")]
+    if not tail:
+        return None
+    m = re.match(r"([A-Za-z_][\w.]*)(?::|$)", tail[0])
+    if m is None:
+        return None
+    cls = _exception_class(m.group(1))
+    if cls is None or not issubclass(cls, _CONFIG_ERRORS):
+        return None
+    return "\n".join(tail)
+
+
+def _exception_class(name: str) -> type | None:
+    import builtins
+    import importlib
+
+    module, _, attr = name.rpartition(".")
+    try:
+        owner = importlib.import_module(module) if module else builtins
+    except ImportError:
+        return None
+    cls = getattr(owner, attr, None)
+    return cls if isinstance(cls, type) and issubclass(cls, BaseException) else None
 
 
 def create_placement_groups(layout: ClusterLayout, timeout_s: float = 600.0,
@@ -110,12 +152,16 @@ class ActorGroup:
         return handle
 
     def get(self, refs: Any, names: list[str] | str, timeout: float | None = None) -> Any:
-        """`ray.get` that turns an actor death into `ActorFailure` after shutting the group down."""
+        """`ray.get` that turns an actor death into `ActorFailure` (a constructor's ValueError/TypeError into
+        `ActorConfigError`) after shutting the group down."""
         try:
             return ray.get(refs, timeout=timeout)
         except _ACTOR_DEATHS as e:
             failed = names if isinstance(names, str) else self._dead_name(names)
             self.shutdown()
+            config = creation_config_error(e)
+            if config is not None:
+                raise ActorConfigError(failed, config) from e
             raise ActorFailure(failed, e) from e
 
     def _dead_name(self, names: list[str]) -> str:

@@ -1,6 +1,7 @@
 """Placement groups and ActorGroup on a local Ray: a killed actor surfaces as a retryable ActorFailure,
-the group is shut down with it (no actor process left), placement groups are freed, and a layout the
-cluster cannot hold times out with a message listing the free resources."""
+the group is shut down with it (no actor process left), placement groups are freed, a layout the
+cluster cannot hold times out with a message listing the free resources, and an actor whose constructor
+raises a ValueError/TypeError (bad config) fails with ActorConfigError, which is not retried."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import time
 import psutil
 import pytest
 
-from rstar2_core.cluster.errors import ActorFailure, PlacementTimeout
-from rstar2_core.cluster.layout import compute_layout
+from rstar2_core.cluster.errors import ActorConfigError, ActorFailure, PlacementTimeout
+from rstar2_core.cluster.layout import LayoutError, compute_layout
 from rstar2_core.config import load_config
 
 pytestmark = pytest.mark.slow
@@ -89,3 +90,34 @@ def test_unsatisfiable_layout_times_out_and_frees_what_it_made(local_ray):
     time.sleep(0.5)
     after = {k for k, v in ray.util.placement_group_table().items() if v["state"] != "REMOVED"}
     assert after <= before
+
+
+class _FailsToStart:
+    def __init__(self, exc: BaseException):
+        raise exc
+
+
+@pytest.mark.parametrize("exc, config", [
+    (ValueError("bf16 needs a GPU: set model.dtype = \"float32\"\n(second line)"), True),
+    (TypeError("__init__() got an unexpected keyword argument 'tp'"), True),
+    (LayoutError("set rollout.num_engines = 32"), True),         # a ValueError subclass, module-qualified
+    (RuntimeError("CUDA error: an illegal memory access"), False),  # not a config error: still retried
+])
+def test_constructor_config_errors_are_not_retried(ray_here, exc, config):
+    retry = pytest.importorskip("tasks.retry")
+    from rstar2_core.cluster.placement import ActorGroup
+
+    group = ActorGroup(None)
+    group.spawn("engine-0", Worker, num_cpus=0)
+    h = group.spawn("engine-1", _FailsToStart, exc, num_cpus=0)
+    with pytest.raises((ActorConfigError, ActorFailure)) as ei:
+        group.get([group.actors["engine-0"].ping.remote(), h.__ray_ready__.remote()], ["engine-0", "engine-1"],
+                  timeout=120)
+    err = ei.value
+    assert err.actor == "engine-1" and group.actors == {}
+    if config:
+        assert isinstance(err, ActorConfigError) and isinstance(err, ValueError)
+        assert f"{type(exc).__name__}: {str(exc).splitlines()[0]}" in str(err)
+        assert not retry.is_infrastructure_error(err)
+    else:
+        assert isinstance(err, ActorFailure) and retry.is_infrastructure_error(err)
