@@ -12,6 +12,8 @@
   shard, which pins both to the same device). TP > 1: the actor takes no GPU and vLLM's Ray executor
   (`distributed_executor_backend="ray"`) starts one worker per TP rank on the slot's bundles of the
   same placement group (`VLLM_RAY_BUNDLE_INDICES`, `VLLM_RAY_PER_WORKER_GPUS`, captured child tasks).
+  With the `ipc` weight sync it also sets `VLLM_ALLOW_INSECURE_SERIALIZATION=1` (IPC handles need vLLM's
+  pickle fallback; trade-off in `engine_actor_options`).
 
     engines = start_engines(group, layout, spec)
     groups = await rollout_groups(engines, sandbox, chat, problems, n=32, limits=limits)
@@ -126,15 +128,31 @@ class RemoteEngine:
             pass  # already gone: nothing to close
 
 
-def engine_actor_options(slot: EngineSlot, pg: Any | None) -> dict[str, Any]:
-    """Ray actor options for one engine slot (see the module docstring)."""
+INSECURE_SERIALIZATION_ENV = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+"""Set on engine actors with `rollout.weight_sync = "ipc"` (see `engine_actor_options`)."""
+
+
+def engine_actor_options(slot: EngineSlot, pg: Any | None, weight_transfer: str | None = None) -> dict[str, Any]:
+    """Ray actor options for one engine slot (see the module docstring).
+
+    `weight_transfer = "ipc"` adds `VLLM_ALLOW_INSECURE_SERIALIZATION=1` to the actor's environment (its
+    engine-core process and vLLM's TP workers inherit it): the IPC update info holds
+    `torch.multiprocessing.reductions.reduce_tensor` handles, which vLLM's msgpack encoder refuses unless
+    that variable lets it fall back to pickle (vLLM's examples/rl/rlhf_ipc.py sets it, "needed for ipc
+    handle serialization"). Trade-off: those engine processes then also unpickle what reaches their
+    internal sockets, so anyone who can write to them can run code; acceptable on the cluster's
+    isolated network, and only the `ipc` engines get it."""
+    env = dict(INSECURE_SERIALIZATION_ENV) if weight_transfer == "ipc" else {}
     if slot.tp > 1:
-        env = {"VLLM_RAY_BUNDLE_INDICES": ",".join(map(str, slot.bundle_indices)),
-               "VLLM_RAY_PER_WORKER_GPUS": f"{slot.gpu_fraction:g}"}
+        env.update({"VLLM_RAY_BUNDLE_INDICES": ",".join(map(str, slot.bundle_indices)),
+                    "VLLM_RAY_PER_WORKER_GPUS": f"{slot.gpu_fraction:g}"})
         return {"num_cpus": 1, "num_gpus": 0, "runtime_env": {"env_vars": env},
                 **bundle_strategy(pg, slot.bundle_indices[0])}
     first = slot.bundle_indices[0] if slot.bundle_indices else -1
-    return {"num_cpus": 1 if first >= 0 else 0, "num_gpus": slot.gpu_fraction, **bundle_strategy(pg, first)}
+    opts = {"num_cpus": 1 if first >= 0 else 0, "num_gpus": slot.gpu_fraction, **bundle_strategy(pg, first)}
+    if env:
+        opts["runtime_env"] = {"env_vars": env}
+    return opts
 
 
 def start_engines(group: ActorGroup, layout: ClusterLayout, spec: EngineSpec | None = None, *, threads: int = 0,
@@ -154,7 +172,8 @@ def start_engines(group: ActorGroup, layout: ClusterLayout, spec: EngineSpec | N
 
             s = replace(spec, seed=spec.seed + slot.index).for_actor(device, tp_over_ray=slot.tp > 1)
             args = (s, threads)
-        handle = group.spawn(name, EngineActor, *args, **engine_actor_options(slot, group.pg(slot.node)))
+        opts = engine_actor_options(slot, group.pg(slot.node), spec.weight_transfer if spec is not None else None)
+        handle = group.spawn(name, EngineActor, *args, **opts)
         names.append(name)
         out.append(RemoteEngine(handle, name, slot.tp))
     group.get([group.actors[n].__ray_ready__.remote() for n in names], names)

@@ -23,7 +23,9 @@ RL steps, and vLLM engines additionally pause generation and reset their prefix 
   per bucket of parameters (`IPC_BUCKET_BYTES`), every rank gathers the bucket, keeps it alive and
   returns CUDA-IPC handles keyed by its GPU's UUID; the driver merges, per engine, the handles of the
   ranks colocated with its workers and the engine loads them (`IPCWeightTransferUpdateInfo`), then the
-  ranks drop the bucket. No copy leaves the GPU.
+  ranks drop the bucket. No copy leaves the GPU. The engine actors run with
+  `VLLM_ALLOW_INSECURE_SERIALIZATION=1` (cluster/engines.py `engine_actor_options`: vLLM's msgpack
+  encoder refuses the handles without its pickle fallback).
 
 With `rollout.release_memory_during_training` the engines `sleep(level=1)` before the update
 (`RayRuntime.prepare_update`) and `wake_up` (weights first, then the KV cache) around the transfer.
