@@ -29,7 +29,7 @@ from typing import Any
 import ray
 
 from rstar2_core.cluster.errors import ActorFailure
-from rstar2_core.cluster.layout import ClusterLayout, EngineSlot
+from rstar2_core.cluster.layout import ENGINE_ACTOR_CPUS, ClusterLayout, EngineSlot
 from rstar2_core.cluster.placement import _ACTOR_DEATHS, ActorGroup, bundle_strategy
 from rstar2_core.rollout.types import GenerationOutput, SamplingParams
 from rstar2_core.runtime.engines import EngineFault, EngineSpec, build_engine, engine_busy_seconds
@@ -146,18 +146,20 @@ def engine_actor_options(slot: EngineSlot, pg: Any | None, weight_transfer: str 
     if slot.tp > 1:
         env.update({"VLLM_RAY_BUNDLE_INDICES": ",".join(map(str, slot.bundle_indices)),
                     "VLLM_RAY_PER_WORKER_GPUS": f"{slot.gpu_fraction:g}"})
-        return {"num_cpus": 1, "num_gpus": 0, "runtime_env": {"env_vars": env},
+        return {"num_cpus": ENGINE_ACTOR_CPUS, "num_gpus": 0, "runtime_env": {"env_vars": env},
                 **bundle_strategy(pg, slot.bundle_indices[0])}
     first = slot.bundle_indices[0] if slot.bundle_indices else -1
-    opts = {"num_cpus": 1 if first >= 0 else 0, "num_gpus": slot.gpu_fraction, **bundle_strategy(pg, first)}
+    opts = {"num_cpus": ENGINE_ACTOR_CPUS if first >= 0 else 0, "num_gpus": slot.gpu_fraction, **bundle_strategy(pg, first)}
     if env:
         opts["runtime_env"] = {"env_vars": env}
     return opts
 
 
 def start_engines(group: ActorGroup, layout: ClusterLayout, spec: EngineSpec | None = None, *, threads: int = 0,
-                  factory: Callable[[int], Callable[[], Any]] | None = None) -> list[RemoteEngine]:
-    """One `EngineActor` per engine slot of `layout`, in `group`; waits until every engine is built.
+                  factory: Callable[[int], Callable[[], Any]] | None = None,
+                  ready_timeout_s: float | None = None) -> list[RemoteEngine]:
+    """One `EngineActor` per engine slot of `layout`, in `group`; waits until every engine is built, at
+    most `ready_timeout_s` (then `ActorStartTimeout` naming the engines still pending, retryable).
     `factory(i)` overrides how engine i is built (tests use a fake engine)."""
     if (spec is None) == (factory is None):
         raise ValueError("start_engines needs exactly one of spec= or factory=")
@@ -176,5 +178,5 @@ def start_engines(group: ActorGroup, layout: ClusterLayout, spec: EngineSpec | N
         handle = group.spawn(name, EngineActor, *args, **opts)
         names.append(name)
         out.append(RemoteEngine(handle, name, slot.tp))
-    group.get([group.actors[n].__ray_ready__.remote() for n in names], names)
+    group.wait_ready(names, ready_timeout_s, "engine actors")
     return out

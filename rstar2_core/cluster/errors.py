@@ -5,7 +5,8 @@ node went away. It is an `rstar2_core.errors.InfraError` (a `ConnectionError`): 
 rule (tasks/retry.py) retries it without importing this module, the agent loop lets it through instead
 of marking one trajectory as infra-failed (a dead actor ends the step), and a retried stage resumes
 from its last checkpoint. `PlacementTimeout` (a `TimeoutError`, also retried) means the cluster did not have the
-resources of a placement group in time, e.g. while an autoscaler adds nodes.
+resources of a placement group in time, e.g. while an autoscaler adds nodes; `ActorStartTimeout` (also a
+`TimeoutError`, retried) that actors were not scheduled and constructed in time, naming them.
 """
 
 from __future__ import annotations
@@ -22,6 +23,14 @@ class ActorFailure(InfraError):
         super().__init__(f"cluster actor {actor} failed: {type(cause).__name__ if isinstance(cause, BaseException) else ''}"
                          f"{': ' if isinstance(cause, BaseException) else ''}{cause}. The stage's actors were shut "
                          "down; a retry resumes from the last checkpoint")
+
+
+class ActorStartTimeout(TimeoutError):
+    """Actors of the stage were not ready (scheduled and constructed) in time; `actors` lists them."""
+
+    def __init__(self, actors: list[str], message: str):
+        self.actors = list(actors)
+        super().__init__(message)
 
 
 class PlacementTimeout(TimeoutError):

@@ -8,7 +8,11 @@ rule and one clean shutdown.
   `ray.kill`, lost node) into `ActorFailure` (retryable, errors.py) *after* killing every other actor
   of the group and removing its placement groups, so no process is left holding GPU memory while
   Prefect waits to retry. An actor whose constructor raised a `ValueError`/`TypeError` (bad config)
-  raises `ActorConfigError` instead (not retried; same shutdown first): Ray reports it as a death. `shutdown()` does the same on the normal path; the group is a context manager.
+  raises `ActorConfigError` instead (not retried; same shutdown first): Ray reports it as a death.
+  `wait_ready(names, timeout_s)` waits for actors to be scheduled and constructed and raises
+  `ActorStartTimeout` (retryable) naming those still pending, after the same shutdown (an actor Ray
+  cannot place in its bundle would otherwise be waited for forever). `shutdown()` does the same on the
+  normal path; the group is a context manager.
 
     with ActorGroup(layout) as group:                       # creates the placement groups
         a = group.spawn("engine-0", EngineActor, args, **engine_actor_options(slot, group.pg(slot.node)))
@@ -26,7 +30,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rstar2_core.cluster.errors import ActorConfigError, ActorFailure, PlacementTimeout
+from rstar2_core.cluster.errors import ActorConfigError, ActorFailure, ActorStartTimeout, PlacementTimeout
 from rstar2_core.cluster.layout import ClusterLayout
 
 _ACTOR_DEATHS = tuple(getattr(ray.exceptions, n) for n in
@@ -163,6 +167,30 @@ class ActorGroup:
             if config is not None:
                 raise ActorConfigError(failed, config) from e
             raise ActorFailure(failed, e) from e
+
+    def wait_ready(self, names: list[str], timeout_s: float | None, what: str = "actors") -> None:
+        """Wait until the actors `names` are scheduled and constructed (`__init__` returned). A death or a
+        constructor error raises at once, as in `get`; actors still pending after `timeout_s` (None: no
+        limit) raise `ActorStartTimeout` naming them (retryable), after shutting the group down."""
+        pending = {self.actors[n].__ray_ready__.remote(): n for n in names}
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=left)
+            if not ready:
+                break
+            for ref in ready:
+                self.get(ref, pending.pop(ref))
+        if pending:
+            late = sorted(pending.values())
+            free, total = ray.available_resources(), ray.cluster_resources()
+            self.shutdown()
+            raise ActorStartTimeout(late, (
+                f"{what} {', '.join(late)} not ready within {timeout_s:.0f} s (cluster.placement_timeout_s): still "
+                f"waiting to be scheduled or constructed; the cluster has free {free} of {total}. The stage's "
+                "actors were shut down; a retry starts them again. If it repeats: check that each bundle's CPUs "
+                "and GPUs fit its actors (cluster.cpus_per_gpu), or raise cluster.placement_timeout_s when "
+                "engines load slowly"))
 
     def _dead_name(self, names: list[str]) -> str:
         for n in names:

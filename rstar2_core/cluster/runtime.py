@@ -107,10 +107,12 @@ class RayRuntime:
                                        warmup_steps=trainer.warmup_steps, schedule=trainer.schedule)
                 self.trainer = TrainerGroup(self.group, self.layout,
                                             model_factory or partial(load_policy, policy_url, cfg.model.dtype),
-                                            opts, trainer.step, threads=threads)
+                                            opts, trainer.step, threads=threads,
+                                            ready_timeout_s=cfg.cluster.placement_timeout_s)
             if engines:
                 spec = None if engine_factory else EngineSpec.from_config(cfg, policy_url, max_model_len, "cpu")
-                self.engines = start_engines(self.group, self.layout, spec, threads=threads, factory=engine_factory)
+                self.engines = start_engines(self.group, self.layout, spec, threads=threads, factory=engine_factory,
+                                             ready_timeout_s=cfg.cluster.placement_timeout_s)
             if sandbox:
                 placements = [(self.group.pg(s.node), s.bundle_index, s.cpus) for s in self.layout.sandbox_actors]
                 self.sandbox = (sandbox_factory or _ray_sandbox)(cfg.sandbox, placements)

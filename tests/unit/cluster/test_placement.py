@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 
-from rstar2_core.cluster.errors import ActorConfigError, ActorFailure, PlacementTimeout
+from rstar2_core.cluster.errors import ActorConfigError, ActorFailure, ActorStartTimeout, PlacementTimeout
 from rstar2_core.cluster.layout import LayoutError, compute_layout
 from rstar2_core.config import load_config
 
@@ -121,3 +121,53 @@ def test_constructor_config_errors_are_not_retried(ray_here, exc, config):
         assert not retry.is_infrastructure_error(err)
     else:
         assert isinstance(err, ActorFailure) and retry.is_infrastructure_error(err)
+
+
+def _slow_engine(i):
+    def make():
+        if i == 1:
+            time.sleep(120)      # engine 1 never finishes building within the test's timeout
+        return object()
+    return make
+
+
+def test_engines_not_ready_in_time_raise_a_retryable_error_naming_them(ray_here):
+    """The colocated hang of cluster.cpus_per_gpu = 1: a trainer shard holds the bundle's only CPU, so
+    the engine actor asking 1 CPU of the same bundle is never scheduled; the readiness wait gives up after
+    its timeout, names the engine and shuts the group down. A second engine still constructing is named
+    too; the one that started is not."""
+    retry = pytest.importorskip("tasks.retry")
+    from rstar2_core.cluster.engines import start_engines
+    from rstar2_core.cluster.layout import Bundle, ClusterLayout, EngineSlot, PlacementGroupSpec
+    from rstar2_core.cluster.placement import ActorGroup, bundle_strategy
+
+    layout = ClusterLayout("colocated", 1, 0, 2, (PlacementGroupSpec("t-ready", 0, (Bundle(0, 1, "gpu"),)),),
+                           (EngineSlot(0, 0, (), 1, 0.0), EngineSlot(1, 0, (), 1, 0.0), EngineSlot(2, 0, (0,), 1, 0.0)),
+                           (), ())
+    group = ActorGroup(layout, timeout_s=60, prefix="t-ready-")
+    pgs = list(group.pgs)
+    group.spawn("trainer-0", Worker, num_cpus=1, **bundle_strategy(group.pg(0), 0))   # takes the bundle's CPU
+    assert group.call_all("ping") == ["pong"]
+    t0 = time.monotonic()
+    with pytest.raises(ActorStartTimeout) as ei:   # 15 s: room for an actor process to start on a loaded machine
+        start_engines(group, layout, factory=_slow_engine, ready_timeout_s=15)
+    assert time.monotonic() - t0 < 60
+    err = ei.value
+    assert err.actors == ["engine-1", "engine-2"] and "cluster.placement_timeout_s" in str(err)
+    assert retry.is_infrastructure_error(err)
+    assert group.actors == {} and group.pgs == [] and _pg_states(ray_here, pgs) == {"REMOVED"}
+
+
+def test_trainer_shards_not_placed_in_time_raise_a_retryable_error(ray_here):
+    """A shard Ray cannot place (here: half a GPU on a CPU-only Ray) fails the trainer's start after the
+    timeout instead of blocking the rendezvous forever."""
+    from rstar2_core.cluster.layout import ClusterLayout, TrainerShard
+    from rstar2_core.cluster.placement import ActorGroup
+    from rstar2_core.cluster.trainer import TrainerGroup
+
+    layout = ClusterLayout("colocated", 1, 0, 2, (), (), (TrainerShard(0, 0, -1, 0.0), TrainerShard(1, 0, -1, 0.5)),
+                           ())
+    group = ActorGroup(None)
+    with pytest.raises(ActorStartTimeout, match="trainer shards trainer-1 not ready within 15 s") as ei:
+        TrainerGroup(group, layout, dict, {}, None, ready_timeout_s=15)
+    assert ei.value.actors == ["trainer-1"] and group.actors == {}
