@@ -4,9 +4,11 @@
   built inside it by `rstar2_core.runtime.engines.build_engine(spec)` (the same builder as the local
   runtime), so GPU state never crosses processes. It also answers the weight-sync calls of
   cluster/weight_sync.py and the rehearsal faults (`fail_requests`).
-- `RemoteEngine(handle, name, tp)`: the driver-side proxy; it implements the `Engine` protocol
+- `RemoteEngine(handle, name, tp, on_failure)`: the driver-side proxy; it implements the `Engine` protocol
   (rollout/types.py), so `rollout_groups(engines=[RemoteEngine, ...])` schedules over the cluster
-  unchanged. An actor death surfaces as `ActorFailure` (retryable, errors.py).
+  unchanged. An actor death noticed by any of its calls (`generate` included) surfaces as `ActorFailure`
+  (retryable, errors.py) naming the engine, after `on_failure` ran: `start_engines` passes the group's
+  `shutdown`, so, as for every call through `ActorGroup`, no actor is left holding a GPU meanwhile.
 - `engine_actor_options(slot, pg)`: Ray options for one `EngineSlot` of the layout (layout.py).
   TP = 1: the actor takes `slot.gpu_fraction` of its bundle's GPU (0.5 when colocated with a trainer
   shard, which pins both to the same device). TP > 1: the actor takes no GPU and vLLM's Ray executor
@@ -86,14 +88,18 @@ class EngineActor:
 
 
 class RemoteEngine:
-    """Driver-side `Engine` over an `EngineActor` handle; `tp` = GPUs the engine spans."""
+    """Driver-side `Engine` over an `EngineActor` handle; `tp` = GPUs the engine spans; `on_failure()` runs
+    before an actor death is raised as `ActorFailure` (the group's shutdown)."""
 
-    def __init__(self, handle: Any, name: str, tp: int = 1):
+    def __init__(self, handle: Any, name: str, tp: int = 1, on_failure: Callable[[], None] | None = None):
         self.handle, self.name, self.tp = handle, name, tp
+        self.on_failure = on_failure
         self._capacity: int | None = None
         self._per_seq: int | None = None
 
     def _fail(self, e: BaseException) -> ActorFailure:
+        if self.on_failure is not None:
+            self.on_failure()
         return ActorFailure(self.name, e)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationOutput:
@@ -177,6 +183,6 @@ def start_engines(group: ActorGroup, layout: ClusterLayout, spec: EngineSpec | N
         opts = engine_actor_options(slot, group.pg(slot.node), spec.weight_transfer if spec is not None else None)
         handle = group.spawn(name, EngineActor, *args, **opts)
         names.append(name)
-        out.append(RemoteEngine(handle, name, slot.tp))
+        out.append(RemoteEngine(handle, name, slot.tp, on_failure=group.shutdown))
     group.wait_ready(names, ready_timeout_s, "engine actors")
     return out

@@ -39,6 +39,7 @@ _ACTOR_DEATHS = tuple(getattr(ray.exceptions, n) for n in
                       if hasattr(ray.exceptions, n))
 
 
+_UNAVAILABLE = tuple(getattr(ray.exceptions, n) for n in ("ActorUnavailableError",) if hasattr(ray.exceptions, n))
 _CONFIG_ERRORS = (ValueError, TypeError)   # an actor constructor raising these: bad config, never retried
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -192,12 +193,26 @@ class ActorGroup:
                 "and GPUs fit its actors (cluster.cpus_per_gpu), or raise cluster.placement_timeout_s when "
                 "engines load slowly"))
 
-    def _dead_name(self, names: list[str]) -> str:
-        for n in names:
-            try:
-                ray.get(self.actors[n].__ray_ready__.remote(), timeout=5)
-            except (*_ACTOR_DEATHS, ray.exceptions.GetTimeoutError):
-                return n
+    def _dead_name(self, names: list[str], timeout_s: float = 5.0) -> str:
+        """The first of `names` found dead (all of them joined when none is). Every actor is asked
+        `__ray_ready__` at once; a live actor busy in a long call (a rank blocked in a collective its dead
+        peer never joins) does not answer in time and is not blamed, nor is one only unavailable."""
+        asked = {self.actors[n].__ray_ready__.remote(): n for n in names if n in self.actors}
+        deadline = time.monotonic() + timeout_s
+        while asked:
+            ready, _ = ray.wait(list(asked), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            for ref in ready:
+                name = asked.pop(ref)
+                try:
+                    ray.get(ref)
+                except _UNAVAILABLE:   # a RayActorError too, but the actor may come back: not a death
+                    continue
+                except _ACTOR_DEATHS:
+                    return name
+                except Exception:  # noqa: BLE001, S112 - naming the culprit must not mask the death being raised
+                    continue
         return ",".join(names)
 
     def call_all(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:

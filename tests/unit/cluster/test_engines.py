@@ -123,10 +123,11 @@ def test_dead_engine_raises_actor_failure(ray_here, kill_and_wait):
     from rstar2_core.cluster.placement import ActorGroup
 
     with ActorGroup(None) as group:
-        engines = start_engines(group, _cpu_layout(1), factory=_fake_factory)
+        engines = start_engines(group, _cpu_layout(2), factory=_fake_factory)
         kill_and_wait(ray, engines[0].handle)
         with pytest.raises(ActorFailure, match="engine-0"):
             asyncio.run(engines[0].generate([1, 2], SamplingParams(max_new_tokens=2)))
+        assert group.actors == {}     # the group was shut down before the failure was raised
         with pytest.raises(ActorFailure):
             engines[0].update_weights("s3://x")
 

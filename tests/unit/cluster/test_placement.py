@@ -26,6 +26,10 @@ class Worker:
     def ping(self) -> str:
         return "pong"
 
+    def block(self, seconds: float) -> int:
+        time.sleep(seconds)      # stands in for a rank blocked in a collective its dead peer never joins
+        return 1
+
 
 def _gone(pid: int, timeout: float = 15.0) -> bool:
     deadline = time.time() + timeout
@@ -171,3 +175,21 @@ def test_trainer_shards_not_placed_in_time_raise_a_retryable_error(ray_here):
     with pytest.raises(ActorStartTimeout, match="trainer shards trainer-1 not ready within 15 s") as ei:
         TrainerGroup(group, layout, dict, {}, None, ready_timeout_s=15)
     assert ei.value.actors == ["trainer-1"] and group.actors == {}
+
+
+def test_a_blocked_live_rank_is_not_blamed_for_its_dead_peer(ray_here, kill_and_wait):
+    """Under NCCL the surviving rank sits in the collective its dead peer never joins and cannot answer
+    `__ray_ready__`: the failure names the dead rank, not the first busy one."""
+    from rstar2_core.cluster.placement import ActorGroup
+
+    group = ActorGroup(None)
+    for i in range(2):
+        group.spawn(f"trainer-{i}", Worker, num_cpus=0)
+    assert group.call_all("ping") == ["pong", "pong"]
+    blocked = group.actors["trainer-0"].block.remote(120)
+    kill_and_wait(ray_here, group.actors["trainer-1"])
+    t0 = time.monotonic()
+    with pytest.raises(ActorFailure) as ei:
+        group.get([blocked, group.actors["trainer-1"].ping.remote()], ["trainer-0", "trainer-1"], timeout=60)
+    assert ei.value.actor == "trainer-1"
+    assert time.monotonic() - t0 < 30 and group.actors == {}
