@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
+from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 from typing import Any, Self
 
@@ -136,6 +137,11 @@ class RayRuntime:
         await self.aclose()
 
     # --------------------------------------------------------------------------------------- steps
+    def training(self) -> AbstractContextManager[None]:
+        """Around an optimizer step and its weight sync: colocated vLLM engines sleep while the trainer
+        steps (`rollout.release_memory_during_training`; cluster/weight_sync.py), a no-op otherwise."""
+        return self.weight_sync.training() if self.weight_sync is not None else nullcontext()
+
     def sync_weights(self, checkpoint_url: str | None = None) -> WeightSyncReport:
         if self.weight_sync is None:
             raise ValueError("sync_weights needs a runtime with both a trainer and engines")

@@ -232,9 +232,10 @@ class RolloutConfig(_Section):
     tensors, no copy over the network (Ray runtime, vLLM, `colocated` layout). `auto`: state_dict on
     the local runtime; on Ray object_store for hf engines, ipc (colocated) or nccl (separate) for vLLM."""
     release_memory_during_training: bool = False
-    """vLLM sleep mode in the colocated layout: engines `sleep(level=1)` (KV cache dropped, weights
-    offloaded to host memory) while the trainer steps and `wake_up()` before the weight sync, so the
-    trainer gets the whole GPU for activations. Costs a host round trip of the weights per step, and
+    """vLLM sleep mode in the colocated layout: after each step's rollout the engines `sleep(level=1)`
+    (KV cache dropped, weights offloaded to host memory) while the trainer steps, then the weight sync
+    wakes the weights, transfers, and wakes the KV cache (cluster/weight_sync.py), so the trainer gets
+    the whole GPU for activations. Costs a host round trip of the weights per step, and
     vLLM's sleep mode is unreliable on ROCm (PEERS.md); off = engines keep
     rollout.gpu_memory_utilization of the GPU throughout and the trainer lives in the rest."""
 
