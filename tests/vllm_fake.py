@@ -137,3 +137,19 @@ def install_fake_vllm(monkeypatch):
     FakeNCCLWeightTransferEngine.inits.clear()
     FakeNCCLWeightTransferEngine.sent.clear()
     return vllm
+
+
+class InProcessEngine:
+    """A `RemoteEngine` stand-in over an `EngineActor` built in this process: `handle.<method>.remote(...)`
+    runs the actor's method at once and returns its result, `get(result)` returns it (what Ray would do,
+    minus the processes). `tp` as RemoteEngine's."""
+
+    def __init__(self, actor, name: str, tp: int = 1):
+        self.name, self.tp, self._actor = name, tp, actor
+        self.handle = self
+
+    def __getattr__(self, method):
+        return SimpleNamespace(remote=getattr(self._actor, method))
+
+    def get(self, ref):
+        return ref

@@ -36,8 +36,17 @@ KV cache unallocated while the transfer runs. On a normal exit without a push (t
 the engines `wake_up()` fully; an exception leaves them asleep (the runtime is being torn down).
 
 Departure: `nccl` and `ipc` are written against vLLM's weight-transfer API as documented in its
-`examples/rl/` (rlhf_nccl.py, rlhf_ipc.py, rlhf_async_new_apis.py) and tested against a fake `vllm`
-module; they have not run on GPUs in this project.
+`examples/rl/` (rlhf_nccl.py, rlhf_ipc.py, rlhf_async_new_apis.py) and have not run on GPUs in this
+project. What is tested, in one process (tests/unit/cluster/test_weight_transfer.py): the `NCCLSync` and
+`IPCSync` drivers, the per-rank steps (`_nccl_trainer_init`, `_nccl_send`, `_param_meta`, `_ipc_bucket`,
+`_ipc_release`) through the real `TrainerShardActor.call`, and the real `EngineActor` + `VLLMEngine` over
+a fake `vllm` (tests/vllm_fake.py): what each engine is told per push or bucket, the NCCL rank offsets,
+which ranks' handles (by GPU UUID) reach which engine, what rank 0 sends, that every rank joins each
+ZeRO-3 gather, and that IPC buckets stay alive until loaded, then are released. Faked there: the Ray
+processes, vLLM's NCCL trainer engine, CUDA (device UUIDs, `reduce_tensor`) and ZeRO-3's gather; not
+tested: real NCCL, CUDA IPC, vLLM. Newer vLLM examples add `start_weight_update` /
+`finish_weight_update` around an update and a trainer-side IPC factory: check the pinned vLLM's API
+before the first GPU run. Sleep mode: tests/unit/cluster/test_sleep_mode.py.
 """
 
 from __future__ import annotations

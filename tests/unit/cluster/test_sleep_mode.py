@@ -15,27 +15,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from vllm_fake import FakeAsyncLLM, install_fake_vllm
+from vllm_fake import FakeAsyncLLM, InProcessEngine, install_fake_vllm
 
 from rstar2_core.config import load_config
 
 SLEEP_CFG = ["rollout.release_memory_during_training=true"]
-
-
-class _InProcess:
-    """An `EngineActor` called in this process the way its Ray handle is: `handle.<method>.remote(...)`
-    runs the method and returns its result; `get(result)` returns it."""
-
-    def __init__(self, actor, name):
-        self.name, self.tp, self._actor = name, 1, actor
-        self.handle = self
-
-    def __getattr__(self, method):
-        fn = getattr(self._actor, method)
-        return SimpleNamespace(remote=fn)
-
-    def get(self, ref):
-        return ref
 
 
 class _Trainer:
@@ -60,7 +44,7 @@ def engines(monkeypatch):
     shared: list = []
     for fake in FakeAsyncLLM.instances:        # one log across both engines and the trainer
         fake.events = shared
-    yield [_InProcess(a, f"engine-{i}") for i, a in enumerate(actors)], shared
+    yield [InProcessEngine(a, f"engine-{i}") for i, a in enumerate(actors)], shared
     for a in actors:
         asyncio.run(a.close())
 
