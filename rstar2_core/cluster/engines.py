@@ -4,14 +4,18 @@
   built inside it by `rstar2_core.runtime.engines.build_engine(spec)` (the same builder as the local
   runtime), so GPU state never crosses processes. It also answers the weight-sync calls of
   cluster/weight_sync.py and the rehearsal faults (`fail_requests`).
-- `RemoteEngine(handle, name, tp)`: the driver-side proxy; it implements the `Engine` protocol
+- `RemoteEngine(handle, name, tp, on_failure)`: the driver-side proxy; it implements the `Engine` protocol
   (rollout/types.py), so `rollout_groups(engines=[RemoteEngine, ...])` schedules over the cluster
-  unchanged. An actor death surfaces as `ActorFailure` (retryable, errors.py).
+  unchanged. An actor death noticed by any of its calls (`generate` included) surfaces as `ActorFailure`
+  (retryable, errors.py) naming the engine, after `on_failure` ran: `start_engines` passes the group's
+  `shutdown`, so, as for every call through `ActorGroup`, no actor is left holding a GPU meanwhile.
 - `engine_actor_options(slot, pg)`: Ray options for one `EngineSlot` of the layout (layout.py).
   TP = 1: the actor takes `slot.gpu_fraction` of its bundle's GPU (0.5 when colocated with a trainer
   shard, which pins both to the same device). TP > 1: the actor takes no GPU and vLLM's Ray executor
   (`distributed_executor_backend="ray"`) starts one worker per TP rank on the slot's bundles of the
   same placement group (`VLLM_RAY_BUNDLE_INDICES`, `VLLM_RAY_PER_WORKER_GPUS`, captured child tasks).
+  With the `ipc` weight sync it also sets `VLLM_ALLOW_INSECURE_SERIALIZATION=1` (IPC handles need vLLM's
+  pickle fallback; trade-off in `engine_actor_options`).
 
     engines = start_engines(group, layout, spec)
     groups = await rollout_groups(engines, sandbox, chat, problems, n=32, limits=limits)
@@ -27,7 +31,7 @@ from typing import Any
 import ray
 
 from rstar2_core.cluster.errors import ActorFailure
-from rstar2_core.cluster.layout import ClusterLayout, EngineSlot
+from rstar2_core.cluster.layout import ENGINE_ACTOR_CPUS, ClusterLayout, EngineSlot
 from rstar2_core.cluster.placement import _ACTOR_DEATHS, ActorGroup, bundle_strategy
 from rstar2_core.rollout.types import GenerationOutput, SamplingParams
 from rstar2_core.runtime.engines import EngineFault, EngineSpec, build_engine, engine_busy_seconds
@@ -84,14 +88,18 @@ class EngineActor:
 
 
 class RemoteEngine:
-    """Driver-side `Engine` over an `EngineActor` handle; `tp` = GPUs the engine spans."""
+    """Driver-side `Engine` over an `EngineActor` handle; `tp` = GPUs the engine spans; `on_failure()` runs
+    before an actor death is raised as `ActorFailure` (the group's shutdown)."""
 
-    def __init__(self, handle: Any, name: str, tp: int = 1):
+    def __init__(self, handle: Any, name: str, tp: int = 1, on_failure: Callable[[], None] | None = None):
         self.handle, self.name, self.tp = handle, name, tp
+        self.on_failure = on_failure
         self._capacity: int | None = None
         self._per_seq: int | None = None
 
     def _fail(self, e: BaseException) -> ActorFailure:
+        if self.on_failure is not None:
+            self.on_failure()
         return ActorFailure(self.name, e)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationOutput:
@@ -126,20 +134,38 @@ class RemoteEngine:
             pass  # already gone: nothing to close
 
 
-def engine_actor_options(slot: EngineSlot, pg: Any | None) -> dict[str, Any]:
-    """Ray actor options for one engine slot (see the module docstring)."""
+INSECURE_SERIALIZATION_ENV = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+"""Set on engine actors with `rollout.weight_sync = "ipc"` (see `engine_actor_options`)."""
+
+
+def engine_actor_options(slot: EngineSlot, pg: Any | None, weight_transfer: str | None = None) -> dict[str, Any]:
+    """Ray actor options for one engine slot (see the module docstring).
+
+    `weight_transfer = "ipc"` adds `VLLM_ALLOW_INSECURE_SERIALIZATION=1` to the actor's environment (its
+    engine-core process and vLLM's TP workers inherit it): the IPC update info holds
+    `torch.multiprocessing.reductions.reduce_tensor` handles, which vLLM's msgpack encoder refuses unless
+    that variable lets it fall back to pickle (vLLM's examples/rl/rlhf_ipc.py sets it, "needed for ipc
+    handle serialization"). Trade-off: those engine processes then also unpickle what reaches their
+    internal sockets, so anyone who can write to them can run code; acceptable on the cluster's
+    isolated network, and only the `ipc` engines get it."""
+    env = dict(INSECURE_SERIALIZATION_ENV) if weight_transfer == "ipc" else {}
     if slot.tp > 1:
-        env = {"VLLM_RAY_BUNDLE_INDICES": ",".join(map(str, slot.bundle_indices)),
-               "VLLM_RAY_PER_WORKER_GPUS": f"{slot.gpu_fraction:g}"}
-        return {"num_cpus": 1, "num_gpus": 0, "runtime_env": {"env_vars": env},
+        env.update({"VLLM_RAY_BUNDLE_INDICES": ",".join(map(str, slot.bundle_indices)),
+                    "VLLM_RAY_PER_WORKER_GPUS": f"{slot.gpu_fraction:g}"})
+        return {"num_cpus": ENGINE_ACTOR_CPUS, "num_gpus": 0, "runtime_env": {"env_vars": env},
                 **bundle_strategy(pg, slot.bundle_indices[0])}
     first = slot.bundle_indices[0] if slot.bundle_indices else -1
-    return {"num_cpus": 1 if first >= 0 else 0, "num_gpus": slot.gpu_fraction, **bundle_strategy(pg, first)}
+    opts = {"num_cpus": ENGINE_ACTOR_CPUS if first >= 0 else 0, "num_gpus": slot.gpu_fraction, **bundle_strategy(pg, first)}
+    if env:
+        opts["runtime_env"] = {"env_vars": env}
+    return opts
 
 
 def start_engines(group: ActorGroup, layout: ClusterLayout, spec: EngineSpec | None = None, *, threads: int = 0,
-                  factory: Callable[[int], Callable[[], Any]] | None = None) -> list[RemoteEngine]:
-    """One `EngineActor` per engine slot of `layout`, in `group`; waits until every engine is built.
+                  factory: Callable[[int], Callable[[], Any]] | None = None,
+                  ready_timeout_s: float | None = None) -> list[RemoteEngine]:
+    """One `EngineActor` per engine slot of `layout`, in `group`; waits until every engine is built, at
+    most `ready_timeout_s` (then `ActorStartTimeout` naming the engines still pending, retryable).
     `factory(i)` overrides how engine i is built (tests use a fake engine)."""
     if (spec is None) == (factory is None):
         raise ValueError("start_engines needs exactly one of spec= or factory=")
@@ -154,8 +180,9 @@ def start_engines(group: ActorGroup, layout: ClusterLayout, spec: EngineSpec | N
 
             s = replace(spec, seed=spec.seed + slot.index).for_actor(device, tp_over_ray=slot.tp > 1)
             args = (s, threads)
-        handle = group.spawn(name, EngineActor, *args, **engine_actor_options(slot, group.pg(slot.node)))
+        opts = engine_actor_options(slot, group.pg(slot.node), spec.weight_transfer if spec is not None else None)
+        handle = group.spawn(name, EngineActor, *args, **opts)
         names.append(name)
-        out.append(RemoteEngine(handle, name, slot.tp))
-    group.get([group.actors[n].__ray_ready__.remote() for n in names], names)
+        out.append(RemoteEngine(handle, name, slot.tp, on_failure=group.shutdown))
+    group.wait_ready(names, ready_timeout_s, "engine actors")
     return out

@@ -5,7 +5,8 @@ node went away. It is an `rstar2_core.errors.InfraError` (a `ConnectionError`): 
 rule (tasks/retry.py) retries it without importing this module, the agent loop lets it through instead
 of marking one trajectory as infra-failed (a dead actor ends the step), and a retried stage resumes
 from its last checkpoint. `PlacementTimeout` (a `TimeoutError`, also retried) means the cluster did not have the
-resources of a placement group in time, e.g. while an autoscaler adds nodes.
+resources of a placement group in time, e.g. while an autoscaler adds nodes; `ActorStartTimeout` (also a
+`TimeoutError`, retried) that actors were not scheduled and constructed in time, naming them.
 """
 
 from __future__ import annotations
@@ -24,5 +25,24 @@ class ActorFailure(InfraError):
                          "down; a retry resumes from the last checkpoint")
 
 
+class ActorStartTimeout(TimeoutError):
+    """Actors of the stage were not ready (scheduled and constructed) in time; `actors` lists them."""
+
+    def __init__(self, actors: list[str], message: str):
+        self.actors = list(actors)
+        super().__init__(message)
+
+
 class PlacementTimeout(TimeoutError):
     """A placement group was not scheduled in time; the message lists what the cluster has free."""
+
+
+class ActorConfigError(ValueError):
+    """A Ray actor of the stage could not start: its constructor raised a ValueError/TypeError (bad config
+    or arguments), so a retry would fail the same way. `error` is the constructor's `Type: message`."""
+
+    def __init__(self, actor: str, error: str):
+        self.actor = actor
+        self.error = error
+        super().__init__(f"cluster actor {actor} could not start: its constructor raised {error}. This is a "
+                         "configuration error, not retried; the stage's actors were shut down")

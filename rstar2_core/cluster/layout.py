@@ -7,6 +7,9 @@ One placement group per node, strategy STRICT_PACK (all its bundles on one node)
     [GPU bundle 0 .. GPU bundle g-1]  each {"GPU": 1, "CPU": cluster.cpus_per_gpu}
     [sandbox bundle 0 .. s-1]         each {"CPU": (free CPUs of the node) // s}
 
+A trainer shard and an engine actor each ask 1 CPU of their (first) GPU bundle, so the colocated layout
+needs `cluster.cpus_per_gpu >= 2` (the separate layout 1); a smaller value is a `LayoutError` naming it.
+
 Layouts (`cluster.layout`):
 - `colocated` (the paper's and verl's default): every GPU holds one trainer shard (ZeRO-3 data-parallel
   rank) *and* a share of one inference engine; they take turns (engines generate, then sleep/free KV
@@ -41,6 +44,8 @@ from typing import Any, Literal
 from rstar2_core.config import Config
 
 COLOCATED_GPU_FRACTION = 0.5  # engine share + trainer share of one GPU bundle in the colocated layout
+ENGINE_ACTOR_CPUS = 1         # an engine actor asks this of its (first) GPU bundle (cluster/engines.py)
+TRAINER_SHARD_CPUS = 1        # a trainer shard asks this of its GPU bundle (cluster/trainer.py)
 
 
 class LayoutError(ValueError):
@@ -217,9 +222,27 @@ def compute_layout(cfg: Config) -> ClusterLayout:
         node, local = divmod(engine_range[i * tp], gpn)
         engines.append(EngineSlot(i, node, tuple(range(local, local + tp)), tp, frac))
     shards = [TrainerShard(r, *divmod(g, gpn), frac) for r, g in enumerate(trainer_range)]
+    _check_bundle_cpus(cl, engines, shards)
     sandbox = [SandboxSlot(node, gpn + j, sb_cpus) for node in range(cl.nodes) for j in range(n_sb)]
     return ClusterLayout(cl.layout, cl.nodes, gpn, cl.cpus_per_node, tuple(pgs), tuple(engines), tuple(shards),
                          tuple(sandbox))
+
+
+def _check_bundle_cpus(cl: Any, engines: list[EngineSlot], shards: list[TrainerShard]) -> None:
+    """Refuse GPU bundles whose actors ask more CPUs than the bundle has: Ray would leave the last actor
+    pending forever (in the colocated layout a trainer shard and an engine actor share a bundle)."""
+    demand: dict[tuple[int, int], int] = {}
+    for s in shards:
+        demand[(s.node, s.bundle_index)] = demand.get((s.node, s.bundle_index), 0) + TRAINER_SHARD_CPUS
+    for e in engines:
+        key = (e.node, e.bundle_indices[0])
+        demand[key] = demand.get(key, 0) + ENGINE_ACTOR_CPUS
+    need = max(demand.values(), default=0)
+    if need > cl.cpus_per_gpu:
+        raise LayoutError(f"cluster.cpus_per_gpu = {cl.cpus_per_gpu} is below the {need} CPUs the {cl.layout} layout's "
+                          f"actors ask of one GPU bundle (trainer shard {TRAINER_SHARD_CPUS} + engine actor "
+                          f"{ENGINE_ACTOR_CPUS}): Ray would leave an actor pending forever; set "
+                          f"cluster.cpus_per_gpu >= {need}")
 
 
 def _cpu_layout(cfg: Config, sb_cpus: int, n_sb: int) -> ClusterLayout:

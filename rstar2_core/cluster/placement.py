@@ -7,7 +7,12 @@ rule and one clean shutdown.
 - `ActorGroup` owns actors and placement groups. `call_all`/`get` turn any actor death (crash, OOM kill,
   `ray.kill`, lost node) into `ActorFailure` (retryable, errors.py) *after* killing every other actor
   of the group and removing its placement groups, so no process is left holding GPU memory while
-  Prefect waits to retry. `shutdown()` does the same on the normal path; the group is a context manager.
+  Prefect waits to retry. An actor whose constructor raised a `ValueError`/`TypeError` (bad config)
+  raises `ActorConfigError` instead (not retried; same shutdown first): Ray reports it as a death.
+  `wait_ready(names, timeout_s)` waits for actors to be scheduled and constructed and raises
+  `ActorStartTimeout` (retryable) naming those still pending, after the same shutdown (an actor Ray
+  cannot place in its bundle would otherwise be waited for forever). `shutdown()` does the same on the
+  normal path; the group is a context manager.
 
     with ActorGroup(layout) as group:                       # creates the placement groups
         a = group.spawn("engine-0", EngineActor, args, **engine_actor_options(slot, group.pg(slot.node)))
@@ -16,6 +21,7 @@ rule and one clean shutdown.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterable
 from typing import Any, Self
@@ -24,13 +30,54 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rstar2_core.cluster.errors import ActorFailure, PlacementTimeout
+from rstar2_core.cluster.errors import ActorConfigError, ActorFailure, ActorStartTimeout, PlacementTimeout
 from rstar2_core.cluster.layout import ClusterLayout
 
 _ACTOR_DEATHS = tuple(getattr(ray.exceptions, n) for n in
                       ("RayActorError", "ActorDiedError", "ActorUnavailableError", "WorkerCrashedError",
                        "NodeDiedError", "OwnerDiedError", "LocalRayletDiedError")
                       if hasattr(ray.exceptions, n))
+
+
+_UNAVAILABLE = tuple(getattr(ray.exceptions, n) for n in ("ActorUnavailableError",) if hasattr(ray.exceptions, n))
+_CONFIG_ERRORS = (ValueError, TypeError)   # an actor constructor raising these: bad config, never retried
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def creation_config_error(e: BaseException) -> str | None:
+    """`"Type: message"` when `e` is an actor death caused by its constructor raising a ValueError or
+    TypeError (subclasses included), else None. Ray keeps only the creation task's traceback text
+    (`actor_init_failed`, `error_msg`), so the exception's class is read from its last line block and
+    resolved by name; an unknown class counts as a real death."""
+    if not getattr(e, "actor_init_failed", False):
+        return None
+    lines = _ANSI.sub("", str(getattr(e, "error_msg", "") or e)).splitlines()
+    frames = [i for i, line in enumerate(lines) if line.startswith("  File ")]
+    if not frames:
+        return None
+    tail = [line for line in lines[frames[-1] + 1:] if line and not line.startswith(" ")]
+    if not tail:
+        return None
+    m = re.match(r"([A-Za-z_][\w.]*)(?::|$)", tail[0])
+    if m is None:
+        return None
+    cls = _exception_class(m.group(1))
+    if cls is None or not issubclass(cls, _CONFIG_ERRORS):
+        return None
+    return "\n".join(tail)
+
+
+def _exception_class(name: str) -> type | None:
+    import builtins
+    import importlib
+
+    module, _, attr = name.rpartition(".")
+    try:
+        owner = importlib.import_module(module) if module else builtins
+    except ImportError:
+        return None
+    cls = getattr(owner, attr, None)
+    return cls if isinstance(cls, type) and issubclass(cls, BaseException) else None
 
 
 def create_placement_groups(layout: ClusterLayout, timeout_s: float = 600.0,
@@ -110,20 +157,62 @@ class ActorGroup:
         return handle
 
     def get(self, refs: Any, names: list[str] | str, timeout: float | None = None) -> Any:
-        """`ray.get` that turns an actor death into `ActorFailure` after shutting the group down."""
+        """`ray.get` that turns an actor death into `ActorFailure` (a constructor's ValueError/TypeError into
+        `ActorConfigError`) after shutting the group down."""
         try:
             return ray.get(refs, timeout=timeout)
         except _ACTOR_DEATHS as e:
             failed = names if isinstance(names, str) else self._dead_name(names)
             self.shutdown()
+            config = creation_config_error(e)
+            if config is not None:
+                raise ActorConfigError(failed, config) from e
             raise ActorFailure(failed, e) from e
 
-    def _dead_name(self, names: list[str]) -> str:
-        for n in names:
-            try:
-                ray.get(self.actors[n].__ray_ready__.remote(), timeout=5)
-            except (*_ACTOR_DEATHS, ray.exceptions.GetTimeoutError):
-                return n
+    def wait_ready(self, names: list[str], timeout_s: float | None, what: str = "actors") -> None:
+        """Wait until the actors `names` are scheduled and constructed (`__init__` returned). A death or a
+        constructor error raises at once, as in `get`; actors still pending after `timeout_s` (None: no
+        limit) raise `ActorStartTimeout` naming them (retryable), after shutting the group down."""
+        pending = {self.actors[n].__ray_ready__.remote(): n for n in names}
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=left)
+            if not ready:
+                break
+            for ref in ready:
+                self.get(ref, pending.pop(ref))
+        if pending:
+            late = sorted(pending.values())
+            free, total = ray.available_resources(), ray.cluster_resources()
+            self.shutdown()
+            raise ActorStartTimeout(late, (
+                f"{what} {', '.join(late)} not ready within {timeout_s:.0f} s (cluster.placement_timeout_s): still "
+                f"waiting to be scheduled or constructed; the cluster has free {free} of {total}. The stage's "
+                "actors were shut down; a retry starts them again. If it repeats: check that each bundle's CPUs "
+                "and GPUs fit its actors (cluster.cpus_per_gpu), or raise cluster.placement_timeout_s when "
+                "engines load slowly"))
+
+    def _dead_name(self, names: list[str], timeout_s: float = 5.0) -> str:
+        """The first of `names` found dead (all of them joined when none is). Every actor is asked
+        `__ray_ready__` at once; a live actor busy in a long call (a rank blocked in a collective its dead
+        peer never joins) does not answer in time and is not blamed, nor is one only unavailable."""
+        asked = {self.actors[n].__ray_ready__.remote(): n for n in names if n in self.actors}
+        deadline = time.monotonic() + timeout_s
+        while asked:
+            ready, _ = ray.wait(list(asked), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            for ref in ready:
+                name = asked.pop(ref)
+                try:
+                    ray.get(ref)
+                except _UNAVAILABLE:   # a RayActorError too, but the actor may come back: not a death
+                    continue
+                except _ACTOR_DEATHS:
+                    return name
+                except Exception:  # noqa: BLE001, S112 - naming the culprit must not mask the death being raised
+                    continue
         return ",".join(names)
 
     def call_all(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:

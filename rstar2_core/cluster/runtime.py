@@ -11,7 +11,10 @@ the `async with` block stops every actor and removes the placement groups in any
 
 One runtime per process at a time (`_OPEN`: a second one, e.g. an evaluation running in a thread beside
 the next RL stage, waits for the first to close), and one runtime-driving pipeline task per cluster at
-a time (the `rstar2_runtime` resource, cluster/ray_init.py): a runtime's layout takes the cluster.
+a time (the `rstar2_runtime` resource, cluster/ray_init.py): a runtime's layout takes the cluster. A
+constructor that fails anywhere after taking `_OPEN` (e.g. an S3 error reading the tokenizer, Ray, the
+placement groups, an actor) releases it, so the Prefect retry of the task in the same process can open
+the next runtime.
 
 Weight sync (`rollout.weight_sync`, cluster/weight_sync.py): `object_store` (rank 0's state dict, one
 `ray.put`, every engine loads the same object), `checkpoint` (engines reload the published step),
@@ -29,6 +32,7 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
+from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 from typing import Any, Self
 
@@ -76,14 +80,7 @@ class RayRuntime:
         from rstar2_core.models.backend import backend_options
         from rstar2_core.models.io import load_tokenizer
 
-        if not _OPEN.acquire(blocking=False):
-            log.info("another stage's RayRuntime is open in this process; waiting for it to close (a runtime's "
-                     "layout takes the cluster)")
-            _OPEN.acquire()
-        self._holds_lock = True
         self.cfg, self.policy_url = cfg, policy_url
-        self.weight_sync_mode = resolved_weight_sync(cfg)
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(policy_url)
         self.engines: list[RemoteEngine] = []
         self.trainer: TrainerGroup | None = None
         self.sandbox = None
@@ -91,7 +88,15 @@ class RayRuntime:
         self._grader = OwnedGrader()
         self.group: ActorGroup | None = None
         self._want_grader = grader
-        try:
+        self._holds_lock = False
+        if not _OPEN.acquire(blocking=False):
+            log.info("another stage's RayRuntime is open in this process; waiting for it to close (a runtime's "
+                     "layout takes the cluster)")
+            _OPEN.acquire()
+        self._holds_lock = True
+        try:   # from here on every failure releases _OPEN (through _shutdown), or a retry here would wait forever
+            self.weight_sync_mode = resolved_weight_sync(cfg)
+            self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(policy_url)
             ensure_ray(cfg)
             self.layout = layout or compute_layout(cfg)
             self.group = ActorGroup(self.layout, timeout_s=cfg.cluster.placement_timeout_s,
@@ -103,10 +108,12 @@ class RayRuntime:
                                        warmup_steps=trainer.warmup_steps, schedule=trainer.schedule)
                 self.trainer = TrainerGroup(self.group, self.layout,
                                             model_factory or partial(load_policy, policy_url, cfg.model.dtype),
-                                            opts, trainer.step, threads=threads)
+                                            opts, trainer.step, threads=threads,
+                                            ready_timeout_s=cfg.cluster.placement_timeout_s)
             if engines:
                 spec = None if engine_factory else EngineSpec.from_config(cfg, policy_url, max_model_len, "cpu")
-                self.engines = start_engines(self.group, self.layout, spec, threads=threads, factory=engine_factory)
+                self.engines = start_engines(self.group, self.layout, spec, threads=threads, factory=engine_factory,
+                                             ready_timeout_s=cfg.cluster.placement_timeout_s)
             if sandbox:
                 placements = [(self.group.pg(s.node), s.bundle_index, s.cpus) for s in self.layout.sandbox_actors]
                 self.sandbox = (sandbox_factory or _ray_sandbox)(cfg.sandbox, placements)
@@ -130,6 +137,11 @@ class RayRuntime:
         await self.aclose()
 
     # --------------------------------------------------------------------------------------- steps
+    def training(self) -> AbstractContextManager[None]:
+        """Around an optimizer step and its weight sync: colocated vLLM engines sleep while the trainer
+        steps (`rollout.release_memory_during_training`; cluster/weight_sync.py), a no-op otherwise."""
+        return self.weight_sync.training() if self.weight_sync is not None else nullcontext()
+
     def sync_weights(self, checkpoint_url: str | None = None) -> WeightSyncReport:
         if self.weight_sync is None:
             raise ValueError("sync_weights needs a runtime with both a trainer and engines")

@@ -6,7 +6,8 @@ of the layout, behind the `PolicyTrainer` protocol (rstar2_core/runtime/protocol
   visible device, so LOCAL_RANK is 0 inside the actor), loads the policy onto the shard's device and
   builds the `DeepSpeedBackend`. Under ZeRO-3 the model is built inside `deepspeed.zero.Init` (through
   transformers' `HfDeepSpeedConfig`), so no GPU ever holds the whole model.
-- `TrainerGroup`: spawns the shards in an `ActorGroup` (placement from the layout), initialises them
+- `TrainerGroup`: spawns the shards in an `ActorGroup` (placement from the layout), waits until all are
+  placed (`ready_timeout_s`: `ActorStartTimeout` naming the shards still pending), initialises them
   together (the rendezvous blocks until every rank has joined), and runs each optimizer step on all
   ranks with the stage's step body (`TrainerStep`: rl.trainer.RL_STEP, sft.step.SFT_STEP): the step's
   items ((trajectory, advantage) pairs or packed rows) are split by token count (runtime/sharding.py),
@@ -34,7 +35,7 @@ from typing import Any
 
 import ray
 
-from rstar2_core.cluster.layout import ClusterLayout
+from rstar2_core.cluster.layout import TRAINER_SHARD_CPUS, ClusterLayout, TrainerShard
 from rstar2_core.cluster.placement import ActorGroup, bundle_strategy
 from rstar2_core.runtime.protocol import TrainerStep
 from rstar2_core.runtime.sharding import micro_batches_per_rank, split_by_weight
@@ -141,20 +142,25 @@ class TrainerShardActor:
         return os.getpid()
 
 
+def trainer_shard_options(shard: TrainerShard, pg: Any | None) -> dict[str, Any]:
+    """Ray actor options for one trainer shard of the layout (its GPU share of its bundle)."""
+    return {"num_cpus": TRAINER_SHARD_CPUS if shard.bundle_index >= 0 else 0, "num_gpus": shard.gpu_fraction,
+            **bundle_strategy(pg, shard.bundle_index)}
+
+
 class TrainerGroup:
     """The trainer shards of a layout, in an `ActorGroup`; a `PolicyTrainer` (see the module docstring)."""
 
     def __init__(self, group: ActorGroup, layout: ClusterLayout, model_factory: Callable[[], Any],
-                 backend_options: dict, step: TrainerStep, threads: int = 0):
+                 backend_options: dict, step: TrainerStep, threads: int = 0, ready_timeout_s: float | None = None):
         self.group, self.world, self.step_body = group, len(layout.trainer_shards), step
         self.names = []
         for s in layout.trainer_shards:
             name = f"trainer-{s.rank}"
-            opts = {"num_cpus": 1 if s.bundle_index >= 0 else 0, "num_gpus": s.gpu_fraction,
-                    **bundle_strategy(group.pg(s.node), s.bundle_index)}
             group.spawn(name, TrainerShardActor, s.rank, self.world, model_factory, backend_options, step,
-                        threads, **opts)
+                        threads, **trainer_shard_options(s, group.pg(s.node)))
             self.names.append(name)
+        group.wait_ready(self.names, ready_timeout_s, "trainer shards")   # all placed before the rendezvous
         addr, port = group.get(self.actor(0).address.remote(), self.names[0])
         self.pids = group.get([self.actor(r).init.remote(addr, port) for r in range(self.world)], self.names)
 

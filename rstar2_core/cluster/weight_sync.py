@@ -23,19 +23,37 @@ RL steps, and vLLM engines additionally pause generation and reset their prefix 
   per bucket of parameters (`IPC_BUCKET_BYTES`), every rank gathers the bucket, keeps it alive and
   returns CUDA-IPC handles keyed by its GPU's UUID; the driver merges, per engine, the handles of the
   ranks colocated with its workers and the engine loads them (`IPCWeightTransferUpdateInfo`), then the
-  ranks drop the bucket. No copy leaves the GPU.
+  ranks drop the bucket. No copy leaves the GPU. The engine actors run with
+  `VLLM_ALLOW_INSECURE_SERIALIZATION=1` (cluster/engines.py `engine_actor_options`: vLLM's msgpack
+  encoder refuses the handles without its pickle fallback).
 
-With `rollout.release_memory_during_training` the engines `sleep(level=1)` before the update
-(`RayRuntime.prepare_update`) and `wake_up` (weights first, then the KV cache) around the transfer.
+Sleep mode (`rollout.release_memory_during_training`, vLLM engines in the colocated layout): the RL
+step runs its optimizer step and the push inside `RayRuntime.training()` (`_Sync.training`). On entry
+every engine `sleep(level=1)`s (vLLM drops the KV cache and offloads the weights to host memory, so the
+trainer shard on the same GPU gets it back); `push` then wakes the weights (`wake_up(["weights"])`),
+transfers, and wakes the KV cache (`wake_up(["kv_cache"])`): vLLM's documented order, which keeps the
+KV cache unallocated while the transfer runs. On a normal exit without a push (the step took no update)
+the engines `wake_up()` fully; an exception leaves them asleep (the runtime is being torn down).
 
 Departure: `nccl` and `ipc` are written against vLLM's weight-transfer API as documented in its
-`examples/rl/` (rlhf_nccl.py, rlhf_ipc.py, rlhf_async_new_apis.py) and tested against a fake `vllm`
-module; they have not run on GPUs in this project.
+`examples/rl/` (rlhf_nccl.py, rlhf_ipc.py, rlhf_async_new_apis.py) and have not run on GPUs in this
+project. What is tested, in one process (tests/unit/cluster/test_weight_transfer.py): the `NCCLSync` and
+`IPCSync` drivers, the per-rank steps (`_nccl_trainer_init`, `_nccl_send`, `_param_meta`, `_ipc_bucket`,
+`_ipc_release`) through the real `TrainerShardActor.call`, and the real `EngineActor` + `VLLMEngine` over
+a fake `vllm` (tests/vllm_fake.py): what each engine is told per push or bucket, the NCCL rank offsets,
+which ranks' handles (by GPU UUID) reach which engine, what rank 0 sends, that every rank joins each
+ZeRO-3 gather, and that IPC buckets stay alive until loaded, then are released. Faked there: the Ray
+processes, vLLM's NCCL trainer engine, CUDA (device UUIDs, `reduce_tensor`) and ZeRO-3's gather; not
+tested: real NCCL, CUDA IPC, vLLM. Newer vLLM examples add `start_weight_update` /
+`finish_weight_update` around an update and a trainer-side IPC factory: check the pinned vLLM's API
+before the first GPU run. Sleep mode: tests/unit/cluster/test_sleep_mode.py.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from rstar2_core.runtime.protocol import WeightSyncReport
@@ -55,6 +73,7 @@ def make_weight_sync(mode: str, rt: Any):
 class _Sync:
     def __init__(self, rt: Any):
         self.rt = rt
+        self.asleep = False    # the engines are in vLLM's sleep mode (see `training`)
 
     @property
     def engines(self):
@@ -67,15 +86,30 @@ class _Sync:
     def _wait_engines(self, refs: list) -> tuple[float, ...]:
         return tuple(float(e.get(r) or 0.0) for e, r in zip(self.engines, refs))
 
-    def _wake(self, tags: list[str]) -> None:
-        if self.rt.cfg.rollout.release_memory_during_training:
-            self._wait_engines([e.handle.call.remote("wake_up", tags) for e in self.engines])
+    def _call_engines(self, method: str, *args: Any) -> None:
+        self._wait_engines([e.handle.call.remote(method, *args) for e in self.engines])
+
+    @contextmanager
+    def training(self) -> Iterator[None]:
+        """Around the optimizer step and its push: with `rollout.release_memory_during_training` the
+        engines sleep on entry; the push wakes them, or, without one, a normal exit does (module docstring)."""
+        if self.rt.cfg.rollout.release_memory_during_training and not self.asleep:
+            self._call_engines("sleep", 1)
+            self.asleep = True
+        yield
+        if self.asleep:
+            self._call_engines("wake_up", None)
+            self.asleep = False
 
     def push(self, checkpoint_url: str | None = None) -> WeightSyncReport:
         t0 = time.perf_counter()
-        self._wake(["weights"])
+        asleep = self.asleep
+        if asleep:
+            self._call_engines("wake_up", ["weights"])
         size, secs = self._transfer(checkpoint_url)
-        self._wake(["kv_cache"])
+        if asleep:
+            self._call_engines("wake_up", ["kv_cache"])
+            self.asleep = False
         return WeightSyncReport(self.mode, size, time.perf_counter() - t0, secs)
 
 

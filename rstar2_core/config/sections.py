@@ -258,9 +258,10 @@ class RolloutConfig(_Section):
     tensors, no copy over the network (Ray runtime, vLLM, `colocated` layout). `auto`: state_dict on
     the local runtime; on Ray object_store for hf engines, ipc (colocated) or nccl (separate) for vLLM."""
     release_memory_during_training: bool = False
-    """vLLM sleep mode in the colocated layout: engines `sleep(level=1)` (KV cache dropped, weights
-    offloaded to host memory) while the trainer steps and `wake_up()` before the weight sync, so the
-    trainer gets the whole GPU for activations. Costs a host round trip of the weights per step, and
+    """vLLM sleep mode in the colocated layout: after each step's rollout the engines `sleep(level=1)`
+    (KV cache dropped, weights offloaded to host memory) while the trainer steps, then the weight sync
+    wakes the weights, transfers, and wakes the KV cache (cluster/weight_sync.py), so the trainer gets
+    the whole GPU for activations. Costs a host round trip of the weights per step, and
     vLLM's sleep mode is unreliable on ROCm (PEERS.md); off = engines keep
     rollout.gpu_memory_utilization of the GPU throughout and the trainer lives in the rest."""
 
@@ -418,7 +419,9 @@ class ClusterConfig(_Section):
     """GPUs for trainer shards (layout = separate); colocated uses every GPU."""
     cpus_per_gpu: int = Field(2, ge=1)
     """CPU cores reserved beside each GPU (trainer shard + engine processes); the rest of a node, less
-    the RL driver's CPUs, goes to the sandbox actors (rstar2_core/cluster/layout.py)."""
+    the RL driver's CPUs, goes to the sandbox actors (rstar2_core/cluster/layout.py). The trainer shard
+    and the engine actor each ask 1 of their GPU bundle, so the colocated layout needs >= 2 (refused
+    below, by the layout), the separate layout >= 1."""
     image: str | None = None
     """Container image the Ray nodes and the Prefect worker run (infra/); None = local processes."""
     resources: dict[str, TaskResources] = Field(default_factory=dict)
@@ -437,7 +440,10 @@ class ClusterConfig(_Section):
     (gpus_per_node = 0) any N >= 1 runs N gloo processes; on GPU clusters it must match the layout."""
     placement_timeout_s: float = Field(600.0, gt=0)
     """Seconds a runtime waits for its placement groups before raising PlacementTimeout (retryable: an
-    autoscaler may still be adding nodes, or another stage still holds the GPUs)."""
+    autoscaler may still be adding nodes, or another stage still holds the GPUs), and, once they exist,
+    for its trainer shards and then its engine actors to be scheduled and constructed before raising
+    ActorStartTimeout naming those still pending (also retryable). An engine's construction includes
+    loading its model (vLLM: and profiling memory), so raise this when engines load slowly."""
     actor_torch_threads: int = Field(0, ge=0)
     """torch intra-op threads of each engine and trainer actor; 0 = 1 on CPU-only clusters (several
     actors share the cores: more threads each only add contention) and torch's default on GPU nodes."""

@@ -6,7 +6,8 @@
 trajectories per prompt through `rollout.rollout_groups` (KV-aware admission across the engines, tool
 calls sent to the runtime's sandbox as soon as they are generated), its grader scores them (truncated
 trajectories score 0, as in the paper), `rl.groups.build_step_batch` keeps the RoC-resampled groups,
-its trainer takes one optimizer step, the trainer's new weights are pushed to every engine, and
+its trainer takes one optimizer step, the trainer's new weights are pushed to every engine (both inside
+`rt.training()`, where colocated vLLM engines sleep with `rollout.release_memory_during_training`), and
 `publish(metrics)` (optional: the stage loop's checkpoint, returning its URL or None) runs last, with the
 step's complete metrics; with `rollout.weight_sync = "checkpoint"` it runs before the sync, since the
 engines reload what it published. The stage loop (rl/stage.py),
@@ -132,34 +133,35 @@ async def rl_step(rt: Any, chat: Any, batch: Sequence[RLProblem], *, cfg: Any, l
             f"{rl.max_infra_failure_share}; no update was taken. A retry resumes from the last checkpoint; if it "
             "repeats, check the engines, the sandbox pool size (sandbox.workers) and eval.grader_timeout_s")
     sb = build_step_batch(groups, grades.rewards, grpo, seed)
-    if sb.trajectories:
-        actor = rt.trainer.step(list(zip(sb.trajectories, sb.advantages)), micro_batch_size=rl.micro_batch_size,
-                                pad_id=pad_id, temperature=rl.temperature, clip_low=grpo.clip_low,
-                                clip_high=grpo.clip_high, loss_key=grpo.policy_loss, old_logprobs=rl.old_logprobs,
-                                prefix_len=chat.shared_prompt_len)
-    else:
-        actor = {"actor/skipped": 1.0, "actor/tokens": 0.0}
-    stepped = not actor.get("actor/skipped")
-    gap = actor.get("actor/engine_logprob_gap")
-    if stepped and gap is not None and gap > rl.max_engine_logprob_gap:
-        raise StaleEngineWeights(
-            f"engine vs trainer log-prob gap {gap:.4f} per sampled token exceeds rl.max_engine_logprob_gap = "
-            f"{rl.max_engine_logprob_gap}: the engines sampled with other weights than the trainer holds (a weight "
-            "sync that did not land, or a sampling/template mismatch). The step was not published; a retry "
-            "resumes from the last checkpoint")
-    t3 = time.perf_counter()
-    after_train = rt.usage()
-    metrics: dict[str, float] = {**sb.metrics, **actor, **infra, "runtime/engines": float(len(rt.engines)),
-                                 "runtime/trainer_ranks": float(rt.trainer.world_size)}
-    phases = {"rollout": t1 - t0, "grade": t2 - t1, "train": t3 - t2}
-    url, publish_s = None, 0.0
-    publish_first = rt.weight_sync_mode == "checkpoint" and publish is not None  # engines reload what is published
-    if publish_first:
-        url = publish(metrics)
-        publish_s = time.perf_counter() - t3
-    t4 = time.perf_counter()
-    sync = rt.sync_weights(url) if stepped else None
-    phases["sync"] = time.perf_counter() - t4
+    with rt.training():   # the engines may free device memory while the trainer steps; the sync brings them back
+        if sb.trajectories:
+            actor = rt.trainer.step(list(zip(sb.trajectories, sb.advantages)), micro_batch_size=rl.micro_batch_size,
+                                    pad_id=pad_id, temperature=rl.temperature, clip_low=grpo.clip_low,
+                                    clip_high=grpo.clip_high, loss_key=grpo.policy_loss, old_logprobs=rl.old_logprobs,
+                                    prefix_len=chat.shared_prompt_len)
+        else:
+            actor = {"actor/skipped": 1.0, "actor/tokens": 0.0}
+        stepped = not actor.get("actor/skipped")
+        gap = actor.get("actor/engine_logprob_gap")
+        if stepped and gap is not None and gap > rl.max_engine_logprob_gap:
+            raise StaleEngineWeights(
+                f"engine vs trainer log-prob gap {gap:.4f} per sampled token exceeds rl.max_engine_logprob_gap = "
+                f"{rl.max_engine_logprob_gap}: the engines sampled with other weights than the trainer holds (a weight "
+                "sync that did not land, or a sampling/template mismatch). The step was not published; a retry "
+                "resumes from the last checkpoint")
+        t3 = time.perf_counter()
+        after_train = rt.usage()
+        metrics: dict[str, float] = {**sb.metrics, **actor, **infra, "runtime/engines": float(len(rt.engines)),
+                                     "runtime/trainer_ranks": float(rt.trainer.world_size)}
+        phases = {"rollout": t1 - t0, "grade": t2 - t1, "train": t3 - t2}
+        url, publish_s = None, 0.0
+        publish_first = rt.weight_sync_mode == "checkpoint" and publish is not None  # engines reload what is published
+        if publish_first:
+            url = publish(metrics)
+            publish_s = time.perf_counter() - t3
+        t4 = time.perf_counter()
+        sync = rt.sync_weights(url) if stepped else None
+    phases["sync"] = time.perf_counter() - t4     # with the engines' wake-up when no update was pushed
     if sync is not None:
         metrics.update(sync.metrics())
     metrics.update(step_usage_metrics(before, after_rollout, after_train, phases, groups, sb.trajectories,

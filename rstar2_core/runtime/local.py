@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Self
 
 from rstar2_core.runtime.engines import EngineSpec, FailingEngine, build_engine, engine_busy_seconds
@@ -83,6 +84,11 @@ class LocalRuntime:
         await self.aclose()
 
     # --------------------------------------------------------------------------------------- steps
+    def training(self) -> AbstractContextManager[None]:
+        """Nothing to release: local engines keep their memory (rollout.release_memory_during_training
+        is refused for the local runtime)."""
+        return nullcontext()
+
     def sync_weights(self, checkpoint_url: str | None = None) -> WeightSyncReport:
         t0 = time.perf_counter()
         secs: list[float] = []

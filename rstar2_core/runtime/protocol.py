@@ -3,8 +3,9 @@
     async with open_runtime(cfg, policy_url=url, max_model_len=n, trainer=TrainerSpec("rl", 510, 20, "constant",
                                                                                       RL_STEP)) as rt:
         groups = await rollout_groups(rt.engines, rt.sandbox, chat, problems, n=32, limits=limits)
-        metrics = rt.trainer.step(list(zip(kept, advantages)), micro_batch_size=8, pad_id=pad, ...)
-        report = rt.sync_weights()
+        with rt.training():        # colocated vLLM engines may sleep while the trainer steps
+            metrics = rt.trainer.step(list(zip(kept, advantages)), micro_batch_size=8, pad_id=pad, ...)
+            report = rt.sync_weights()
 
 Two implementations, chosen by `cluster.runtime` (`rstar2_core.cluster.open_runtime`): `LocalRuntime`
 (runtime/local.py: everything in the stage's process) and `RayRuntime` (rstar2_core/cluster/runtime.py:
@@ -20,6 +21,7 @@ opened with `engines=False` has no engines (SFT).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -133,6 +135,12 @@ class StageRuntime(Protocol):
     grader: Any
     trainer: PolicyTrainer | None
     tokenizer: Any
+
+    def training(self) -> AbstractContextManager[None]:
+        """A context around one optimizer step and its `sync_weights`: the engines may release device
+        memory for the trainer inside it (colocated vLLM sleep mode, `rollout.release_memory_during_training`)
+        and serve again once the sync, or a normal exit without one, brought them back."""
+        ...
 
     def sync_weights(self, checkpoint_url: str | None = None) -> WeightSyncReport:
         """Push the trainer's current weights to every engine (`rollout.weight_sync`)."""

@@ -123,10 +123,11 @@ def test_dead_engine_raises_actor_failure(ray_here, kill_and_wait):
     from rstar2_core.cluster.placement import ActorGroup
 
     with ActorGroup(None) as group:
-        engines = start_engines(group, _cpu_layout(1), factory=_fake_factory)
+        engines = start_engines(group, _cpu_layout(2), factory=_fake_factory)
         kill_and_wait(ray, engines[0].handle)
         with pytest.raises(ActorFailure, match="engine-0"):
             asyncio.run(engines[0].generate([1, 2], SamplingParams(max_new_tokens=2)))
+        assert group.actors == {}     # the group was shut down before the failure was raised
         with pytest.raises(ActorFailure):
             engines[0].update_weights("s3://x")
 
@@ -147,3 +148,60 @@ def test_production_engine_options_pin_tp_workers():
     assert (spec.kind, spec.tensor_parallel_size, spec.dtype, spec.weight_transfer) == ("vllm", 2, "bfloat16", "ipc")
     actor = spec.for_actor("cuda", tp_over_ray=True)
     assert actor.distributed_executor_backend == "ray" and actor.max_model_len == 12288 + 2048
+
+
+class _RecordingGroup:
+    """Stands in for ActorGroup in start_engines: records each actor's Ray options, starts nothing."""
+
+    def __init__(self):
+        self.options: dict[str, dict] = {}
+        self.actors: dict[str, object] = {}
+
+    def pg(self, node):
+        return None
+
+    def spawn(self, name, cls, *args, **options):
+        from types import SimpleNamespace
+
+        self.options[name] = options
+        self.actors[name] = SimpleNamespace(__ray_ready__=SimpleNamespace(remote=lambda: None))
+        return self.actors[name]
+
+    def get(self, refs, names, timeout=None):
+        return refs
+
+    def wait_ready(self, names, timeout_s, what="actors"):
+        return None
+
+
+def _env(opts: dict) -> dict:
+    return opts.get("runtime_env", {}).get("env_vars", {})
+
+
+@pytest.mark.parametrize("overrides, ipc", [
+    ([], True),                                                               # production: ipc, TP 2
+    (["rollout.tensor_parallel_size=1", "rollout.num_engines=64"], True),     # ipc, TP 1
+    (['cluster.layout="separate"', "cluster.trainer_gpus=32", 'rollout.weight_sync="nccl"',
+      "rollout.num_engines=16"], False),                                      # nccl, TP 2
+    (['cluster.layout="separate"', "cluster.trainer_gpus=32", 'rollout.weight_sync="nccl"',
+      "rollout.tensor_parallel_size=1", "rollout.num_engines=32"], False),    # nccl, TP 1
+])
+def test_ipc_engines_and_only_they_allow_vllms_pickle_fallback(overrides, ipc):
+    """IPC update infos hold reduce_tensor handles, which vLLM's msgpack encoder refuses unless
+    VLLM_ALLOW_INSECURE_SERIALIZATION=1; every other engine keeps vLLM's safe default."""
+    from rstar2_core.cluster.engines import start_engines
+    from rstar2_core.runtime.engines import EngineSpec
+
+    cfg = load_config("qwen3-14b-mi300x", overrides)
+    spec = EngineSpec.from_config(cfg, "s3://rstar2-artifacts/runs/x/sft", 12288, "cuda")
+    assert spec.weight_transfer == ("ipc" if ipc else "nccl")
+    group = _RecordingGroup()
+    engines = start_engines(group, compute_layout(cfg), spec)
+    assert len(engines) == len(group.options) == cfg.rollout.num_engines
+    for opts in group.options.values():
+        env = _env(opts)
+        assert ("VLLM_ALLOW_INSECURE_SERIALIZATION" in env) == ipc
+        if ipc:
+            assert env["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
+        if cfg.rollout.tensor_parallel_size > 1:   # the TP pinning variables are kept beside it
+            assert {"VLLM_RAY_BUNDLE_INDICES", "VLLM_RAY_PER_WORKER_GPUS"} <= set(env)

@@ -71,6 +71,7 @@ def test_separate_layout_splits_gpus():
     (["rollout.tensor_parallel_size=3", "rollout.num_engines=2"], "must divide cluster.gpus_per_node"),
     (["cluster.cpus_per_node=20"], "cluster.cpus_per_gpu"),
     (["sandbox.ray_actors_per_node=500"], "at most 104"),
+    (["cluster.cpus_per_gpu=1"], "set cluster.cpus_per_gpu >= 2"),   # trainer shard + engine actor per bundle
     (["cluster.layout=\"separate\"", "cluster.trainer_gpus=31", "rollout.num_engines=16",
       "rollout.weight_sync=\"nccl\""], "multiple of"),
 ])
@@ -88,3 +89,24 @@ def test_cpu_only_layout_runs_engines_in_the_driver():
         load_config("tiny", ["rollout.tensor_parallel_size=2"])
     with pytest.raises(LayoutError, match="needs GPUs"):
         compute_layout(load_config("tiny", ["rollout.tensor_parallel_size=2", 'rollout.engine="vllm"']))
+
+
+@pytest.mark.parametrize("overrides", [
+    [],
+    ["rollout.tensor_parallel_size=1", "rollout.num_engines=64"],
+    ['cluster.layout="separate"', "cluster.trainer_gpus=32", 'rollout.weight_sync="nccl"', "rollout.num_engines=16",
+     "cluster.cpus_per_gpu=1"],                                      # one actor per bundle: 1 CPU is enough
+])
+def test_every_bundle_holds_the_cpus_its_actors_ask(overrides):
+    """The CPUs the real option builders ask of each GPU bundle fit it (else Ray leaves one pending)."""
+    from rstar2_core.cluster.engines import engine_actor_options
+    from rstar2_core.cluster.trainer import trainer_shard_options
+
+    lay = compute_layout(load_config("qwen3-14b-mi300x", overrides))
+    demand = Counter()
+    for s in lay.trainer_shards:
+        demand[(s.node, s.bundle_index)] += trainer_shard_options(s, None)["num_cpus"]
+    for e in lay.engines:
+        demand[(e.node, e.bundle_indices[0])] += engine_actor_options(e, None, "ipc")["num_cpus"]
+    cap = {(pg.node, i): b.cpus for pg in lay.placement_groups for i, b in enumerate(pg.bundles)}
+    assert demand and all(d <= cap[k] for k, d in demand.items())

@@ -1,6 +1,7 @@
 """Placement groups and ActorGroup on a local Ray: a killed actor surfaces as a retryable ActorFailure,
-the group is shut down with it (no actor process left), placement groups are freed, and a layout the
-cluster cannot hold times out with a message listing the free resources."""
+the group is shut down with it (no actor process left), placement groups are freed, a layout the
+cluster cannot hold times out with a message listing the free resources, and an actor whose constructor
+raises a ValueError/TypeError (bad config) fails with ActorConfigError, which is not retried."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import time
 import psutil
 import pytest
 
-from rstar2_core.cluster.errors import ActorFailure, PlacementTimeout
-from rstar2_core.cluster.layout import compute_layout
+from rstar2_core.cluster.errors import ActorConfigError, ActorFailure, ActorStartTimeout, PlacementTimeout
+from rstar2_core.cluster.layout import LayoutError, compute_layout
 from rstar2_core.config import load_config
 
 pytestmark = pytest.mark.slow
@@ -24,6 +25,10 @@ class Worker:
 
     def ping(self) -> str:
         return "pong"
+
+    def block(self, seconds: float) -> int:
+        time.sleep(seconds)      # stands in for a rank blocked in a collective its dead peer never joins
+        return 1
 
 
 def _gone(pid: int, timeout: float = 15.0) -> bool:
@@ -89,3 +94,102 @@ def test_unsatisfiable_layout_times_out_and_frees_what_it_made(local_ray):
     time.sleep(0.5)
     after = {k for k, v in ray.util.placement_group_table().items() if v["state"] != "REMOVED"}
     assert after <= before
+
+
+class _FailsToStart:
+    def __init__(self, exc: BaseException):
+        raise exc
+
+
+@pytest.mark.parametrize("exc, config", [
+    (ValueError("bf16 needs a GPU: set model.dtype = \"float32\"\n(second line)"), True),
+    (TypeError("__init__() got an unexpected keyword argument 'tp'"), True),
+    (LayoutError("set rollout.num_engines = 32"), True),         # a ValueError subclass, module-qualified
+    (RuntimeError("CUDA error: an illegal memory access"), False),  # not a config error: still retried
+])
+def test_constructor_config_errors_are_not_retried(ray_here, exc, config):
+    retry = pytest.importorskip("tasks.retry")
+    from rstar2_core.cluster.placement import ActorGroup
+
+    group = ActorGroup(None)
+    group.spawn("engine-0", Worker, num_cpus=0)
+    h = group.spawn("engine-1", _FailsToStart, exc, num_cpus=0)
+    with pytest.raises((ActorConfigError, ActorFailure)) as ei:
+        group.get([group.actors["engine-0"].ping.remote(), h.__ray_ready__.remote()], ["engine-0", "engine-1"],
+                  timeout=120)
+    err = ei.value
+    assert err.actor == "engine-1" and group.actors == {}
+    if config:
+        assert isinstance(err, ActorConfigError) and isinstance(err, ValueError)
+        assert f"{type(exc).__name__}: {str(exc).splitlines()[0]}" in str(err)
+        assert not retry.is_infrastructure_error(err)
+    else:
+        assert isinstance(err, ActorFailure) and retry.is_infrastructure_error(err)
+
+
+def _slow_engine(i):
+    def make():
+        if i == 1:
+            time.sleep(120)      # engine 1 never finishes building within the test's timeout
+        return object()
+    return make
+
+
+def test_engines_not_ready_in_time_raise_a_retryable_error_naming_them(ray_here):
+    """The colocated hang of cluster.cpus_per_gpu = 1: a trainer shard holds the bundle's only CPU, so
+    the engine actor asking 1 CPU of the same bundle is never scheduled; the readiness wait gives up after
+    its timeout, names the engine and shuts the group down. A second engine still constructing is named
+    too; the one that started is not."""
+    retry = pytest.importorskip("tasks.retry")
+    from rstar2_core.cluster.engines import start_engines
+    from rstar2_core.cluster.layout import Bundle, ClusterLayout, EngineSlot, PlacementGroupSpec
+    from rstar2_core.cluster.placement import ActorGroup, bundle_strategy
+
+    layout = ClusterLayout("colocated", 1, 0, 2, (PlacementGroupSpec("t-ready", 0, (Bundle(0, 1, "gpu"),)),),
+                           (EngineSlot(0, 0, (), 1, 0.0), EngineSlot(1, 0, (), 1, 0.0), EngineSlot(2, 0, (0,), 1, 0.0)),
+                           (), ())
+    group = ActorGroup(layout, timeout_s=60, prefix="t-ready-")
+    pgs = list(group.pgs)
+    group.spawn("trainer-0", Worker, num_cpus=1, **bundle_strategy(group.pg(0), 0))   # takes the bundle's CPU
+    assert group.call_all("ping") == ["pong"]
+    t0 = time.monotonic()
+    with pytest.raises(ActorStartTimeout) as ei:   # 15 s: room for an actor process to start on a loaded machine
+        start_engines(group, layout, factory=_slow_engine, ready_timeout_s=15)
+    assert time.monotonic() - t0 < 60
+    err = ei.value
+    assert err.actors == ["engine-1", "engine-2"] and "cluster.placement_timeout_s" in str(err)
+    assert retry.is_infrastructure_error(err)
+    assert group.actors == {} and group.pgs == [] and _pg_states(ray_here, pgs) == {"REMOVED"}
+
+
+def test_trainer_shards_not_placed_in_time_raise_a_retryable_error(ray_here):
+    """A shard Ray cannot place (here: half a GPU on a CPU-only Ray) fails the trainer's start after the
+    timeout instead of blocking the rendezvous forever."""
+    from rstar2_core.cluster.layout import ClusterLayout, TrainerShard
+    from rstar2_core.cluster.placement import ActorGroup
+    from rstar2_core.cluster.trainer import TrainerGroup
+
+    layout = ClusterLayout("colocated", 1, 0, 2, (), (), (TrainerShard(0, 0, -1, 0.0), TrainerShard(1, 0, -1, 0.5)),
+                           ())
+    group = ActorGroup(None)
+    with pytest.raises(ActorStartTimeout, match="trainer shards trainer-1 not ready within 15 s") as ei:
+        TrainerGroup(group, layout, dict, {}, None, ready_timeout_s=15)
+    assert ei.value.actors == ["trainer-1"] and group.actors == {}
+
+
+def test_a_blocked_live_rank_is_not_blamed_for_its_dead_peer(ray_here, kill_and_wait):
+    """Under NCCL the surviving rank sits in the collective its dead peer never joins and cannot answer
+    `__ray_ready__`: the failure names the dead rank, not the first busy one."""
+    from rstar2_core.cluster.placement import ActorGroup
+
+    group = ActorGroup(None)
+    for i in range(2):
+        group.spawn(f"trainer-{i}", Worker, num_cpus=0)
+    assert group.call_all("ping") == ["pong", "pong"]
+    blocked = group.actors["trainer-0"].block.remote(120)
+    kill_and_wait(ray_here, group.actors["trainer-1"])
+    t0 = time.monotonic()
+    with pytest.raises(ActorFailure) as ei:
+        group.get([blocked, group.actors["trainer-1"].ping.remote()], ["trainer-0", "trainer-1"], timeout=60)
+    assert ei.value.actor == "trainer-1"
+    assert time.monotonic() - t0 < 30 and group.actors == {}

@@ -5,115 +5,19 @@ the weight-sync RPCs, KV capacity, and the error when vLLM is missing. Not check
 from __future__ import annotations
 
 import asyncio
-import enum
 import importlib
 import sys
-import types
 from types import SimpleNamespace
-from typing import ClassVar
 
 import pytest
+from vllm_fake import FakeAsyncLLM, RequestOutputKind, install_fake_vllm
 
 from rstar2_core.rollout.types import SamplingParams
 
 
-class _Kind(enum.Enum):
-    CUMULATIVE = 0
-    DELTA = 1
-    FINAL_ONLY = 2
-
-
-class FakeAsyncLLM:
-    """Emits prompt[-1]+1, +2, ... until a stop id, a stop string (when the text has one) or max_tokens."""
-
-    instances: ClassVar[list[FakeAsyncLLM]] = []
-
-    def __init__(self, args):
-        self.args, self.calls, self.aborted, self.rpcs, self.resets, self.loops = args, [], [], [], 0, set()
-        self.vllm_config = SimpleNamespace(cache_config=SimpleNamespace(num_gpu_blocks=100, block_size=16))
-        self.shut = False
-        self.events: list = []
-        FakeAsyncLLM.instances.append(self)
-
-    @classmethod
-    def from_engine_args(cls, args):
-        return cls(args)
-
-    async def generate(self, prompt, sampling_params, request_id):
-        self.loops.add(asyncio.get_running_loop())
-        self.calls.append((prompt, sampling_params, request_id))
-        sp = sampling_params
-        if sp.max_tokens == 999:          # a request that never finishes (for the cancel test)
-            await asyncio.sleep(30)
-        ids, lps, reason, stop = [], [], "length", None
-        for i in range(sp.max_tokens):
-            tok = prompt["prompt_token_ids"][-1] + 1 + i
-            ids.append(tok)
-            lps.append({tok: SimpleNamespace(logprob=-0.1 * (i + 1)), 0: SimpleNamespace(logprob=-9.0)})
-            if tok in sp.stop_token_ids:
-                reason, stop = "stop", tok
-                break
-            if "x" in sp.stop and tok == 50:
-                reason, stop = "stop", "x"
-                break
-        yield SimpleNamespace(outputs=[SimpleNamespace(token_ids=ids, logprobs=lps, finish_reason=reason,
-                                                       stop_reason=stop)])
-
-    async def abort(self, request_id):
-        self.aborted.append(request_id)
-
-    async def collective_rpc(self, method, args=()):
-        self.rpcs.append((method, args))
-
-    async def reset_prefix_cache(self):
-        self.resets += 1
-        self.events.append("reset")
-
-    async def init_weight_transfer_engine(self, request):
-        self.events.append(("init", request.init_info))
-
-    async def update_weights(self, request):
-        self.events.append(("update", request.update_info))
-
-    async def pause_generation(self, mode="abort"):
-        self.events.append(("pause", mode))
-
-    async def resume_generation(self):
-        self.events.append("resume")
-
-    async def sleep(self, level=1):
-        self.events.append(("sleep", level))
-
-    async def wake_up(self, tags=None):
-        self.events.append(("wake_up", tags))
-
-    def shutdown(self):
-        self.shut = True
-
-
 @pytest.fixture
 def fake_vllm(monkeypatch):
-    vllm = types.ModuleType("vllm")
-    sp_mod = types.ModuleType("vllm.sampling_params")
-    sp_mod.RequestOutputKind = _Kind
-    vllm.sampling_params = sp_mod
-    vllm.SamplingParams = lambda **kw: SimpleNamespace(**kw)
-    vllm.TokensPrompt = lambda **kw: dict(**kw)
-    vllm.AsyncEngineArgs = lambda **kw: SimpleNamespace(**kw)
-    vllm.AsyncLLMEngine = FakeAsyncLLM
-    config_mod = types.ModuleType("vllm.config")
-    config_mod.WeightTransferConfig = lambda backend: SimpleNamespace(backend=backend)
-    base_mod = types.ModuleType("vllm.distributed.weight_transfer.base")
-    base_mod.WeightTransferInitRequest = lambda init_info: SimpleNamespace(init_info=init_info)
-    base_mod.WeightTransferUpdateRequest = lambda update_info: SimpleNamespace(update_info=update_info)
-    monkeypatch.setitem(sys.modules, "vllm", vllm)
-    monkeypatch.setitem(sys.modules, "vllm.sampling_params", sp_mod)
-    monkeypatch.setitem(sys.modules, "vllm.config", config_mod)
-    monkeypatch.setitem(sys.modules, "vllm.distributed", types.ModuleType("vllm.distributed"))
-    monkeypatch.setitem(sys.modules, "vllm.distributed.weight_transfer",
-                        types.ModuleType("vllm.distributed.weight_transfer"))
-    monkeypatch.setitem(sys.modules, "vllm.distributed.weight_transfer.base", base_mod)
-    FakeAsyncLLM.instances.clear()
+    install_fake_vllm(monkeypatch)
     from rstar2_core.rollout import vllm_engine
     return vllm_engine
 
@@ -141,7 +45,7 @@ def test_requests_are_token_in_token_out_and_outputs_convert(fake_vllm):
     assert prompt == {"prompt_token_ids": [7, 40]}
     assert (sp.max_tokens, sp.temperature, sp.top_p, sp.seed, sp.n) == (5, 0.6, 0.9, 4, 1)
     assert sp.stop == ["x"] and sp.stop_token_ids == [43] and sp.include_stop_str_in_output
-    assert sp.logprobs == 0 and sp.output_kind is _Kind.FINAL_ONLY and not sp.skip_special_tokens
+    assert sp.logprobs == 0 and sp.output_kind is RequestOutputKind.FINAL_ONLY and not sp.skip_special_tokens
     assert sp.detokenize and not fake.calls[1][1].detokenize      # detokenize only when stop strings need it
     assert len({c[2] for c in fake.calls}) == 3
     assert len(fake.loops) == 1 and fake.loops.pop() is eng._loop   # vLLM runs on the engine's own loop

@@ -1,0 +1,232 @@
+"""vLLM weight transfer on the Ray runtime (cluster/weight_sync.py), driven end to end in one process: the
+real `NCCLSync` / `IPCSync` drivers, the real per-rank steps (`_nccl_trainer_init`, `_nccl_send`,
+`_ipc_bucket`, `_ipc_release`, `_param_meta`) run through the real `TrainerShardActor.call`, and the real
+`EngineActor` + `VLLMEngine` over the fake `vllm` of tests/vllm_fake.py. Faked: the processes (calls run
+in place), vLLM's NCCL trainer engine (records what it is asked to send), CUDA (each rank's GPU UUID,
+`reduce_tensor` handles) and ZeRO-3's gather. What is checked: what each engine is told per push or per
+bucket, the rank offsets of the NCCL group, which ranks' handles (by GPU UUID) reach which engine, what
+rank 0 sends, that every rank takes part in each gather, and that the IPC buckets are released.
+Not checked: real NCCL/CUDA IPC or vLLM (no GPU here)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+from vllm_fake import FakeAsyncLLM, FakeNCCLWeightTransferEngine, InProcessEngine, install_fake_vllm
+
+from rstar2_core.config import load_config
+
+_RANK = {"current": 0}     # the rank whose step is running: its "GPU" for the faked CUDA calls
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(3)
+    m = nn.Module()
+    m.lin = nn.Linear(4, 3)                                   # float32: 48 + 12 bytes
+    m.emb = nn.Embedding(5, 2).to(torch.bfloat16)             # bfloat16: 20 bytes
+    return m
+
+
+class _Shard:
+    """Ray's view of a TrainerShardActor, in process: `.<method>.remote(...)` runs the real method."""
+
+    def __init__(self, actor):
+        self.actor = actor
+
+    def __getattr__(self, method):
+        def run(*args):
+            if method == "address":
+                return ("10.0.0.1", 29500)
+            _RANK["current"] = self.actor.rank
+            return getattr(self.actor, method)(*args)
+        return SimpleNamespace(remote=run)
+
+
+class _Trainer:
+    """TrainerGroup's surface that the syncs use (`group.get`, `actor(r)`, `names`, `world`)."""
+
+    def __init__(self, world: int, zero_stage: int = 2):
+        from rstar2_core.cluster.trainer import TrainerShardActor
+
+        self.world, self.names, self.group = world, [f"trainer-{r}" for r in range(world)], self
+        self.shards = []
+        for r in range(world):
+            a = TrainerShardActor(r, world, None, {}, None)
+            a.backend = SimpleNamespace(engine=SimpleNamespace(module=_model()), zero_stage=zero_stage)
+            self.shards.append(a)
+
+    def get(self, refs, names):
+        return refs
+
+    def actor(self, r):
+        return _Shard(self.shards[r])
+
+
+def _engines(n: int, tp: int, transfer: str):
+    from rstar2_core.cluster.engines import EngineActor
+    from rstar2_core.rollout.vllm_engine import VLLMEngine
+
+    actors = [EngineActor(None, factory=lambda: VLLMEngine("/ckpt", tensor_parallel_size=tp, weight_transfer=transfer))
+              for _ in range(n)]
+    return [InProcessEngine(a, f"engine-{i}", tp) for i, a in enumerate(actors)]
+
+
+def _close(engines):
+    for e in engines:
+        asyncio.run(e._actor.close())
+
+
+def _updates(fake) -> list[dict]:
+    return [ev[1] for ev in fake.events if isinstance(ev, tuple) and ev[0] == "update"]
+
+
+META = (["lin.weight", "lin.bias", "emb.weight"], ["float32", "float32", "bfloat16"], [[3, 4], [3], [5, 2]],
+        [48, 12, 20])
+
+
+# ------------------------------------------------------------------------------------------------ nccl
+def test_nccl_joins_one_group_at_rank_offsets_and_rank_0_sends_every_parameter(monkeypatch):
+    install_fake_vllm(monkeypatch)
+    from rstar2_core.cluster.weight_sync import NCCLSync, _param_meta
+
+    cfg = load_config("qwen3-14b-mi300x", ["cluster.nodes=1", 'cluster.layout="separate"', "cluster.trainer_gpus=2",
+                                           "rollout.num_engines=3", 'rollout.weight_sync="nccl"'])
+    trainer, engines = _Trainer(2), _engines(3, 2, "nccl")
+    assert _param_meta(trainer.shards[0]) == META
+    sync = NCCLSync(SimpleNamespace(cfg=cfg, engines=engines, trainer=trainer))
+    for push in range(2):
+        rep = sync.push()
+        assert rep.mode == "nccl" and rep.bytes == 80 and len(rep.engine_seconds) == 3
+        # set up once: trainer rank 0 is rank 0 of a 7-rank group, engine i's 2 TP workers from 1 + 2i
+        assert FakeNCCLWeightTransferEngine.inits == [{"master_address": "10.0.0.1", "master_port": 29500,
+                                                       "world_size": 7}]
+        assert "nccl_group" in trainer.shards[0].extras and "nccl_group" not in trainer.shards[1].extras
+        for i, fake in enumerate(FakeAsyncLLM.instances):
+            inits = [ev[1] for ev in fake.events if isinstance(ev, tuple) and ev[0] == "init"]
+            assert inits == [{"master_address": "10.0.0.1", "master_port": 29500, "rank_offset": 1 + 2 * i,
+                              "world_size": 7}]
+            assert _updates(fake) == [{"names": META[0], "dtype_names": META[1], "shapes": META[2],
+                                       "packed": True}] * (push + 1)
+        # one send per push, from rank 0 only, on the group it joined, every parameter in order
+        assert len(FakeNCCLWeightTransferEngine.sent) == push + 1
+        sent, args = FakeNCCLWeightTransferEngine.sent[-1]
+        assert args.group is trainer.shards[0].extras["nccl_group"] and args.packed
+        module = trainer.shards[0].backend.engine.module
+        assert [n for n, _ in sent] == META[0]
+        for (n, t), (_, p) in zip(sent, module.named_parameters()):
+            assert torch.equal(t, p.detach())
+    _close(engines)
+
+
+def test_zero3_every_rank_gathers_each_parameter_and_meta_uses_the_full_shapes(monkeypatch):
+    """Under ZeRO-3 a rank holds a partition (`p.data` empty, `ds_shape` the full shape): the meta comes
+    from `ds_shape` without gathering, and each send walks the parameters one `GatheredParameters` at a
+    time on every rank (a collective), rank 0 sending what was gathered."""
+    deepspeed = pytest.importorskip("deepspeed")
+    install_fake_vllm(monkeypatch)
+    from rstar2_core.cluster.weight_sync import NCCLSync, _param_meta
+
+    trainer = _Trainer(2, zero_stage=3)
+    full = {r: {n: p.data.clone() for n, p in s.backend.engine.module.named_parameters()}
+            for r, s in enumerate(trainer.shards)}
+    for s in trainer.shards:                       # partitioned: nothing local, the full shape kept aside
+        for p in s.backend.engine.module.parameters():
+            p.ds_shape = tuple(p.shape)
+            p.data = torch.empty(0, dtype=p.dtype)
+    gathers: list[tuple[int, str]] = []
+
+    @contextlib.contextmanager
+    def gathered(params, modifier_rank=None):
+        (p,) = params
+        rank = _RANK["current"]
+        name = next(n for n, q in trainer.shards[rank].backend.engine.module.named_parameters() if q is p)
+        gathers.append((rank, name))
+        p.data = full[rank][name].clone()
+        yield
+        p.data = torch.empty(0, dtype=p.dtype)
+
+    monkeypatch.setattr(deepspeed.zero, "GatheredParameters", gathered)
+    assert _param_meta(trainer.shards[0]) == META and gathers == []
+    cfg = load_config("qwen3-14b-mi300x", ["cluster.nodes=1", 'cluster.layout="separate"', "cluster.trainer_gpus=2",
+                                           "rollout.num_engines=3", 'rollout.weight_sync="nccl"'])
+    engines = _engines(3, 2, "nccl")
+    NCCLSync(SimpleNamespace(cfg=cfg, engines=engines, trainer=trainer)).push()
+    assert sorted(gathers) == sorted((r, n) for r in range(2) for n in META[0])
+    (sent, _), = FakeNCCLWeightTransferEngine.sent
+    assert [n for n, _ in sent] == META[0]
+    for n, t in sent:
+        assert torch.equal(t, full[0][n])
+    _close(engines)
+
+
+# ------------------------------------------------------------------------------------------------- ipc
+def test_ipc_buckets_carry_the_colocated_ranks_handles_by_gpu_uuid_and_are_released(monkeypatch):
+    install_fake_vllm(monkeypatch)
+    from torch.multiprocessing import reductions
+
+    from rstar2_core.cluster import weight_sync
+    from rstar2_core.cluster.layout import compute_layout
+
+    shared: list[tuple] = []     # what each handle points at: (GPU uuid, tensor)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: _RANK["current"])
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(uuid=f"GPU-{i}"))
+    monkeypatch.setattr(reductions, "reduce_tensor",
+                        lambda t: shared.append((f"GPU-{_RANK['current']}", t)) or ("handle", len(shared) - 1))
+    monkeypatch.setattr(weight_sync, "IPC_BUCKET_BYTES", 60)           # lin.weight + lin.bias | emb.weight
+    cfg = load_config("qwen3-14b-mi300x", ["cluster.nodes=1", "rollout.num_engines=4"])
+    layout = compute_layout(cfg)
+    trainer, engines = _Trainer(8), _engines(4, 2, "ipc")
+    sync = weight_sync.IPCSync(SimpleNamespace(cfg=cfg, engines=engines, trainer=trainer, layout=layout))
+    rep = sync.push()
+    assert rep.mode == "ipc" and rep.bytes == 80
+    buckets = [(["lin.weight", "lin.bias"], ["float32", "float32"], [[3, 4], [3]]),
+               (["emb.weight"], ["bfloat16"], [[5, 2]])]
+    module = trainer.shards[0].backend.engine.module
+    params = dict(module.named_parameters())
+    for i, fake in enumerate(FakeAsyncLLM.instances):         # engine i's TP workers sit on GPUs 2i, 2i+1
+        ups = _updates(fake)
+        assert [(u["names"], u["dtype_names"], u["shapes"]) for u in ups] == buckets
+        for u in ups:
+            for name, handles in zip(u["names"], u["ipc_handles"]):
+                assert set(handles) == {f"GPU-{2 * i}", f"GPU-{2 * i + 1}"}
+                for uuid, (_, k) in handles.items():
+                    gpu, tensor = shared[k]
+                    assert gpu == uuid and torch.equal(tensor, params[name].detach())
+        # each bucket loads with generation paused and the prefix cache reset
+        assert [ev if isinstance(ev, str) else ev[0] for ev in fake.events] == ["pause", "update", "reset",
+                                                                              "resume"] * 2
+    assert len(shared) == 8 * 3                   # every rank shares every parameter once, bucket by bucket
+    assert all("ipc_held" not in s.extras for s in trainer.shards)   # released after each bucket
+    _close(engines)
+
+
+def test_ipc_holds_each_bucket_until_the_engines_loaded_it(monkeypatch):
+    """The shared copies must outlive the engines' load (a freed tensor's handle points at reused memory)."""
+    install_fake_vllm(monkeypatch)
+    from torch.multiprocessing import reductions
+
+    from rstar2_core.cluster import weight_sync
+    from rstar2_core.cluster.layout import compute_layout
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: _RANK["current"])
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(uuid=f"GPU-{i}"))
+    monkeypatch.setattr(reductions, "reduce_tensor", lambda t: ("handle", id(t)))
+    cfg = load_config("qwen3-14b-mi300x", ["cluster.nodes=1", "rollout.num_engines=4"])
+    trainer, engines = _Trainer(8), _engines(4, 2, "ipc")
+    held_at_load: list[int] = []
+    update = FakeAsyncLLM.update_weights
+
+    async def recording(self, request):
+        held_at_load.append(sum(len(s.extras.get("ipc_held", ())) for s in trainer.shards))
+        await update(self, request)
+
+    monkeypatch.setattr(FakeAsyncLLM, "update_weights", recording)
+    weight_sync.IPCSync(SimpleNamespace(cfg=cfg, engines=engines, trainer=trainer, layout=compute_layout(cfg))).push()
+    assert held_at_load == [8 * 3] * 4          # one bucket (1 GiB default): all 3 tensors held on 8 ranks
+    assert all("ipc_held" not in s.extras for s in trainer.shards)
+    _close(engines)
