@@ -22,7 +22,6 @@ from tasks import registry, tracking
 from tasks.context import RecipeContext, apply_storage_settings
 from tasks.retry import retry_on_infrastructure_error
 from tasks.run_config import drift_notes, locate_store, read_snapshot, write_snapshot
-from tasks.runners import TASK_KINDS
 
 
 def preflight(cfg: Config) -> None:
@@ -36,9 +35,6 @@ def preflight(cfg: Config) -> None:
         if b.url and not storage.exists(b.url):
             problems.append(f"eval.benchmarks.{i}.url = {b.url!r} ({b.name}) does not exist; fix the URL "
                             "or drop the benchmark")
-    unknown = sorted(set(cfg.cluster.resources) - set(TASK_KINDS))
-    if unknown:
-        problems.append(f"cluster.resources has unknown task kinds {unknown}; use {list(TASK_KINDS)}")
     if cfg.model.kind == "hf" and "://" not in (cfg.model.name_or_path or "") and not storage.exists(
             cfg.model.name_or_path or ""):
         problems.append(f"model.name_or_path = {cfg.model.name_or_path!r} does not exist locally")

@@ -26,8 +26,7 @@ from collections.abc import Iterator
 from rstar2_core.cluster.ray_init import RUNTIME_RESOURCE, ray_init_kwargs
 from rstar2_core.config import Config
 from rstar2_core.config.runtime_rules import STAGE_TASKS
-
-TASK_KINDS = ("curate", "sft_data", "base_model", "sft", "rl", "hard_subset", "eval", "register")
+from rstar2_core.config.sections import TASK_KINDS
 
 
 def task_runner(cfg: Config):

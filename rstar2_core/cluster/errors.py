@@ -39,7 +39,7 @@ class PlacementTimeout(TimeoutError):
 
 class ActorConfigError(ValueError):
     """A Ray actor of the stage could not start: its constructor raised a ValueError/TypeError (bad config
-    or arguments), so a retry would fail the same way. `error` is the constructor's `Type: message`."""
+    or arguments) or an ImportError (a package missing on the node), so a retry would fail the same way. `error` is the constructor's `Type: message`."""
 
     def __init__(self, actor: str, error: str):
         self.actor = actor

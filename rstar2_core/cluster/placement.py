@@ -7,8 +7,9 @@ rule and one clean shutdown.
 - `ActorGroup` owns actors and placement groups. `call_all`/`get` turn any actor death (crash, OOM kill,
   `ray.kill`, lost node) into `ActorFailure` (retryable, errors.py) *after* killing every other actor
   of the group and removing its placement groups, so no process is left holding GPU memory while
-  Prefect waits to retry. An actor whose constructor raised a `ValueError`/`TypeError` (bad config)
-  raises `ActorConfigError` instead (not retried; same shutdown first): Ray reports it as a death.
+  Prefect waits to retry. An actor whose constructor raised a `ValueError`/`TypeError` (bad config) or an
+  `ImportError` (a package missing on the node) raises `ActorConfigError` instead (not retried; same
+  shutdown first): Ray reports it as a death.
   `wait_ready(names, timeout_s)` waits for actors to be scheduled and constructed and raises
   `ActorStartTimeout` (retryable) naming those still pending, after the same shutdown (an actor Ray
   cannot place in its bundle would otherwise be waited for forever). `shutdown()` does the same on the
@@ -40,13 +41,15 @@ _ACTOR_DEATHS = tuple(getattr(ray.exceptions, n) for n in
 
 
 _UNAVAILABLE = tuple(getattr(ray.exceptions, n) for n in ("ActorUnavailableError",) if hasattr(ray.exceptions, n))
-_CONFIG_ERRORS = (ValueError, TypeError)   # an actor constructor raising these: bad config, never retried
+# an actor constructor raising these: bad config, or a node image without a package the actor needs (vLLM,
+# DeepSpeed): a retry starts the same actor on the same image, so they are never retried
+_CONFIG_ERRORS = (ValueError, TypeError, ImportError)
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def creation_config_error(e: BaseException) -> str | None:
-    """`"Type: message"` when `e` is an actor death caused by its constructor raising a ValueError or
-    TypeError (subclasses included), else None. Ray keeps only the creation task's traceback text
+    """`"Type: message"` when `e` is an actor death caused by its constructor raising a ValueError,
+    TypeError or ImportError (subclasses included), else None. Ray keeps only the creation task's traceback text
     (`actor_init_failed`, `error_msg`), so the exception's class is read from its last line block and
     resolved by name; an unknown class counts as a real death."""
     if not getattr(e, "actor_init_failed", False):

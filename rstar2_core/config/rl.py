@@ -123,7 +123,7 @@ class RLConfig(_Section):
     backend: Literal["torch", "deepspeed"] = "torch"
     """Actor training backend: `torch` (CPU/one GPU) or `deepspeed` ZeRO."""
     zero_stage: Literal[0, 1, 2, 3] = 2
-    """DeepSpeed ZeRO stage for the actor (3 for 14B)."""
+    """DeepSpeed ZeRO stage for the actor (3 for 14B); with backend = "torch" only the default is accepted."""
     seed: int = 0
     """Seed of prompt sampling, rollout sampling and resampling."""
     max_infra_failure_share: float = Field(0.1, ge=0.0, le=1.0)

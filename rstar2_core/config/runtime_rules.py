@@ -13,6 +13,7 @@ STAGE_TASKS = ("sft", "rl", "hard_subset", "eval")
 """Pipeline tasks that drive a stage through a runtime (their actors hold the GPUs)."""
 
 _DEFAULT_GPU_UTIL = 0.85
+_DEFAULT_ZERO_STAGE = 2      # rl.zero_stage / sft.zero_stage: a value other than the default asks for ZeRO
 
 
 def resolved_weight_sync(cfg: Any) -> str:
@@ -43,6 +44,11 @@ def runtime_problems(cfg: Any) -> list[str]:
     if ws in ("nccl", "ipc") and (ro.engine != "vllm" or not cl.gpus_per_node):
         p.append(f"rollout.weight_sync = \"{ws}\" is vLLM's GPU weight transfer: it needs rollout.engine = \"vllm\" "
                  "and cluster.gpus_per_node > 0; use \"object_store\" or \"checkpoint\"")
+    for section in ("rl", "sft"):
+        sec = getattr(cfg, section)
+        if sec.backend == "torch" and sec.zero_stage != _DEFAULT_ZERO_STAGE:
+            p.append(f"{section}.zero_stage = {sec.zero_stage} applies to {section}.backend = \"deepspeed\"; the torch "
+                     f"backend has no ZeRO: remove it or set {section}.backend = \"deepspeed\"")
     if ws == "checkpoint" and cfg.rl.checkpoint_every != 1:
         p.append(f"rollout.weight_sync = \"checkpoint\" reloads the checkpoint each step publishes, but "
                  f"rl.checkpoint_every = {cfg.rl.checkpoint_every}: set rl.checkpoint_every = 1")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from rstar2_core.config.base import _Section
 
@@ -300,7 +300,7 @@ class SFTConfig(_Section):
     backend: Literal["torch", "deepspeed"] = "torch"
     """`torch` (CPU/one GPU) or `deepspeed` ZeRO (the `deepspeed` extra)."""
     zero_stage: Literal[0, 1, 2, 3] = 2
-    """DeepSpeed ZeRO stage (0/2 run on CPU with gloo; 3 for 14B)."""
+    """DeepSpeed ZeRO stage (0/2 run on CPU with gloo; 3 for 14B); with backend = "torch" only the default is accepted."""
     checkpoint_every: int = Field(0, ge=0)
     """Save a resumable checkpoint every N optimizer steps; 0 = only at the end."""
     seed: int = 0
@@ -402,6 +402,11 @@ class TaskResources(_Section):
     """GPUs the Ray task reserves."""
 
 
+TASK_KINDS = ("curate", "sft_data", "base_model", "sft", "rl", "hard_subset", "eval", "register")
+"""The pipeline's task kinds, the keys of `cluster.resources` (tasks/runners.py submits each kind's tasks
+with its entry)."""
+
+
 class ClusterConfig(_Section):
     ray_address: str | None = None
     """Ray cluster address (`ray://head:10001` or `auto`); None starts a local Ray."""
@@ -428,6 +433,15 @@ class ClusterConfig(_Section):
     """Per-task Ray resources by task name (curate, sft, rl, hard_subset, eval). With runtime = "ray"
     the tasks that drive a stage (sft, rl, hard_subset, eval) only coordinate: their actors get GPUs from
     the layout's placement groups, so these tasks must not reserve GPUs themselves."""
+
+    @field_validator("resources")
+    @classmethod
+    def _known_task_kinds(cls, resources: dict[str, TaskResources]) -> dict[str, TaskResources]:
+        unknown = sorted(set(resources) - set(TASK_KINDS))
+        if unknown:
+            raise ValueError(f"cluster.resources has unknown task kinds {unknown} (no task would use them); "
+                             f"use {list(TASK_KINDS)}")
+        return resources
     runtime: Literal["local", "ray"] = "local"
     """Where a stage's engines, trainer and sandbox run (rstar2_core/runtime/). `local`: in the stage's
     own process (engines as threads, one trainer, the sandbox forked from it): the embedded default, no

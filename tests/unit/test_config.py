@@ -192,3 +192,12 @@ def test_group_affinity_with_the_static_scheduler_is_refused_with_the_fix():
     with pytest.raises(ConfigError, match="group_affinity applies to scheduler"):
         load_config("tiny", ['rollout.scheduler="static"', "rollout.group_affinity=true"])
     assert load_config("tiny", ["rollout.group_affinity=true"]).rollout.group_affinity is True
+
+
+def test_settings_nothing_would_read_are_refused_at_load():
+    with pytest.raises(ConfigError, match="unknown task kinds \\['evall'\\]"):
+        load_config("tiny", ["cluster.resources.evall.num_cpus=1"])
+    for section in ("rl", "sft"):
+        with pytest.raises(ConfigError, match=f"{section}.zero_stage = 3 applies to {section}.backend"):
+            load_config("tiny", [f"{section}.zero_stage=3"])
+    assert load_config("tiny", ["rl.zero_stage=3", "rl.backend=deepspeed"]).rl.zero_stage == 3

@@ -105,6 +105,7 @@ class _FailsToStart:
     (ValueError("bf16 needs a GPU: set model.dtype = \"float32\"\n(second line)"), True),
     (TypeError("__init__() got an unexpected keyword argument 'tp'"), True),
     (LayoutError("set rollout.num_engines = 32"), True),         # a ValueError subclass, module-qualified
+    (ModuleNotFoundError("No module named 'vllm'"), True),         # the node's image lacks the package
     (RuntimeError("CUDA error: an illegal memory access"), False),  # not a config error: still retried
 ])
 def test_constructor_config_errors_are_not_retried(ray_here, exc, config):
