@@ -44,6 +44,7 @@ PIPELINE_KEYS: frozenset[str] = frozenset({
     "curate", "sft-data", "base-model", "sft",  # stage records and MLflow runs (tasks/stages.py)
     "base", "curated",                          # checkpoints/base, data/curated
     "model",                                    # the evaluate flows' evaluation (eval/model, eval-model)
+    "resolved-model",                           # what the evaluate flows resolved, pinned for a retry
     "register", "promotion", "summary",         # records of register-best and of the recipe's summary
     "config", "mlflow", "parent",               # the config snapshot, the MLflow ids folder, the parent run
     "open-failure",                             # an attempt that failed before freezing the config
