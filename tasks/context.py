@@ -19,7 +19,10 @@ from tasks.run_store import RunStore
 @dataclass(frozen=True)
 class RecipeContext:
     """run_id keys the run's storage; config_json/config_digest = the run's config snapshot; attempt =
-    flow-run attempt (1-based); parent_run_id = the recipe's MLflow parent run."""
+    flow-run attempt (1-based); parent_run_id = the recipe's MLflow parent run; state_dir = the state
+    folder the flow resolved when it opened the run (its `$RSTAR2_HOME`): where a snapshot leaves
+    `state_dir` unset, `config()` fills it in, so every task, in any process (a Ray worker with another
+    environment included), uses the flow's storage root and MLflow store, never one of its own."""
 
     run_id: str
     config_json: str
@@ -27,10 +30,13 @@ class RecipeContext:
     attempt: int = 1
     parent_run_id: str | None = None
     flow_run_id: str | None = None
+    state_dir: str | None = None
 
     def config(self) -> Config:
         cfg = config_from_snapshot(json.loads(self.config_json), f"config snapshot of run {self.run_id}",
                                    self.config_digest)
+        if cfg.state_dir is None and self.state_dir is not None:
+            cfg = cfg.model_copy(update={"state_dir": self.state_dir})
         apply_storage_settings(cfg)
         return cfg
 

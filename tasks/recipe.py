@@ -115,7 +115,7 @@ def open_recipe(profile: str, overrides: list[str], run_id: str | None, flow_run
         if notes:
             c.set_tag(parent, f"rstar2.drift.attempt_{attempt}", "\n".join(notes)[:5000])
     return RecipeContext(run_id=rid, config_json=rc.json, config_digest=rc.digest, attempt=attempt,
-                         parent_run_id=parent, flow_run_id=flow_run_id)
+                         parent_run_id=parent, flow_run_id=flow_run_id, state_dir=str(cfg.resolved_state_dir()))
 
 
 def close_recipe(profile: str, overrides: list[str], run_id: str, status: str) -> None:

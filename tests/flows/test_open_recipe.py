@@ -52,3 +52,14 @@ def test_a_retry_after_a_first_attempt_that_failed_before_its_snapshot_starts_af
     data.write_text('{"id": "a", "problem": "1+1", "answer": "2"}\n')  # the fix, then the UI's Retry
     ctx = recipe.open_recipe("tiny", bad, "run-1", "flow-1", attempt=2)
     assert store.read_config_snapshot()["digest"] == ctx.config_digest
+
+
+def test_tasks_use_the_flows_state_folder_whatever_their_own_environment(opened, monkeypatch, tmp_path):
+    home, overrides = opened
+    first = home("home-a")
+    ctx = recipe.open_recipe("tiny", overrides, "run-1", "flow-1", attempt=1)
+    monkeypatch.setenv("RSTAR2_HOME", str(tmp_path / "home-b"))   # a Ray worker started with another home
+    cfg = ctx.config()
+    assert cfg.resolved_storage_root() == (tmp_path / "home-a" / "artifacts").as_uri()
+    assert ctx.store(cfg).root == first.root
+    assert ctx.config_digest == first.read_config_snapshot()["digest"]     # the snapshot itself is unchanged
