@@ -269,7 +269,18 @@ class Template:
             if fd != self.devnull:
                 os.close(fd)
         call.pid = pid
-        call.pidfd = os.pidfd_open(pid)
+        try:
+            call.pidfd = os.pidfd_open(pid)
+        except OSError:   # e.g. out of fds: the child (still waiting for its code) must not outlive the call
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            for fd in (in_w, out_r, err_r, code_w):
+                if fd >= 0:
+                    os.close(fd)
+            if call.nsfd >= 0:      # its namespace goes to the reaper, as a finished call's does
+                self.dead_ns.append(call.nsfd)
+            self.free_slots.append(slot)
+            raise
         self.calls[pid] = call
         for fd, role in ((out_r, "out"), (err_r, "err"), (call.pidfd, "exit")):
             os.set_blocking(fd, False)
