@@ -173,6 +173,9 @@ class _RecordingGroup:
     def wait_ready(self, names, timeout_s, what="actors"):
         return None
 
+    def shutdown(self):
+        self.actors.clear()
+
 
 def _env(opts: dict) -> dict:
     return opts.get("runtime_env", {}).get("env_vars", {})
