@@ -170,7 +170,6 @@ def sft_step(model, backend, batch: int, seq: int, steps: int, device: torch.dev
     tokens in one micro-batch. `tokens_per_s` counts the rows' real tokens (prefix once per row, as the data
     holds them); `computed_tokens_per_s` the tokens the forward ran (prefix once per micro-batch), which
     is what the MFU counts."""
-    from rstar2_core.sft.packing import merge_shared_prefix
     from rstar2_core.sft.step import sft_update
 
     vocab = model.config.vocab_size
@@ -184,8 +183,7 @@ def sft_step(model, backend, batch: int, seq: int, steps: int, device: torch.dev
         if i:  # the first step warms up kernels and allocator
             times.append(time.perf_counter() - t)
     step_s = sorted(times)[len(times) // 2]
-    merged = merge_shared_prefix(rows)
-    computed = merged.n_real if merged is not None else sum(r.n_real for r in rows)
+    computed = m["sft/computed_tokens"]
     return {"step_s": step_s, "tokens_per_s": m["sft/real_tokens"] / step_s, "computed_tokens_per_s": computed / step_s,
             "label_tokens": m["sft/label_tokens"], "loss": m["sft/loss_sum"] / max(1.0, m["sft/label_tokens"]),
             "grad_norm": m["sft/grad_norm"],

@@ -40,24 +40,6 @@ def _open(kind: str, profile: str, overrides: list[str] | None) -> RecipeContext
                        attempt=int(runtime.flow_run.run_count or 1), kind=kind)
 
 
-def resolve_pinned(ctx: RecipeContext, model: str) -> tuple[str, str | None]:
-    """(checkpoint URL, registry version) of `model`, resolved once per flow run: the first attempt records
-    what it resolved (run store key `resolved-model`) and a retry evaluates that, even if an alias such as
-    `champion` has moved since (the retry would otherwise pair the new version with the first attempt's
-    stored report)."""
-    store = ctx.store(ctx.config())
-    pinned = store.record("resolved-model")
-    if pinned is not None:
-        got = pinned["result"]
-        print(f"{model}: evaluating {got['checkpoint_url']} (version {got['version']}), as resolved by attempt "
-              f"{pinned['attempt']} of this flow run")
-        return got["checkpoint_url"], got["version"]
-    checkpoint_url, version = registry.resolve_model(ctx.config(), model)
-    store.save("resolved-model", {"model": model, "checkpoint_url": checkpoint_url, "version": version},
-               attempt=ctx.attempt)
-    return checkpoint_url, version
-
-
 def _evaluate(ctx: RecipeContext, model: str, benchmarks: list[str] | None, k: int | None
               ) -> tuple[dict, EvalReport]:
     """Resolve `model`, run the evaluation task, publish the `evaluation` artifact."""
@@ -66,7 +48,7 @@ def _evaluate(ctx: RecipeContext, model: str, benchmarks: list[str] | None, k: i
     unknown = sorted(set(benchmarks or []) - set(known))
     if unknown:
         raise ConfigError(f"unknown benchmarks {unknown}; the profile defines {known} (eval.benchmarks)")
-    checkpoint_url, version = resolve_pinned(ctx, model)
+    checkpoint_url, version = registry.resolve_pinned(ctx, model)
     report = evaluate_checkpoint.with_options(retries=cfg.pipeline.task_retries)(
         ctx, "model", {"checkpoint_url": checkpoint_url}, benchmarks=benchmarks, k=k,
         label=f"eval {model}" + (f" (version {version})" if version else ""))

@@ -16,10 +16,13 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from prefect import get_run_logger
+
 from rstar2_core import storage
 from rstar2_core.config import Config
 from rstar2_core.eval.run import EvalReport
 from tasks import tracking
+from tasks.context import RecipeContext
 from tasks.modelref import registry_checkpoint
 
 
@@ -120,3 +123,21 @@ def resolve_model(cfg: Config, model: str) -> tuple[str, str | None]:
     if not model.startswith("models:/"):
         return model, None
     return registry_checkpoint(model, cfg.resolved_tracking_uri())
+
+
+def resolve_pinned(ctx: RecipeContext, model: str) -> tuple[str, str | None]:
+    """`resolve_model` once per flow run: the first attempt records what it resolved (run store key
+    `resolved-model`) and a retry returns that, even if an alias such as `champion` moved since (the retry
+    would otherwise pair the new version with the first attempt's stored report)."""
+    cfg = ctx.config()
+    store = ctx.store(cfg)
+    pinned = store.record("resolved-model")
+    if pinned is not None:
+        got = pinned["result"]
+        get_run_logger().info(f"{model}: evaluating {got['checkpoint_url']} (version {got['version']}), as "
+                              f"resolved by attempt {pinned['attempt']} of this flow run")
+        return got["checkpoint_url"], got["version"]
+    checkpoint_url, version = resolve_model(cfg, model)
+    store.save("resolved-model", {"model": model, "checkpoint_url": checkpoint_url, "version": version},
+               attempt=ctx.attempt)
+    return checkpoint_url, version

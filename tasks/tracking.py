@@ -162,7 +162,7 @@ class MetricsLogger:
         now = int(time.time() * 1000)
         for k, v in metrics.items():
             key = metric_key(self.prefix + k)
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and step > self.written.get(key, -1 << 62):
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and step > self.written.get(key, -1):
                 self._pending.append(Metric(key, float(v), now, int(step)))
         if time.monotonic() - self._last >= self.flush_s:
             self.flush()

@@ -13,7 +13,6 @@ STAGE_TASKS = ("sft", "rl", "hard_subset", "eval")
 """Pipeline tasks that drive a stage through a runtime (their actors hold the GPUs)."""
 
 _DEFAULT_GPU_UTIL = 0.85
-_DEFAULT_ZERO_STAGE = 2      # rl.zero_stage / sft.zero_stage: a value other than the default asks for ZeRO
 
 
 def resolved_weight_sync(cfg: Any) -> str:
@@ -46,7 +45,7 @@ def runtime_problems(cfg: Any) -> list[str]:
                  "and cluster.gpus_per_node > 0; use \"object_store\" or \"checkpoint\"")
     for section in ("rl", "sft"):
         sec = getattr(cfg, section)
-        if sec.backend == "torch" and sec.zero_stage != _DEFAULT_ZERO_STAGE:
+        if sec.backend == "torch" and sec.zero_stage != type(sec).model_fields["zero_stage"].default:
             p.append(f"{section}.zero_stage = {sec.zero_stage} applies to {section}.backend = \"deepspeed\"; the torch "
                      f"backend has no ZeRO: remove it or set {section}.backend = \"deepspeed\"")
     if ws == "checkpoint" and cfg.rl.checkpoint_every != 1:

@@ -97,7 +97,7 @@ def clip_text(text: str, max_chars: int) -> str:
 
 
 def evaluate_benchmark(bench: Benchmark, sampler: Any, grade_math: Callable, *, k: int, limits: Any, seed: int,
-                       progress: bool = True, text_chars: int = 4000, max_infra_failure_share: float = 0.05
+                       progress: bool = True, text_chars: int = 4000, max_infra_failure_share: float
                        ) -> tuple[BenchmarkMetrics, tuple[ProblemRow, ...], list[dict]]:
     """Sample k trajectories per problem, grade, aggregate. Returns metrics, rows and sample records.
 

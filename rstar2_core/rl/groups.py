@@ -38,10 +38,6 @@ class StepBatch:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def is_infra_failed(t: Trajectory) -> bool:
-    return t.infra_failed
-
-
 def penalty_of(t: Trajectory) -> float:
     return trajectory_penalty(t.n_tool_calls, t.n_failed_tool_calls, t.n_answer_blocks, max(t.n_turns, 0))
 
@@ -69,7 +65,7 @@ def build_step_batch(groups: Sequence[Sequence[Trajectory]], rewards: Sequence[S
     kept_pos: list[Trajectory] = []
     n_infra = dropped_correct = dropped_wrong = dropped_few = solved = 0
     for g, (group, rs) in enumerate(zip(groups, rewards)):
-        valid = [i for i, t in enumerate(group) if not is_infra_failed(t)]
+        valid = [i for i, t in enumerate(group) if not t.infra_failed]
         n_infra += len(group) - len(valid)
         v_trajs = [group[i] for i in valid]
         v_rewards = [float(rs[i]) for i in valid]

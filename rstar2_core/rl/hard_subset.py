@@ -33,7 +33,6 @@ from rstar2_core.models.io import load_tokenizer
 from rstar2_core.progress import progress_bar
 from rstar2_core.results import DatasetRef
 from rstar2_core.rl.data import load_problems, read_rows
-from rstar2_core.rl.groups import is_infra_failed
 from rstar2_core.rl.stage import engine_seq_len, step_seed
 from rstar2_core.rl.step import grade_groups, infra_failures
 from rstar2_core.rollout.types import RolloutLimits
@@ -102,9 +101,7 @@ async def _count_solved(cfg: Config, stage_index: int, checkpoint_url: str, prob
             grades = grade_groups(rt.grader, groups, [p.answer for p in part])
             infra = infra_failures(groups, grades)
             n = sum(len(g) for g in groups)
-            failed += int(sum(infra[f"infra/{kind}"] for kind in ("engine_errors", "sandbox_errors",
-                                                                 "grader_timeouts", "grader_errors")))
-            total += n
+            failed, total = failed + int(infra["infra/failed"]), total + n
             if failed > cfg.rl.max_infra_failure_share * total:
                 raise InfraFailureShareExceeded(
                     f"hard subset: {failed} of the {total} rollouts so far failed for infrastructure reasons "
@@ -115,5 +112,5 @@ async def _count_solved(cfg: Config, stage_index: int, checkpoint_url: str, prob
                     "samples again; if it repeats, check the engines, the sandbox pool and eval.grader_timeout_s")
             for group, rs in zip(groups, grades.rewards):
                 # an infra-failed rollout is not a success: the problem cannot reach k/k
-                out.append(sum(1 for t, r in zip(group, rs) if r > 0 and not is_infra_failed(t)))
+                out.append(sum(1 for t, r in zip(group, rs) if r > 0 and not t.infra_failed))
     return out, failed

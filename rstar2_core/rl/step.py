@@ -40,7 +40,7 @@ from typing import Any
 from rstar2_core.errors import InfraFailureShareExceeded, StaleEngineWeights
 from rstar2_core.reward.grade import GRADER_FAILURES
 from rstar2_core.rl.data import RLProblem
-from rstar2_core.rl.groups import build_step_batch, is_infra_failed
+from rstar2_core.rl.groups import build_step_batch
 from rstar2_core.rollout.types import RolloutLimits, Trajectory
 from rstar2_core.runtime.usage import step_usage_metrics
 
@@ -83,13 +83,13 @@ def grade_groups(grader: Any, groups: Sequence[Sequence[Trajectory]], answers: S
 
 def infra_failures(groups: Sequence[Sequence[Trajectory]], grades: Grades) -> dict[str, float]:
     """`infra/...` counts of one step: engine errors, sandbox errors, grader timeouts and errors (each
-    trajectory counted once, under its first failure) and their share of the step's trajectories."""
+    trajectory counted once, under its first failure), their sum and its share of the step's trajectories."""
     engine = sandbox = timeouts = errors = 0
     total = 0
     for group, fails in zip(groups, grades.grader_failed):
         for t, fail in zip(group, fails):
             total += 1
-            if is_infra_failed(t):
+            if t.infra_failed:
                 if (t.infra_error or "").startswith("engine"):
                     engine += 1
                 else:
@@ -101,7 +101,7 @@ def infra_failures(groups: Sequence[Sequence[Trajectory]], grades: Grades) -> di
     failed = engine + sandbox + timeouts + errors
     return {"infra/engine_errors": float(engine), "infra/sandbox_errors": float(sandbox),
             "infra/grader_timeouts": float(timeouts), "infra/grader_errors": float(errors),
-            "infra/failed_share": failed / max(1, total)}
+            "infra/failed": float(failed), "infra/failed_share": failed / max(1, total)}
 
 
 async def rl_step(rt: Any, chat: Any, batch: Sequence[RLProblem], *, cfg: Any, limits: RolloutLimits, seed: int,

@@ -63,7 +63,8 @@ def sft_update(backend, rows: Sequence[PackedRow], *, micro_batch_size: int, pad
     block mask instead of segment attention, rows as they are; bench/sft.py). `total_tokens`: the
     batch's label tokens over all ranks (default: these rows'). Returns this rank's `sft/loss_sum`
     (summed token losses), `sft/label_tokens`, `sft/real_tokens`, `sft/grad_norm`, `sft/lr` (the lr of
-    this step)."""
+    this step), `sft/computed_tokens` (the real tokens the forward passes ran: a merged prefix once; a padding
+    pass holds none)."""
     model = backend.model
     p0 = next(model.parameters())
     device = p0.device
@@ -77,11 +78,13 @@ def sft_update(backend, rows: Sequence[PackedRow], *, micro_batch_size: int, pad
                          f"{micro_batch_size} need {len(chunks)}")
     chunks += [[padding_row(pad_id)]] * (need - len(chunks))
     lr = float(getattr(backend, "current_lr", float("nan")))
-    loss_sum = 0.0
+    loss_sum, computed = 0.0, 0
     model.train()
     for chunk in chunks:
         merged = merge_shared_prefix(chunk) if merge_prefix and not dense_mask else None
-        mb = collate([merged] if merged is not None else chunk, device, mask_dtype, dense_mask=dense_mask)
+        run = [merged] if merged is not None else chunk
+        computed += sum(r.n_real for r in run)
+        mb = collate(run, device, mask_dtype, dense_mask=dense_mask)
         # the backward inside the attention switch too: gradient checkpointing re-runs the layers there
         with segment_attention(model) if "segments" in mb else contextlib.nullcontext():
             with backend.autocast():
@@ -90,8 +93,8 @@ def sft_update(backend, rows: Sequence[PackedRow], *, micro_batch_size: int, pad
         loss_sum += float(loss.detach())
     grad_norm = backend.step()
     return {"sft/loss_sum": loss_sum, "sft/label_tokens": float(local),
-            "sft/real_tokens": float(sum(r.n_real for r in rows)), "sft/grad_norm": float(grad_norm),
-            "sft/lr": lr}
+            "sft/real_tokens": float(sum(r.n_real for r in rows)), "sft/computed_tokens": float(computed),
+            "sft/grad_norm": float(grad_norm), "sft/lr": lr}
 
 
 def merge_rank_metrics(per_rank: Sequence[dict[str, float]], tokens: Sequence[float]) -> dict[str, float]:
@@ -100,6 +103,7 @@ def merge_rank_metrics(per_rank: Sequence[dict[str, float]], tokens: Sequence[fl
     labels = sum(m["sft/label_tokens"] for m in per_rank)
     return {"sft/loss": sum(m["sft/loss_sum"] for m in per_rank) / max(1.0, labels),
             "sft/label_tokens": labels, "sft/real_tokens": sum(m["sft/real_tokens"] for m in per_rank),
+            "sft/computed_tokens": sum(m["sft/computed_tokens"] for m in per_rank),
             "sft/grad_norm": per_rank[0]["sft/grad_norm"], "sft/lr": per_rank[0]["sft/lr"]}
 
 
