@@ -5,8 +5,8 @@ queue, and hands each result to the caller's callback. `service.LocalSandbox` is
 - Two kinds of template (`template.py`): *light* preloads only the standard-library part of
   `cfg.preload`; *heavy* preloads all of it (sympy, numpy). A fork costs about twice as much from the
   heavy one, so code is routed by a word match on `cfg.heavy_modules` (`import sympy` -> heavy).
-- Each kind has ceil(workers / 4) templates (a template forks serially; more than one keeps forks
-  from being the bottleneck on big hosts); a call goes to the least-loaded one.
+- Each kind has ceil(workers / 4) templates (a template's zygote clones one child at a time; more
+  than one keeps the clones from being the bottleneck on big hosts); a call goes to the least-loaded one.
 - Pipes are non-blocking, messages length-prefixed pickles, so the service works from any event loop
   or thread; results reach asyncio via the callback (call_soon_threadsafe in service.py).
 - A template that dies (or stops answering for timeout + 10 s) is killed and restarted; calls it had
@@ -302,15 +302,15 @@ class Dispatcher:
         if t.hello is None:
             self.quick_deaths[t.kind] += 1
         msg = f"sandbox {t.kind} template died ({why}, exit {t.proc.returncode})"
-        if t.kind in self.failed_kinds:
-            pass   # not restarted: _schedule answers its calls with the reason
-        elif not self.started.is_set() or self.quick_deaths[t.kind] >= MAX_QUICK_RESTARTS:
-            self.failed_kinds[t.kind] = msg + " before it started"
-            if not self.started.is_set():
-                self.start_error = self.failed_kinds[t.kind]
-                self.started.set()
-        else:
-            self.templates[t.kind][t.index] = self._spawn(t.kind, t.index)
+        # A failed kind is not restarted: _schedule answers its calls with the reason.
+        if t.kind not in self.failed_kinds:
+            if not self.started.is_set() or self.quick_deaths[t.kind] >= MAX_QUICK_RESTARTS:
+                self.failed_kinds[t.kind] = msg + " before it started"
+                if not self.started.is_set():
+                    self.start_error = self.failed_kinds[t.kind]
+                    self.started.set()
+            else:
+                self.templates[t.kind][t.index] = self._spawn(t.kind, t.index)
         for call in sorted(t.inflight.values(), key=lambda c: c.cid, reverse=True):
             self.inflight -= 1
             if call.retried and t.kind not in self.failed_kinds:   # a failed kind: _schedule gives the reason

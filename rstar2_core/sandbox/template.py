@@ -21,7 +21,8 @@ call's child is cloned by the zygote (runtime/sbx_zygote.py), which holds none o
 CLONE_PARENT so that it is this template's child all the same (wait4, rusage, kill). The template
 sends the zygote the call's slot, uid and limits with the call's pipe fds, and writes the code into
 a pipe the child reads after the clone. A call's child thus cannot find another call's code or
-output, running or finished, in its frames, objects or memory.
+output, running or finished, in its frames, objects or memory. A template whose zygote dies stops
+(RuntimeError, idle or not); the service restarts it.
 
 Per call (see docs/sandbox.md for what is and is not isolated):
 - a fresh child from the zygote's `clone(CLONE_PARENT | CLONE_NEWPID | CLONE_NEWIPC)`: the program
@@ -162,7 +163,6 @@ class Template:
         self.procfd = os.open("/proc", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         feats = iso.setup_isolation(self.s, self.procfd)
         self.cs = iso.prepare_calls(feats, self.s, self.procfd)
-        self.call_conf = self.cs.conf
         for name in ("ast", "io", "linecache", "traceback", "types"):  # what _run_program needs
             importlib.import_module(name)
         loaded, missing = [], []
@@ -181,16 +181,13 @@ class Template:
         if feats["uid_drop"]:
             self.uids = [int(self.s["uid_base"]) + i for i in range(int(self.s["slots"]))]
         # Before any request: the zygote's memory holds none, and every call's child is cloned from it.
-        cs = self.cs
-        ns_fds = {fd for fd in (cs.home_mnt, cs.home_net, *cs.slot_net.values()) if fd >= 0}
-        self.zygote = zygote.start(feats, self.call_conf, cs, self.procfd, self.as_base, ns_fds)
-        for fd in ns_fds:   # the zygote's now
-            os.close(fd)
-        cs.home_mnt = cs.home_net = -1
-        cs.slot_net.clear()
+        self.zygote = zygote.start(feats, self.cs, self.procfd, self.as_base)
         for fd in (self.ctrl_in, self.ctrl_out):
             os.set_blocking(fd, False)
         self.sel.register(self.ctrl_in, selectors.EVENT_READ, "ctrl")
+        # Between spawns the zygote sends nothing (spawn reads its answer itself), so its socket turns
+        # readable only when the zygote is gone (EOF): an idle template then stops too.
+        self.sel.register(self.zygote.sock, selectors.EVENT_READ, "zygote")
         self._send({"hello": True, "kind": self.s["kind"], "pid": os.getpid(), "features": feats,
                     "preloaded": loaded, "missing": missing, "vm_mb": self.as_base >> 20,
                     "zygote_pid": self.zygote.pid})
@@ -242,7 +239,7 @@ class Template:
     def _spawn(self, req: dict) -> None:
         slot = self.free_slots.pop()
         self.seq += 1
-        cwd = ("/tmp" if self.call_conf["tmp_opts"]
+        cwd = ("/tmp" if self.cs.conf["tmp_opts"]
                else os.path.join(self.s["workdir"], f"{self.s['kind']}{os.getpid()}-{self.seq}"))
         call = _Call(req, slot, cwd)
         made: list[int] = []
@@ -353,13 +350,16 @@ class Template:
 
     def _kill_uid(self, call: _Call) -> None:
         """Without PID namespaces: kill every process of the call's own uid (daemons that left its
-        process group included), from a short-lived helper running as that uid."""
+        process group included), from a short-lived helper running as that uid. The helper is a fork of
+        this template (other calls' code and output in its memory): it makes itself non-dumpable
+        before it takes the uid, so that no process of that uid can ptrace it or read its memory."""
         if not self.uids:
             return
         uid = self.uids[call.slot]
         pid = os.fork()
         if pid == 0:
             try:
+                iso.libc.prctl(iso.PR_SET_DUMPABLE, 0, 0, 0, 0)
                 os.setgroups([])
                 os.setgid(uid)
                 os.setuid(uid)
@@ -424,7 +424,7 @@ class Template:
         if call.nsfd >= 0:   # its /tmp and /proc go with the namespace, torn down by the reaper
             self.dead_ns.append(call.nsfd)
             call.nsfd = -1
-        if not self.call_conf["tmp_opts"]:   # a private /tmp went away with the call's mount namespace
+        if not self.cs.conf["tmp_opts"]:   # a private /tmp went away with the call's mount namespace
             try:
                 os.rmdir(call.cwd)   # the common case: the program left its directory empty
             except OSError:
@@ -474,6 +474,8 @@ class Template:
                 role = key.data
                 if role == "ctrl":
                     self._read_ctrl()
+                elif role == "zygote":
+                    raise RuntimeError(zygote.DIED)   # as spawn does: the service restarts this template
                 elif role == "ctrl_out":
                     try:
                         self._flush_out()

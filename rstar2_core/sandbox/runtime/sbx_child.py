@@ -1,7 +1,7 @@
-"""The child side of one tool call, run in the fresh process the template cloned (it inherits the
-template's seccomp filter): isolate (its own /tmp and /proc, its slot's network namespace, rlimits,
-uid, no capabilities, no_new_privs, environment, stdio), then run the program as __main__ and print the repr of a last
-expression, as a notebook would. The child always ends in os._exit, never in the template's frames
+"""The child side of one tool call, run in the fresh process the zygote cloned (sbx_zygote.py; it
+inherits the template's seccomp filter): isolate (its own /tmp and /proc, its slot's network
+namespace, rlimits, uid, no capabilities, no_new_privs, environment, stdio), then run the program as
+__main__ and print the repr of a last expression, as a notebook would. The child always ends in os._exit, never in the template's frames
 or the interpreter's exit path (no atexit handler of the program runs). Standard library only; loaded
 by template.py."""
 
@@ -60,14 +60,14 @@ def make_child_stdio() -> tuple:
     return streams
 
 
-def run_child(req: dict, cwd: str, uid: int | None, fds: tuple[int, int, int, int], as_base: int, conf: dict,
-              netfd: int) -> None:
+def run_child(req: dict, fds: tuple[int, int, int, int], as_base: int, conf: dict, netfd: int) -> None:
     """Runs in the fresh child (cloned by the zygote, sbx_zygote.py): isolate, read the program from
-    the code pipe, run it. Never returns. `req`: the call's limits (no code); `fds`: stdin, stdout,
-    stderr and the code pipe's read end; `conf`: the per-call set-up (`tmp_opts`: mount a private
+    the code pipe, run it. Never returns. `req`: the call's spec (slot, uid, cwd, limits; no code);
+    `fds`: stdin, stdout, stderr and the code pipe's read end; `conf`: the per-call set-up (`tmp_opts`: mount a private
     /tmp in the call's own mount namespace, `proc`: and a /proc); `netfd`: this slot's network
     namespace or -1."""
     try:
+        cwd, uid = req["cwd"], req["uid"]
         iso.libc.prctl(iso.PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         os.setsid()
         if netfd >= 0:   # before the dup2s: fd CODE_FD may be one of the zygote's
@@ -127,16 +127,15 @@ def run_child(req: dict, cwd: str, uid: int | None, fds: tuple[int, int, int, in
 def _read_code() -> str:
     """The program, from the code pipe: an 8-byte length, then the UTF-8 text (surrogatepass: lone
     surrogates reach the parser as they were sent). Read as the call's uid, under its limits."""
-    chunks, n = [], 0
+    chunks = []
     while True:
         data = os.read(CODE_FD, 1 << 20)
         if not data:
             break
         chunks.append(data)
-        n += len(data)
     os.close(CODE_FD)
     raw = b"".join(chunks)
-    if n < 8 or int.from_bytes(raw[:8], "big") != n - 8:   # the template died while writing it
+    if len(raw) < 8 or int.from_bytes(raw[:8], "big") != len(raw) - 8:   # the template died while writing it
         os.write(2, b"sandbox set-up failed: the program's code arrived incomplete\n")
         os._exit(EXIT_SETUP)
     return raw[8:].decode("utf-8", "surrogatepass")

@@ -16,8 +16,8 @@ import sys
 import sbx_rootfs
 
 CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x20000, 0x10000000, 0x20000000, 0x40000000
-CLONE_NEWIPC = 0x8000000
-PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_SECCOMP, PR_SET_NO_NEW_PRIVS = 1, 24, 22, 38
+CLONE_NEWIPC, CLONE_PARENT = 0x8000000, 0x8000
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_SECCOMP, PR_SET_NO_NEW_PRIVS = 1, 4, 24, 22, 38
 SECCOMP_MODE_FILTER = 2
 MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 1 << 14, 1 << 18
 CAP_V3 = 0x20080522
@@ -100,6 +100,16 @@ def clone_newpid(extra: int = 0) -> int:
     """fork() into a new PID namespace (the child is its PID 1), and the namespaces of `extra` (0 or
     CLONE_NEWIPC: the only other one the seccomp filter lets through, syscalls.py)."""
     return clone_child(CLONE_NEWPID | extra)
+
+
+def call_clone_flags(f: dict, parent: bool = True) -> int:
+    """The clone flags of a call's child on this host (`f`: the features): a new PID namespace and
+    IPC namespace where the host allows them, and CLONE_PARENT when `parent` (the zygote's clones,
+    so that the child is the template's; the template's start-up probe clones its own child)."""
+    flags = CLONE_PARENT if parent else 0
+    if f["pidns"]:
+        flags |= CLONE_NEWPID | (CLONE_NEWIPC if f["ipcns"] else 0)
+    return flags
 
 
 def clone_child(flags: int) -> int:
@@ -259,8 +269,9 @@ def world_readable_path(path: str) -> bool:
 
 
 class CallSetup:
-    """What the template does for each call: `conf` for sbx_child.run_child, the template's own
-    network and mount namespaces (fds), the slots' network namespaces, the reaper's socket."""
+    """What each call's set-up needs: `conf` for sbx_child.run_child, the template's own network and
+    mount namespaces (fds), the slots' network namespaces (the namespaces go to the zygote, which
+    sets each call up: sbx_zygote.py), the reaper's socket (the template's)."""
 
     def __init__(self):
         self.conf: dict = {"tmp_opts": None, "proc": False, "tmp_links": []}
@@ -268,10 +279,14 @@ class CallSetup:
         self.slot_net: dict[int, int] = {}
         self.reaper: socket.socket | None = None
 
+    def ns_fds(self) -> set[int]:
+        """The namespace fds held here (those the zygote keeps)."""
+        return {fd for fd in (self.home_mnt, self.home_net, *self.slot_net.values()) if fd >= 0}
+
 
 def prepare_calls(f: dict, s: dict, procfd: int) -> CallSetup:
-    """Decide, by probing, what each call's own set-up does (the template's `_spawn`, sbx_child.py),
-    and record it in `f` (the features the template reports)."""
+    """Decide, by probing, what each call's own set-up does (the zygote's, sbx_zygote.py, and the
+    child's, sbx_child.py), and record it in `f` (the features the template reports)."""
     cs = CallSetup()
     confined = f["minimal_root"] is not None
     bpf = s.get("seccomp_bpf") if s.get("confine") else None
@@ -317,15 +332,16 @@ def prepare_calls(f: dict, s: dict, procfd: int) -> CallSetup:
 
 def probe_call_setup(f: dict, tmp_opts: bytes | None, netns_fd: int, filtered: bool, procfd: int,
                      home_mnt: int) -> int:
-    """Run one child through a call's set-up (the template's `_spawn` and sbx_child.py do the same per
-    call): its own mount namespace with /tmp (when `tmp_opts`) and /proc, its slot's network
-    namespace; and, when the template is `filtered`, whether a refused system call is refused in the
-    child. Returns which steps worked (PROBE_* bits)."""
+    """Run one child, cloned by the template itself before the zygote exists, through a call's set-up
+    (the zygote and sbx_child.py do the same per call): the call's clone flags, its own mount
+    namespace with /tmp (when `tmp_opts`) and /proc, its slot's network namespace; and, when the
+    template is `filtered`, whether a refused system call is refused in the child. Returns which
+    steps worked (PROBE_* bits)."""
     nsfd = -1
     try:
         if tmp_opts:
             nsfd = enter_call_mount_ns(procfd)
-        pid = clone_newpid(CLONE_NEWIPC if f["ipcns"] else 0) if f["pidns"] else os.fork()
+        pid = clone_child(call_clone_flags(f, parent=False))
     except OSError:
         pid = -1
     if pid == 0:
@@ -359,17 +375,18 @@ def probe_call_setup(f: dict, tmp_opts: bytes | None, netns_fd: int, filtered: b
 
 
 def enter_call_mount_ns(procfd: int) -> int:
-    """Move the template into a fresh copy of its mount namespace, for the child it clones next, and
-    return an fd to it. The template goes back to its own with setns(home) right after the clone; the
-    fd keeps the namespace alive after the call, so its teardown (an RCU grace period: ~0.2-6 ms on
-    this loaded VM) happens in the reaper, not in the call's exit path (`start_reaper`)."""
+    """Move this process (the zygote; the template for its probe) into a fresh copy of its mount
+    namespace, for the child it clones next, and return an fd to it. It goes back to its own with
+    setns(home) right after the clone; the fd keeps the namespace alive after the call, so its
+    teardown (an RCU grace period: ~0.2-6 ms on this loaded VM) happens in the reaper, not in the
+    call's exit path (`start_reaper`)."""
     unshare(CLONE_NEWNS)
     return os.open("thread-self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC, dir_fd=procfd)
 
 
 def make_mount_ns(procfd: int, home_mnt: int) -> int:
-    """A fresh copy of the template's mount namespace, made ahead of the call that will use it (when
-    the template is idle); the template stays in its own."""
+    """A fresh copy of this process's mount namespace (the zygote's, which is the template's), made
+    ahead of the call that will use it (while the zygote is idle); the caller stays in its own."""
     fd = enter_call_mount_ns(procfd)
     setns(home_mnt, CLONE_NEWNS)
     return fd
@@ -437,7 +454,7 @@ def hand_over(reaper: socket.socket | None, fds: list[int]) -> bool:
 
 def new_netns(procfd: int, home_fd: int) -> int:
     """A fresh network namespace (no interfaces up) for one call slot: returns an fd to it; the
-    template itself goes back to its own (`home_fd`)."""
+    caller (the template for slot 0, the zygote for the others) goes back to its own (`home_fd`)."""
     unshare(CLONE_NEWNET)
     try:
         return os.open("thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC, dir_fd=procfd)

@@ -423,33 +423,49 @@ print(sorted(hits))
 """
 
 
-def _victim(tag: str, sleep_s: float = 0.0) -> tuple[str, str]:
+def _victim(tag: str, hold: str = "") -> tuple[str, str]:
     """A call whose code holds `<tag>CODE<n>END` and whose output is `<tag>OUT<7n>END` (computed: not
-    in the code), and the scan of another call for `tag` (its pattern matches neither)."""
+    in the code), and the scan of another call for `tag` (its pattern matches neither). With `hold`,
+    the call then names its process `hold` (seen from the host: it has printed) and sleeps until it
+    is killed or times out."""
     n = int.from_bytes(os.urandom(3), "big")
-    code = (f"import time\nsecret = '{tag}CODE{n}END'\nprint('{tag}' + 'OUT' + str({n} * 7) + 'END', flush=True)\n"
-            f"time.sleep({sleep_s})")
+    code = f"secret = '{tag}CODE{n}END'\nprint('{tag}' + 'OUT' + str({n} * 7) + 'END', flush=True)\n"
+    if hold:
+        code += f"import ctypes, time\nctypes.CDLL(None).prctl(15, b'{hold}', 0, 0, 0)\ntime.sleep(600)\n"  # PR_SET_NAME
     return code, _SCAN.replace("TAG", tag)
+
+
+def _process_named(name: str, timeout_s: float) -> psutil.Process:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for p in psutil.process_iter(["name"]):
+            if p.info["name"] == name:
+                return p
+        time.sleep(0.05)
+    pytest.fail(f"no process named {name!r} within {timeout_s} s")
 
 
 def test_a_call_cannot_find_a_concurrent_calls_code_or_output(make_cfg):
     """Review t3: a call's child was a fork of the template, whose frames (Template.calls) held every
     running call's request and output so far. Now children are cloned from a zygote that never holds
     a request: the running victim's code and printed output are not reachable from the spy's frames
-    or objects, nor anywhere in its anonymous memory."""
+    or objects, nor anywhere in its anonymous memory. The victim has printed before the spy starts
+    and is still running when it ends (this test then kills it)."""
     tag = "Q" + uuid.uuid4().hex[:8].upper()
-    code, scan = _victim(tag, sleep_s=4.0)
-    with LocalSandbox(make_cfg(preload=["math"], workers=2, timeout_s=20.0, cpu_time_s=20.0,
+    hold = "victim" + tag[1:]
+    code, scan = _victim(tag, hold=hold)
+    with LocalSandbox(make_cfg(preload=["math"], workers=2, timeout_s=30.0, cpu_time_s=20.0,
                                memory_mb=512)) as box:
         out: dict = {}
-        t = threading.Thread(target=lambda: out.update(victim=run(box, code), victim_end=time.monotonic()))
+        t = threading.Thread(target=lambda: out.update(victim=run(box, code)))
         t.start()
-        time.sleep(1.5)   # the victim has started and printed
+        victim = _process_named(hold, timeout_s=20.0)
         spy = run(box, scan)
-        spy_end = time.monotonic()
+        alive = victim.is_running() and victim.status() != psutil.STATUS_ZOMBIE
+        victim.kill()
         t.join()
-    assert out["victim"].stdout.startswith(f"{tag}OUT"), out["victim"]
-    assert spy_end < out["victim_end"], "the spy did not run while the victim was running"
+    assert alive, "the victim ended before the spy did"
+    assert out["victim"].status is Status.KILLED and out["victim"].stdout.startswith(f"{tag}OUT"), out["victim"]
     assert spy.status is Status.OK and spy.stdout == "[]\n", (spy.stdout, spy.stderr[-2000:])
 
 

@@ -92,6 +92,28 @@ def test_a_dead_zygote_takes_its_template_down_and_the_call_is_retried(make_cfg)
     assert not _alive({fresh}), "close() left the zygote running"
 
 
+def test_an_idle_template_whose_zygote_dies_is_restarted_before_the_next_call(make_cfg):
+    """An idle template watches its zygote's socket: when the zygote dies, the template exits at once
+    (before, it reported healthy until its next call) and the dispatcher starts a fresh one, which
+    then runs the next call with no further restart."""
+    with LocalSandbox(make_cfg(preload=["math"], workers=1)) as box:
+        old = box._d.templates["light"][0]
+        os.kill(old.hello["zygote_pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            fresh = box._d.templates["light"][0]
+            if fresh is not old and fresh.hello:
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("the template did not notice that its zygote died")
+        assert old.dead and old.proc.returncode == 1, old.proc.returncode   # it stopped on the error
+        assert fresh.hello["zygote_pid"] != old.hello["zygote_pid"]
+        r = box.run_sync(ExecutionRequest(code="print(6 * 7)", id="r"))
+        assert (r.status, r.stdout) == (Status.OK, "42\n"), r
+        assert box.stats()["sandbox/template_deaths"] == 1 and box.stats()["sandbox/template_starts"] == 2
+
+
 def test_close_and_garbage_collection_stop_every_process(make_cfg):
     box = LocalSandbox(make_cfg(preload=["math"])).start()
     pids, workdir = _pids(box), box._d.workdir
