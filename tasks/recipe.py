@@ -153,9 +153,12 @@ def register_best(ctx: RecipeContext, reports: dict[str, EvalReport]) -> dict:
                                if s != SFT_STAGE or cfg.pipeline.eval_stages == "all"}, bench)
     stage, best = ranked[0]
     c = tracking.client(cfg)
-    for st, rep in reports.items():  # the eval table on the parent run, one metric per stage x benchmark
+    written = tracking.written_steps(cfg, ctx.parent_run_id)   # by an attempt that failed later (registering)
+    for st, rep in reports.items():  # the eval table on the parent run, one metric per stage x benchmark, once
         for b, p in rep.pass1().items():
-            c.log_metric(ctx.parent_run_id, tracking.metric_key(f"eval/{st}/{b}/pass@1"), p)
+            key = tracking.metric_key(f"eval/{st}/{b}/pass@1")
+            if key not in written:
+                c.log_metric(ctx.parent_run_id, key, p)
     decision = store.load("promotion")  # decided once: a retry must not re-judge against itself as champion
     if decision is None:
         p = decide_promotion(stage, best, reports[SFT_STAGE], champion=registry.champion(cfg), benchmark=bench,

@@ -22,6 +22,9 @@ def _ray_infra_errors() -> tuple[type[BaseException], ...]:
         from ray import exceptions as rex
     except ImportError:  # ray is a dependency, but the retry rule must not need it
         return ()
+    # a superset of rstar2_core/cluster/placement.py `_ACTOR_DEATHS` (what the cluster layer treats as an
+    # actor death; tests/unit/cluster/test_placement.py checks it), plus lost objects, system errors, OOM
+    # kills and get timeouts
     names = ("RayActorError", "WorkerCrashedError", "NodeDiedError", "ActorDiedError",
              "ActorUnavailableError", "ObjectLostError", "OwnerDiedError", "RaySystemError",
              "LocalRayletDiedError", "OutOfMemoryError", "GetTimeoutError")

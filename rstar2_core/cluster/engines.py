@@ -23,6 +23,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import Callable
@@ -127,11 +128,19 @@ class RemoteEngine:
     def update_weights(self, weights: dict[str, Any] | str) -> None:
         self.get(self.handle.update_weights.remote(weights))
 
-    async def close(self) -> None:
+    async def close(self, timeout_s: float | None = None) -> None:
+        """Shut the engine down (vLLM stops its workers); `TimeoutError` after `timeout_s` (None:
+        `CLOSE_TIMEOUT_S`) when the actor does not answer."""
         try:
-            await self.handle.close.remote()
+            await asyncio.wait_for(self.handle.close.remote(), CLOSE_TIMEOUT_S if timeout_s is None else timeout_s)
         except _ACTOR_DEATHS:
             pass  # already gone: nothing to close
+
+
+CLOSE_TIMEOUT_S = 30.0
+"""Seconds `RemoteEngine.close` waits for an engine (`RayRuntime.aclose` closes them all at once, then kills
+every actor in any case): an engine stuck in a call that never returns, e.g. in the NCCL weight transfer
+of a peer that died, never answers. As long as the sandbox pool's close waits for its actors."""
 
 
 INSECURE_SERIALIZATION_ENV = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}

@@ -23,6 +23,7 @@ rule and one clean shutdown.
 from __future__ import annotations
 
 import re
+import sys
 import time
 from collections.abc import Iterable
 from typing import Any, Self
@@ -34,6 +35,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rstar2_core.cluster.errors import ActorConfigError, ActorFailure, ActorStartTimeout, PlacementTimeout
 from rstar2_core.cluster.layout import ClusterLayout
 
+# Ray's errors for an actor or its process gone. tasks/retry.py `_ray_infra_errors` keeps its own list
+# (rstar2_core must not import tasks): every name here must be there too, or such a death reaching a task
+# as Ray raised it (not wrapped in ActorFailure) would not be retried (tests/unit/cluster/test_placement.py
+# checks it).
 _ACTOR_DEATHS = tuple(getattr(ray.exceptions, n) for n in
                       ("RayActorError", "ActorDiedError", "ActorUnavailableError", "WorkerCrashedError",
                        "NodeDiedError", "OwnerDiedError", "LocalRayletDiedError")
@@ -41,8 +46,10 @@ _ACTOR_DEATHS = tuple(getattr(ray.exceptions, n) for n in
 
 
 _UNAVAILABLE = tuple(getattr(ray.exceptions, n) for n in ("ActorUnavailableError",) if hasattr(ray.exceptions, n))
-# an actor constructor raising these: bad config, or a node image without a package the actor needs (vLLM,
-# DeepSpeed): a retry starts the same actor on the same image, so they are never retried
+# an actor constructor raising these: bad config (vLLM's engine arguments refused in EngineActor), or a node
+# image without a package the constructor needs (vLLM): a retry starts the same actor on the same image, so
+# they are never retried. TrainerShardActor's constructor only stores its arguments: DeepSpeed's import
+# and backend errors come from its `init()` call, as `RayTaskError(<cause>)` from `get` (no death)
 _CONFIG_ERRORS = (ValueError, TypeError, ImportError)
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -51,7 +58,8 @@ def creation_config_error(e: BaseException) -> str | None:
     """`"Type: message"` when `e` is an actor death caused by its constructor raising a ValueError,
     TypeError or ImportError (subclasses included), else None. Ray keeps only the creation task's traceback text
     (`actor_init_failed`, `error_msg`), so the exception's class is read from its last line block and
-    resolved by name; an unknown class counts as a real death."""
+    resolved by name among the builtins and the modules this process has imported (`_exception_class`);
+    an unknown class counts as a real death."""
     if not getattr(e, "actor_init_failed", False):
         return None
     lines = _ANSI.sub("", str(getattr(e, "error_msg", "") or e)).splitlines()
@@ -71,15 +79,15 @@ def creation_config_error(e: BaseException) -> str | None:
 
 
 def _exception_class(name: str) -> type | None:
+    """The exception class a remote traceback names (`ValueError`, `pkg.mod.LayoutError`), from builtins
+    or a module this process has already imported; else None. Never imports: the name comes from another
+    process's error text, and importing it would run that module's code here (and could raise instead of
+    the death being reported)."""
     import builtins
-    import importlib
 
     module, _, attr = name.rpartition(".")
-    try:
-        owner = importlib.import_module(module) if module else builtins
-    except ImportError:
-        return None
-    cls = getattr(owner, attr, None)
+    owner = sys.modules.get(module) if module else builtins
+    cls = getattr(owner, attr, None) if owner is not None else None
     return cls if isinstance(cls, type) and issubclass(cls, BaseException) else None
 
 

@@ -7,7 +7,8 @@ so they go before the engines reserve KV-cache memory; under ZeRO-3 the model is
 layout's sandbox bundles (cluster/sandbox_pool.py) -> the grader pool in this driver process. If any
 start fails, whatever started is stopped before the error propagates. An actor death later raises
 `ActorFailure` (retryable) from the call that noticed it, after the whole group was shut down; leaving
-the `async with` block stops every actor and removes the placement groups in any case.
+the `async with` block stops every actor and removes the placement groups in any case (each cleanup
+step runs even when one before it fails; a cleanup error never replaces the error being raised).
 
 One runtime per process at a time (`_OPEN`: a second one, e.g. an evaluation running in a thread beside
 the next RL stage, waits for the first to close), and one runtime-driving pipeline task per cluster at
@@ -29,6 +30,7 @@ actor 0 fail every request.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import uuid
@@ -118,8 +120,8 @@ class RayRuntime:
                 placements = [(self.group.pg(s.node), s.bundle_index, s.cpus) for s in self.layout.sandbox_actors]
                 self.sandbox = (sandbox_factory or _ray_sandbox)(cfg.sandbox, placements)
             self.weight_sync = make_weight_sync(self.weight_sync_mode, self) if (trainer and engines) else None
-        except BaseException:
-            self._shutdown()
+        except BaseException as e:
+            self._shutdown(e)
             raise
 
     async def __aenter__(self) -> Self:
@@ -128,13 +130,13 @@ class RayRuntime:
                 await self.sandbox.health()
             if self._want_grader:
                 self.grader = self._grader.open(self.cfg)
-        except BaseException:
-            await self.aclose()
+        except BaseException as e:
+            await self._aclose(e)
             raise
         return self
 
-    async def __aexit__(self, *exc) -> None:
-        await self.aclose()
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        await self._aclose(exc)      # a failure to close does not replace the block's own error
 
     # --------------------------------------------------------------------------------------- steps
     def training(self) -> AbstractContextManager[None]:
@@ -170,27 +172,51 @@ class RayRuntime:
 
     # ------------------------------------------------------------------------------------ closing
     async def aclose(self) -> None:
-        engines, self.engines = self.engines, []
-        for e in engines:
-            try:
-                await e.close()
-            except Exception:   # noqa: BLE001, S110 - the actors are killed next in any case
-                pass
-        self._shutdown()
+        """Close the engines (all at once, each at most `engines.CLOSE_TIMEOUT_S`: the actors are killed
+        next in any case), then stop the rest (`_shutdown`)."""
+        await self._aclose(None)
 
-    def _shutdown(self) -> None:
-        try:
+    async def _aclose(self, error: BaseException | None) -> None:
+        engines, self.engines = self.engines, []
+        results = await asyncio.gather(*(e.close() for e in engines), return_exceptions=True)
+        for e, r in zip(engines, results):
+            if isinstance(r, BaseException):
+                log.warning("%s did not close (%s: %s); its actor is killed", e.name, type(r).__name__, r)
+        self._shutdown(error)
+
+    def _shutdown(self, error: BaseException | None = None) -> None:
+        """Close the sandbox pool and the grader pool, kill every actor and free the placement groups, then
+        release `_OPEN`. Each step runs even when one before it raised: a sandbox close that fails must not
+        leave the actors and placement groups to the next runtime (whose placement would time out). The
+        first cleanup error is raised after all the steps, unless the caller is stopping the runtime
+        because of `error`: then it is logged, and `error` stays the one that propagates."""
+        def close_sandbox():
             if self.sandbox is not None:
                 sb, self.sandbox = self.sandbox, None
                 sb.close()
+
+        def close_grader():
             if self._grader.close():     # the pool this runtime opened (callers may swap `grader`)
                 self.grader = None
-            if self.group is not None:
-                self.group.shutdown()
-        finally:
+
+        def release():
             if self._holds_lock:
                 self._holds_lock = False
                 _OPEN.release()
+
+        first: BaseException | None = None
+        for step in (close_sandbox, close_grader, self.group.shutdown if self.group is not None else None, release):
+            try:
+                if step is not None:
+                    step()
+            except BaseException as e:   # noqa: BLE001 - the later steps must still run; raised below
+                first = first or e
+        if first is None:
+            return
+        if error is None or not isinstance(first, Exception):
+            raise first
+        log.warning("stopping the runtime after %s: %s failed too: %s", type(error).__name__,
+                    type(first).__name__, first)
 
 
 def _ray_sandbox(sandbox_cfg: Any, placements: list[tuple]):

@@ -42,7 +42,9 @@ project. What is tested, in one process (tests/unit/cluster/test_weight_transfer
 `_ipc_release`) through the real `TrainerShardActor.call`, and the real `EngineActor` + `VLLMEngine` over
 a fake `vllm` (tests/vllm_fake.py): what each engine is told per push or bucket, the NCCL rank offsets,
 which ranks' handles (by GPU UUID) reach which engine, what rank 0 sends, that every rank joins each
-ZeRO-3 gather, and that IPC buckets stay alive until loaded, then are released. Faked there: the Ray
+ZeRO-3 gather, that IPC buckets stay alive until loaded, then are released, and that an engine raising
+or dying in its side of the NCCL rendezvous or broadcast fails the sync (after the group shut down)
+instead of leaving it waiting on trainer rank 0, which never leaves the collective. Faked there: the Ray
 processes, vLLM's NCCL trainer engine, CUDA (device UUIDs, `reduce_tensor`) and ZeRO-3's gather; not
 tested: real NCCL, CUDA IPC, vLLM. Newer vLLM examples add `start_weight_update` /
 `finish_weight_update` around an update and a trainer-side IPC factory: check the pinned vLLM's API
@@ -85,6 +87,22 @@ class _Sync:
 
     def _wait_engines(self, refs: list) -> tuple[float, ...]:
         return tuple(float(e.get(r) or 0.0) for e, r in zip(self.engines, refs))
+
+    def _both_sides(self, trainer_refs: list, engine_refs: list) -> list:
+        """The engines' results of one NCCL step whose trainer-rank calls are `trainer_refs`. Both sides
+        are waited on in one `group.get` (the engines are actors of the same group): `ray.get` of a list
+        raises as soon as one result is an error, without waiting for the rest, so the first failure on
+        either side raises at once. Waiting on one side first would block for good when the other side
+        failed: its peers sit in the rendezvous or the broadcast and never return. Any failure shuts the
+        group down before it propagates (a death as `ActorFailure`, like every `group.get`): the survivors
+        cannot leave the collective."""
+        tr = self.trainer
+        try:
+            out = tr.group.get(list(trainer_refs) + list(engine_refs), tr.names + [e.name for e in self.engines])
+        except BaseException:
+            tr.group.shutdown()
+            raise
+        return out[len(trainer_refs):]
 
     def _call_engines(self, method: str, *args: Any) -> None:
         self._wait_engines([e.handle.call.remote(method, *args) for e in self.engines])
@@ -222,8 +240,7 @@ class NCCLSync(_Sync):
         eng = [e.handle.call.remote("init_weight_transfer", addr, port, off, world)
                for e, off in zip(self.engines, offsets)]
         trn = [tr.actor(r).call.remote(_nccl_trainer_init, addr, port, world) for r in range(tr.world)]
-        tr.group.get(trn, tr.names)       # both sides block in the rendezvous: issued together
-        self._wait_engines(eng)
+        self._both_sides(trn, eng)        # both sides block in the rendezvous: issued and waited on together
         self.meta = tr.group.get(tr.actor(0).call.remote(_param_meta), tr.names[0])
 
     def _transfer(self, checkpoint_url):
@@ -234,8 +251,8 @@ class NCCLSync(_Sync):
         tr = self.trainer
         eng = [e.handle.call.remote("receive_weights", {"names": names, "dtype_names": dtypes, "shapes": shapes,
                                                          "packed": True}) for e in self.engines]
-        tr.group.get([tr.actor(r).call.remote(_nccl_send) for r in range(tr.world)], tr.names)
-        return size, self._wait_engines(eng)
+        secs = self._both_sides([tr.actor(r).call.remote(_nccl_send) for r in range(tr.world)], eng)
+        return size, tuple(float(s or 0.0) for s in secs)
 
 
 # -------------------------------------------------------------------------------------------- vLLM: ipc

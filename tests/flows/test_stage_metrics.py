@@ -1,7 +1,8 @@
 """A stage's metrics across a failure and its retry (tasks/stages.py `_run_tracked`, tasks/tracking.py
 `MetricsLogger`): the curves are live while a stage runs, and each step reaches the stage's MLflow run exactly
 once, also when the stage checkpoints only every few steps and the retry resumes from an earlier step than
-the failure. The task bodies run directly (`.fn`, no Prefect server) over the stage doubles."""
+the failure; register-best's eval table reaches the parent run once, also when a failed registration is
+retried. The task bodies run directly (`.fn`, no Prefect server) over the stage doubles."""
 
 from __future__ import annotations
 
@@ -75,3 +76,35 @@ def test_a_stage_that_starts_over_on_a_retry_logs_each_point_once_and_what_it_ha
     stages.curate_data.fn(ctx, label="curate")
     assert tracking.metric_steps(cfg, run_id, "data/kept") == [0]          # not twice
     assert tracking.metric_steps(cfg, run_id, "data/rejected") == [0]      # not lost
+
+
+def test_register_best_retried_after_a_failed_registration_logs_the_eval_table_once(run, monkeypatch):
+    from rstar2_core.eval.compare import primary_benchmark
+    from tasks import registry
+
+    ctx = run(["tracking.registered_model=rstar2-agent-register-retry"])
+    cfg = ctx.config()
+    names = [b.name for b in cfg.eval.benchmarks]
+    reports = {"sft": stage_doubles.fixed_report("file:///ckpt/sft", 0.2, names),
+               "rl-stage-3": stage_doubles.fixed_report("file:///ckpt/rl-3", 0.5, names)}
+    monkeypatch.setattr(registry, "champion", lambda cfg: None)
+    attempts: list[str] = []
+
+    def register(cfg, *, stage, primary_pass1, aliases, **kwargs):
+        attempts.append(stage)
+        if len(attempts) == 1:
+            raise ConnectionError("MLflow registry: 503")       # retryable: Prefect runs the task again
+        return registry.Registration(cfg.tracking.registered_model, 1, stage, "file:///ckpt/rl-3", primary_pass1,
+                                     tuple(aliases))
+
+    monkeypatch.setattr(registry, "register", register)
+    with pytest.raises(ConnectionError):
+        recipe.register_best.fn(ctx, reports)
+    out = recipe.register_best.fn(ctx, reports)
+    assert attempts == ["rl-stage-3", "rl-stage-3"] and out["registration"]["version"] == 1
+    bench = primary_benchmark(cfg.eval)
+    for st in reports:
+        for b in names:
+            assert tracking.metric_steps(cfg, ctx.parent_run_id, f"eval/{st}/{b}/pass@1") == [0], (st, b)
+    assert tracking.client(cfg).get_run(ctx.parent_run_id).data.metrics[
+        tracking.metric_key(f"eval/rl-stage-3/{bench}/pass@1")] == 0.5

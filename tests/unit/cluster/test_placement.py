@@ -1,7 +1,9 @@
 """Placement groups and ActorGroup on a local Ray: a killed actor surfaces as a retryable ActorFailure,
 the group is shut down with it (no actor process left), placement groups are freed, a layout the
 cluster cannot hold times out with a message listing the free resources, and an actor whose constructor
-raises a ValueError/TypeError (bad config) fails with ActorConfigError, which is not retried."""
+raises a ValueError/TypeError (bad config) fails with ActorConfigError, which is not retried (the error
+class named by its traceback is never imported); every actor death this layer knows is retried by the
+pipeline's rule."""
 
 from __future__ import annotations
 
@@ -82,6 +84,44 @@ def test_pipeline_retry_rule_retries_actor_failures():
     assert retry.is_infrastructure_error(PlacementTimeout("no GPUs"))
 
 
+def test_every_actor_death_of_the_cluster_layer_is_retried_by_the_pipeline():
+    """placement._ACTOR_DEATHS and tasks/retry.py's Ray errors are two hand-written lists (rstar2_core may not
+    import tasks): a death the cluster layer knows must be retried when it reaches a task unwrapped."""
+    retry = pytest.importorskip("tasks.retry")
+    from rstar2_core.cluster.placement import _ACTOR_DEATHS
+
+    deaths = {c.__name__ for c in _ACTOR_DEATHS}
+    assert "RayActorError" in deaths
+    assert deaths <= {c.__name__ for c in retry._ray_infra_errors()}
+
+
+def test_a_class_named_by_a_remote_traceback_is_never_imported(tmp_path, monkeypatch):
+    """The constructor's traceback is another process's text: the exception class it names is looked up
+    among the builtins and the modules already imported here, never imported (that would run the module's
+    code in the driver, and a module whose import fails would replace the death being reported)."""
+    import sys
+    from types import SimpleNamespace
+
+    from rstar2_core.cluster.placement import creation_config_error
+
+    (tmp_path / "rstar2_remote_only.py").write_text(
+        "import os\nos.environ['RSTAR2_REMOTE_ONLY_RAN'] = '1'\nraise RuntimeError('no GPU driver here')\n"
+        "class BadArgs(ValueError):\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("RSTAR2_REMOTE_ONLY_RAN", raising=False)
+
+    def death(last_line):
+        return SimpleNamespace(actor_init_failed=True, error_msg=(
+            'Traceback (most recent call last):\n  File "/w/engine.py", line 9, in __init__\n    raise\n' + last_line))
+
+    assert creation_config_error(death("rstar2_remote_only.BadArgs: tensor_parallel_size 3")) is None   # a real death
+    assert "rstar2_remote_only" not in sys.modules and "RSTAR2_REMOTE_ONLY_RAN" not in os.environ
+    assert creation_config_error(death("no_such_pkg.Error: x")) is None
+    assert creation_config_error(death("ValueError: bad")) == "ValueError: bad"
+    layout_error = "rstar2_core.cluster.layout.LayoutError: set rollout.num_engines = 32"
+    assert creation_config_error(death(layout_error)) == layout_error
+
+
 def test_unsatisfiable_layout_times_out_and_frees_what_it_made(local_ray):
     ray = local_ray
     from rstar2_core.cluster.placement import create_placement_groups
@@ -102,7 +142,9 @@ class _FailsToStart:
 
 
 @pytest.mark.parametrize("exc, config", [
-    (ValueError("bf16 needs a GPU: set model.dtype = \"float32\"\n(second line)"), True),
+    # vLLM's engine arguments refused while EngineActor builds its engine
+    (ValueError("User-specified max_model_len (40960) is greater than the derived max_model_len (32768)\n"
+                "(second line)"), True),
     (TypeError("__init__() got an unexpected keyword argument 'tp'"), True),
     (LayoutError("set rollout.num_engines = 32"), True),         # a ValueError subclass, module-qualified
     (ModuleNotFoundError("No module named 'vllm'"), True),         # the node's image lacks the package

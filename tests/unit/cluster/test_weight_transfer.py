@@ -5,13 +5,21 @@ real `NCCLSync` / `IPCSync` drivers, the real per-rank steps (`_nccl_trainer_ini
 in place), vLLM's NCCL trainer engine (records what it is asked to send), CUDA (each rank's GPU UUID,
 `reduce_tensor` handles) and ZeRO-3's gather. What is checked: what each engine is told per push or per
 bucket, the rank offsets of the NCCL group, which ranks' handles (by GPU UUID) reach which engine, what
-rank 0 sends, that every rank takes part in each gather, and that the IPC buckets are released.
+rank 0 sends, that every rank takes part in each gather, and that the IPC buckets are released. The
+in-place fakes run a call when it is issued, which hides the order in which the driver waits on the two
+sides of a collective: the failure test runs each actor's calls on its own thread instead
+(`_ThreadedActor`, Ray's get/wait/kill faked over it) with the real ActorGroup and RemoteEngine, and
+checks that an engine raising or dying in its side of the NCCL sync fails the sync instead of hanging it.
 Not checked: real NCCL/CUDA IPC or vLLM (no GPU here)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
+import traceback
+from concurrent import futures
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
@@ -230,3 +238,171 @@ def test_ipc_holds_each_bucket_until_the_engines_loaded_it(monkeypatch):
     assert held_at_load == [8 * 3] * 4          # one bucket (1 GiB default): all 3 tensors held on 8 ranks
     assert all("ipc_held" not in s.extras for s in trainer.shards)
     _close(engines)
+
+
+# ------------------------------------------------------------------- nccl: a failing engine, concurrently
+class _ThreadedActor:
+    """A Ray actor handle over `obj`, with the concurrency the in-place fakes above hide: `.<method>.remote()`
+    queues the call on the actor's own thread (Ray runs an actor's calls one at a time, beside the driver)
+    and returns a `Future` as its ref, read by the driver only through `ray.get` / `ray.wait` (faked by
+    `_fake_ray`). `kill()` (`ray.kill`) marks it dead: the call it is running then (a process killed in the
+    rendezvous) and every later one raise `ActorDiedError`; another error of a call raises as Ray's
+    `RayTaskError(<cause>)`."""
+
+    def __init__(self, obj):
+        self.obj, self.dead = obj, False
+        self.pool = ThreadPoolExecutor(1)
+
+    def __getattr__(self, method):
+        return SimpleNamespace(remote=lambda *args: self.pool.submit(self._run, method, args))
+
+    def _run(self, method, args):
+        import ray.exceptions as rex
+
+        if self.dead:
+            raise rex.ActorDiedError()
+        try:
+            return True if method == "__ray_ready__" else getattr(self.obj, method)(*args)
+        except BaseException as e:
+            if self.dead:
+                raise rex.ActorDiedError() from e
+            raise rex.RayTaskError(method, traceback.format_exc(), e).as_instanceof_cause() from e
+
+    def kill(self):
+        self.dead = True
+
+
+def _fake_ray(monkeypatch, on_kill):
+    """`ray.get` / `ray.wait` / `ray.kill` over `_ThreadedActor` refs, as the real ActorGroup and RemoteEngine
+    call them. `get` of a list raises the first error as soon as it is there, without waiting for the rest
+    (what Ray does: test_placement.py's blocked-rank test, for a death); `on_kill()` runs at every kill (a
+    killed process leaves the rendezvous, which breaks it for its peers)."""
+    import ray
+    import ray.exceptions as rex
+
+    def get(refs, timeout=None):
+        many = isinstance(refs, list)
+        done, pending = futures.wait(refs if many else [refs], timeout, futures.FIRST_EXCEPTION)
+        failed = [f for f in (refs if many else [refs]) if f in done and f.exception() is not None]
+        if failed:
+            raise failed[0].exception()
+        if pending:
+            raise rex.GetTimeoutError("timed out")
+        return [f.result() for f in refs] if many else refs.result()
+
+    def wait(refs, num_returns=1, timeout=None):
+        futures.wait(refs, timeout, futures.FIRST_COMPLETED)
+        ready = [f for f in refs if f.done()][:num_returns]
+        return ready, [f for f in refs if f not in ready]
+
+    def kill(handle, no_restart=True):
+        handle.kill()
+        on_kill()
+
+    monkeypatch.setattr(ray, "get", get)
+    monkeypatch.setattr(ray, "wait", wait)
+    monkeypatch.setattr(ray, "kill", kill)
+
+
+def _joining(collective: threading.Barrier, real):
+    async def joined(request):
+        collective.wait()
+        await real(request)
+    return joined
+
+
+@pytest.mark.parametrize("how", ["raises", "dies"])
+@pytest.mark.parametrize("step", ["init_weight_transfer", "receive_weights"])
+def test_an_engine_failing_its_side_of_the_nccl_sync_fails_the_sync_instead_of_hanging_it(monkeypatch, step, how):
+    """Trainer rank 0 and every engine meet in vLLM's NCCL rendezvous (setup) and broadcast (each push): a
+    party that never arrives leaves the others blocked for good. When engine 1 raises, or dies, in its
+    side, the sync raises that failure (a death as ActorFailure naming the engine) after the group was shut
+    down, instead of waiting on the trainer ranks, which sit in the collective until they are killed.
+    Real: NCCLSync, ActorGroup, RemoteEngine, TrainerShardActor, EngineActor + VLLMEngine over the fake
+    vllm; faked: Ray's processes (`_ThreadedActor`), the collective (a barrier of rank 0 and the engines)."""
+    install_fake_vllm(monkeypatch)
+    from rstar2_core.cluster.engines import EngineActor, RemoteEngine
+    from rstar2_core.cluster.errors import ActorFailure
+    from rstar2_core.cluster.placement import ActorGroup
+    from rstar2_core.cluster.trainer import TrainerShardActor
+    from rstar2_core.cluster.weight_sync import NCCLSync
+    from rstar2_core.rollout.vllm_engine import VLLMEngine
+
+    collective = threading.Barrier(1 + 3)      # trainer rank 0 + 3 engines (one party each here)
+    _fake_ray(monkeypatch, collective.abort)
+    trainer_init, send = FakeNCCLWeightTransferEngine.trainer_init, FakeNCCLWeightTransferEngine.trainer_send_weights
+
+    def joined_init(cls, init_info):            # rank 0's side of the collective joins it
+        collective.wait()
+        return trainer_init(init_info)
+
+    def joined_send(cls, iterator, trainer_args):
+        collective.wait()
+        return send(iterator, trainer_args)
+
+    monkeypatch.setattr(FakeNCCLWeightTransferEngine, "trainer_init", classmethod(joined_init))
+    monkeypatch.setattr(FakeNCCLWeightTransferEngine, "trainer_send_weights", classmethod(joined_send))
+
+    class Rank(TrainerShardActor):
+        def address(self):
+            return ("10.0.0.1", 29500)
+
+    group = ActorGroup(None)
+    world = 2
+    for r in range(world):
+        rank = Rank(r, world, None, {}, None)
+        rank.backend = SimpleNamespace(engine=SimpleNamespace(module=_model()), zero_stage=2)
+        group.actors[f"trainer-{r}"] = _ThreadedActor(rank)
+    engines = []
+    for i in range(3):
+        name = f"engine-{i}"
+        group.actors[name] = _ThreadedActor(EngineActor(None, factory=lambda: VLLMEngine(
+            "/ckpt", tensor_parallel_size=1, weight_transfer="nccl")))
+        engines.append(RemoteEngine(group.actors[name], name, 1, on_failure=group.shutdown))
+    actors = dict(group.actors)
+    fakes = FakeAsyncLLM.instances
+    for fake in fakes:                          # every engine's side of the collective joins it ...
+        for method in ("init_weight_transfer_engine", "update_weights"):
+            setattr(fake, method, _joining(collective, getattr(fake, method)))
+    vllm_method = {"init_weight_transfer": "init_weight_transfer_engine", "receive_weights": "update_weights"}[step]
+
+    async def fails(request):                   # ... but engine 1's, which raises or dies instead
+        if how == "dies":
+            actors["engine-1"].kill()
+        raise RuntimeError(f"engine 1: NCCL error in {step}")
+
+    setattr(fakes[1], vllm_method, fails)
+    trainer = SimpleNamespace(group=group, names=["trainer-0", "trainer-1"], world=world,
+                              actor=lambda r: group.actors[f"trainer-{r}"])
+    cfg = load_config("qwen3-14b-mi300x", ["cluster.nodes=1", 'cluster.layout="separate"', "cluster.trainer_gpus=2",
+                                           "rollout.num_engines=3", "rollout.tensor_parallel_size=1",
+                                           'rollout.weight_sync="nccl"'])
+    sync = NCCLSync(SimpleNamespace(cfg=cfg, engines=engines, trainer=trainer))
+    seen: dict = {}
+
+    def push():
+        try:
+            sync.push()
+        except BaseException as e:              # noqa: BLE001 - handed to the test's thread
+            seen.update(error=e, actors_left=dict(group.actors))
+
+    t = threading.Thread(target=push, daemon=True)
+    t.start()
+    t.join(30)
+    try:
+        assert not t.is_alive(), f"the sync still waits 30 s after engine 1 failed in {step}"
+    finally:
+        collective.abort()                      # a regression leaves rank 0 in the collective: let it out
+        t.join(10)
+        for a in actors.values():
+            a.pool.shutdown(wait=True, cancel_futures=True)
+        for a in actors.values():
+            if isinstance(a.obj, EngineActor):
+                asyncio.run(a.obj.close())
+    err = seen["error"]
+    assert seen["actors_left"] == {}, "the group was not shut down before the failure was raised"
+    assert all(a.dead for a in actors.values())
+    if how == "dies":
+        assert isinstance(err, ActorFailure) and err.actor == "engine-1"
+    else:
+        assert isinstance(err, RuntimeError) and f"engine 1: NCCL error in {step}" in str(err)
