@@ -13,6 +13,8 @@ Bad input never raises these: a malformed config raises `ConfigError` (a `ValueE
 `ValueError` with the row and the reason; neither is retried. A complete checkpoint (its `_COMPLETE`
 marker is there) that lacks what a resume needs raises `CorruptCheckpoint`, also a `ValueError`: a retry
 reads the same files and fails the same way, so it fails at once with the fix (delete the checkpoint).
+An RL stage whose steps all took no optimizer step (`StageTrainedNothing`, a `ValueError`) fails instead
+of handing an unchanged policy to the next stage as if it had trained.
 A storage error while reading one (an `OSError` of the file system or of S3) stays retryable.
 """
 
@@ -45,3 +47,11 @@ class CorruptCheckpoint(ValueError):
     """A checkpoint marked complete lacks what resuming from it needs (the RL or SFT trainer state, a
     rank's optimizer state). Deterministic: the message names the checkpoint and the fix (delete it, and
     the stage resumes from the previous one or starts again); never retried (tasks/retry.py)."""
+
+
+class StageTrainedNothing(ValueError):
+    """An RL stage ran all its steps and took no optimizer step: every group of every step was dropped
+    (all rollouts right, all wrong, or too few valid), so the policy left the stage as it came in.
+    Deterministic (seeded rollouts give the same groups again): never retried; the message gives the
+    stage's group counts and the fixes. The step checkpoints stay; `final/` is not written."""
+

@@ -29,7 +29,8 @@ seed is derived from `(rl.seed, global_step)` and the data cursor, not from a ru
 Across stages: the init checkpoint of stage k > 0 is stage k-1's `final/`, which carries the optimizer
 and schedule state; it is loaded unless the stage sets `reset_optimizer` (the paper resets at stage 3,
 keeping the schedule position). The LR schedule is linear warm-up over `rl.warmup_steps` optimizer
-steps of the whole RL run, then constant. A step whose groups were all dropped takes no optimizer step.
+steps of the whole RL run, then constant. A step whose groups were all dropped takes no optimizer step;
+a stage all of whose steps took none raises `StageTrainedNothing` (not retried) instead of writing `final/`.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ import torch
 from rstar2_core import storage
 from rstar2_core.cluster import open_runtime
 from rstar2_core.config import Config
-from rstar2_core.errors import CorruptCheckpoint
+from rstar2_core.errors import CorruptCheckpoint, StageTrainedNothing
 from rstar2_core.faults import maybe_inject_fault
 from rstar2_core.models.io import load_tokenizer, read_meta
 from rstar2_core.progress import progress_bar
@@ -189,6 +190,7 @@ async def _run(cfg: Config, stage_index: int, init_url: str, data_url: str, out_
                                 kept=int(metrics["rollout/groups_kept"]))
         finally:
             bar.close()
+        _refuse_untrained(stage.name, stage.steps, totals)
         state = {"step": stage.steps, "cursor": cursor, "tracking_run_id": run_id, "metrics": last_metrics,
                  "stage": stage.name, "totals": totals, "world_size": rt.trainer.world_size}
         final = publish_policy_checkpoint(final_url(out_url), rt.trainer, tok, extra={STATE_FILE: _state_bytes(state)},
@@ -196,6 +198,22 @@ async def _run(cfg: Config, stage_index: int, init_url: str, data_url: str, out_
                                                 "global_step": offset + stage.steps, "tracking_run_id": run_id,
                                                 "metrics": _plain(last_metrics)})
     return StageResult(stage.name, final, _plain(last_metrics), stage.steps, {"tracking_run_id": run_id})
+
+
+def _refuse_untrained(name: str, steps: int, totals: dict) -> None:
+    """Raise StageTrainedNothing when every one of the stage's `steps` took no optimizer step."""
+    if steps <= 0 or totals.get("total/actor/skipped", 0.0) < steps:
+        return
+    n = {k: int(totals.get(f"total/rollout/groups_{k}", 0.0))
+         for k in ("kept", "dropped_all_correct", "dropped_all_wrong", "dropped_too_few")}
+    raise StageTrainedNothing(
+        f"RL stage {name!r} ran its {steps} steps without one optimizer step: of its groups "
+        f"{n['dropped_all_wrong']} had every rollout wrong, {n['dropped_all_correct']} every rollout right and "
+        f"{n['dropped_too_few']} too few valid rollouts ({n['kept']} kept groups had no sampled token to train on); "
+        "a group whose rewards do not vary has no advantage. The policy is unchanged and final/ was not written. "
+        "Fix: data of the policy's difficulty (an easier stage data set, or the SFT stage first), a larger "
+        "rl.grpo.group_size, or a higher rl.temperature; then delete this stage's output folder (its step "
+        "checkpoints resume to the same result)")
 
 
 def _plain(metrics: dict) -> dict:

@@ -71,8 +71,10 @@ def step_usage_metrics(before: RuntimeUsage, after_rollout: RuntimeUsage, after_
 
 TOTAL_KEYS = ("usage/engine_device_s", "usage/engine_busy_s", "usage/trainer_device_s", "usage/trainer_busy_s",
               "usage/sandbox_calls", "usage/sandbox_call_s", "usage/sandbox_cpu_s", "usage/tokens_generated",
-              "usage/tokens_trained", "sync/seconds", "sync/bytes")
-"""Per-step metrics the stage also sums over its steps (`total/<key>`), kept across resumes."""
+              "usage/tokens_trained", "sync/seconds", "sync/bytes", "actor/skipped", "rollout/groups_kept",
+              "rollout/groups_dropped_all_correct", "rollout/groups_dropped_all_wrong", "rollout/groups_dropped_too_few")
+"""Per-step metrics the stage also sums over its steps (`total/<key>`), kept across resumes
+(`total/actor/skipped`: steps that took no optimizer step; the stage refuses to end with every step so)."""
 
 
 def accumulate(totals: dict[str, float], metrics: dict[str, float]) -> dict[str, float]:

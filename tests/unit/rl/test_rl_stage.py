@@ -186,3 +186,25 @@ def test_checkpoint_weight_sync_takes_the_same_steps_as_the_in_process_sync(toy_
     synced = [m for _, m in runs["checkpoint"] if "sync/bytes" in m]
     assert synced and all(m["sync/bytes"] == 0 for m in synced)                  # nothing copied in memory
     assert all(m["sync/bytes"] > 0 for _, m in runs["state_dict"] if "sync/bytes" in m)
+
+
+def test_a_stage_that_never_updates_the_policy_fails_and_writes_no_final(toy_policy, tmp_path, one_thread):
+    """Every gold answer is one the policy never writes: every group is all wrong, no step updates the
+    policy, and the stage refuses to pass the unchanged policy on as trained (also when resumed)."""
+    from rstar2_core.errors import StageTrainedNothing
+
+    ckpt, _, _ = toy_policy
+    data = (tmp_path / "unsolvable.jsonl").as_uri()
+    rows = [json.loads(line) for line in storage.read_text(toy_policy[1]).splitlines()]
+    storage.write_text_atomic(data, "\n".join(json.dumps({**r, "answer": "987654321"}) for r in rows))
+    cfg = load_config("tiny", OVERRIDES + ["rl.stages.0.steps=2"])
+    out = (tmp_path / "nothing").as_uri()
+    seen: list = []
+    with pytest.raises(StageTrainedNothing, match=r"ran its 2 steps without one optimizer step: of its groups 6 "
+                                                  r"had every rollout wrong"):
+        run_rl_stage(cfg, 0, init_checkpoint_url=ckpt, data_url=data, out_url=out,
+                     log_metrics=lambda m, s: seen.append(m))
+    assert [m["actor/skipped"] for m in seen] == [1.0, 1.0] and seen[-1]["total/actor/skipped"] == 2.0
+    assert not storage.is_complete(storage.join(out, "final"))
+    with pytest.raises(StageTrainedNothing):      # the resume finds the same totals in the last step checkpoint
+        run_rl_stage(cfg, 0, init_checkpoint_url=ckpt, data_url=data, out_url=out)
