@@ -138,6 +138,11 @@ class RLConfig(_Section):
     |engine - trainer| log-prob over sampled tokens exceeds this, i.e. the engines sample from other
     weights than the trainer holds. Same precision on both sides gives ~1e-6; bf16 vLLM vs a bf16 trainer
     ~0.015; stale weights after a failed sync ~0.2 (TRL issue #5312)."""
+    require_update: bool = True
+    """A stage none of whose steps took an optimizer step (every group dropped: all rollouts wrong, all
+    right, or too few valid) fails with StageTrainedNothing (not retried) instead of passing the
+    unchanged policy on as trained. False accepts such a stage, with a warning: only for machinery
+    checks at sizes that learn nothing (`make demo-quick`, the deployment e2e test)."""
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     """GRPO-RoC settings."""
     stages: list[RLStageConfig] = Field(min_length=1)

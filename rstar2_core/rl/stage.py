@@ -30,7 +30,8 @@ Across stages: the init checkpoint of stage k > 0 is stage k-1's `final/`, which
 and schedule state; it is loaded unless the stage sets `reset_optimizer` (the paper resets at stage 3,
 keeping the schedule position). The LR schedule is linear warm-up over `rl.warmup_steps` optimizer
 steps of the whole RL run, then constant. A step whose groups were all dropped takes no optimizer step;
-a stage all of whose steps took none raises `StageTrainedNothing` (not retried) instead of writing `final/`.
+a stage all of whose steps took none raises `StageTrainedNothing` (not retried) instead of writing `final/`
+(`rl.require_update = false`: a warning, for machinery checks that learn nothing).
 """
 
 from __future__ import annotations
@@ -190,7 +191,7 @@ async def _run(cfg: Config, stage_index: int, init_url: str, data_url: str, out_
                                 kept=int(metrics["rollout/groups_kept"]))
         finally:
             bar.close()
-        _refuse_untrained(stage.name, stage.steps, totals)
+        _refuse_untrained(stage.name, stage.steps, totals, rl.require_update)
         state = {"step": stage.steps, "cursor": cursor, "tracking_run_id": run_id, "metrics": last_metrics,
                  "stage": stage.name, "totals": totals, "world_size": rt.trainer.world_size}
         final = publish_policy_checkpoint(final_url(out_url), rt.trainer, tok, extra={STATE_FILE: _state_bytes(state)},
@@ -200,12 +201,18 @@ async def _run(cfg: Config, stage_index: int, init_url: str, data_url: str, out_
     return StageResult(stage.name, final, _plain(last_metrics), stage.steps, {"tracking_run_id": run_id})
 
 
-def _refuse_untrained(name: str, steps: int, totals: dict) -> None:
-    """Raise StageTrainedNothing when every one of the stage's `steps` took no optimizer step."""
+def _refuse_untrained(name: str, steps: int, totals: dict, required: bool) -> None:
+    """Raise StageTrainedNothing when every one of the stage's `steps` took no optimizer step (a warning
+    on stderr instead when `rl.require_update` is off)."""
     if steps <= 0 or totals.get("total/actor/skipped", 0.0) < steps:
         return
     n = {k: int(totals.get(f"total/rollout/groups_{k}", 0.0))
          for k in ("kept", "dropped_all_correct", "dropped_all_wrong", "dropped_too_few")}
+    if not required:
+        print(f"WARNING: RL stage {name!r} took no optimizer step in its {steps} steps ({n['dropped_all_wrong']} "
+              f"groups all wrong, {n['dropped_all_correct']} all right, {n['dropped_too_few']} too few valid); "
+              "rl.require_update = false passes its unchanged policy on", file=sys.stderr)
+        return
     raise StageTrainedNothing(
         f"RL stage {name!r} ran its {steps} steps without one optimizer step: of its groups "
         f"{n['dropped_all_wrong']} had every rollout wrong, {n['dropped_all_correct']} every rollout right and "
@@ -213,7 +220,8 @@ def _refuse_untrained(name: str, steps: int, totals: dict) -> None:
         "a group whose rewards do not vary has no advantage. The policy is unchanged and final/ was not written. "
         "Fix: data of the policy's difficulty (an easier stage data set, or the SFT stage first), a larger "
         "rl.grpo.group_size, or a higher rl.temperature; then delete this stage's output folder (its step "
-        "checkpoints resume to the same result)")
+        "checkpoints resume to the same result). rl.require_update = false accepts such a stage (machinery "
+        "checks only)")
 
 
 def _plain(metrics: dict) -> dict:
