@@ -54,4 +54,3 @@ class StageTrainedNothing(ValueError):
     (all rollouts right, all wrong, or too few valid), so the policy left the stage as it came in.
     Deterministic (seeded rollouts give the same groups again): never retried; the message gives the
     stage's group counts and the fixes. The step checkpoints stay; `final/` is not written."""
-
