@@ -3,14 +3,16 @@
     rstar2 eval --model models:/rstar2-agent@champion --bench aime24 [--bench math500] [--k 16] \\
                 [--profile production] [--set eval.max_tokens=30000] [--out URL]
     rstar2 eval --model file:///.../rl-stage-3/final --bench ./aime_2025.jsonl --layout aime
-    rstar2 eval-compare <report A> <report B> [--out diff.md]
+    rstar2 eval-compare <report A> <report B> [--out diff.md] [--allow-mismatch]
 
 `--model` is a checkpoint URL/path or a registry reference (`models:/NAME@ALIAS`,
 `models:/NAME/VERSION`); `--bench` a configured benchmark name or a .jsonl/.parquet URL (layout
 detected from its fields unless `--layout` is given). The model reference and every benchmark are
 checked before the model is loaded; a bad one exits with code 2 and a message saying what to fix.
 Prints the metrics table and writes report.md / report.json / summary.png / samples under --out
-(default `<storage root>/eval/<model name>-<UTC time>`).
+(default `<storage root>/eval/<model name>-<UTC time>`). `eval-compare` refuses (code 2, naming what
+differs) two reports not measured the same way (k, temperature, top_p, turn/token limits, benchmark
+content) unless `--allow-mismatch` is given.
 """
 
 from __future__ import annotations
@@ -63,14 +65,15 @@ def _eval(args: argparse.Namespace) -> int:
 
 def _compare(args: argparse.Namespace) -> int:
     from rstar2_core import storage
-    from rstar2_core.eval.report import compare_reports
+    from rstar2_core.eval.report import diff_markdown
     from rstar2_core.eval.run import EvalReport
 
     try:
         a, b = EvalReport.load(args.a), EvalReport.load(args.b)
-        md = compare_reports(a, b, (args.label_a, args.label_b))
+        md = diff_markdown(a, b, (args.label_a, args.label_b), allow_mismatch=args.allow_mismatch)
     except (FileNotFoundError, ValueError) as e:
-        print(f"rstar2 eval-compare: {e}", file=sys.stderr)
+        hint = " (--allow-mismatch)" if "not measured the same way" in str(e) else ""
+        print(f"rstar2 eval-compare: {e}{hint}", file=sys.stderr)
         return 2
     if args.out:
         storage.write_text_atomic(args.out, md)
@@ -95,4 +98,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--label-a", default="A")
     c.add_argument("--label-b", default="B")
     c.add_argument("--out", default=None, help="also write the markdown here")
+    c.add_argument("--allow-mismatch", action="store_true",
+                   help="compare reports measured differently (k, temperature, limits, benchmark content) anyway; "
+                        "the diff then names what differs")
     c.set_defaults(func=_compare)

@@ -3,7 +3,7 @@
 comparisons of two reports and the promotion rule.
 
     from rstar2_core.eval.run import evaluate, EvalReport
-    from rstar2_core.eval.report import compare_reports, plot_history      # markdown diff, plots
+    from rstar2_core.eval.report import diff_markdown, plot_history        # markdown diff, plots
     from rstar2_core.eval.compare import compare_benchmark, rank_checkpoints
     from rstar2_core.eval.promotion import decide_promotion
 

@@ -6,8 +6,10 @@
 - `plot_history(points, out_url)`: one PNG per metric (pass@1, mean response length, tool-error
   ratio) with one line per benchmark over checkpoints/stages, e.g. the SFT and RL stage checkpoints
   of a recipe run, in the order given.
-- `compare_reports(a, b)`: markdown with metric deltas per benchmark and a per-problem diff
-  (problems whose number of correct samples changed, largest changes first).
+- `diff_markdown(a, b)`: markdown with metric deltas per benchmark and a per-problem diff
+  (problems whose number of correct samples changed, largest changes first); refused (ValueError
+  naming what differs) when the two reports were not measured the same way (`compare.measurement_differences`:
+  another protocol or benchmark content) unless `allow_mismatch=True`, which then heads the diff with it.
 """
 
 from __future__ import annotations
@@ -125,13 +127,27 @@ def plot_history(points: Sequence[tuple[str, dict[str, BenchmarkMetrics]]], out_
     return urls
 
 
-def compare_reports(a: Any, b: Any, labels: tuple[str, str] = ("A", "B")) -> str:
-    """Markdown comparison of two EvalReports on their common benchmarks, with a per-problem diff."""
+def diff_markdown(a: Any, b: Any, labels: tuple[str, str] = ("A", "B"), *, allow_mismatch: bool = False) -> str:
+    """Markdown comparison of two EvalReports on their common benchmarks, with a per-problem diff.
+    ValueError when they share no benchmark, or when a common benchmark was measured differently
+    (another k, temperature, turn or token limit, or benchmark content) and `allow_mismatch` is False:
+    such pass@1s differ by the protocol as much as by the model."""
+    from rstar2_core.eval.compare import measurement_differences
+
     la, lb = labels
     out = [f"# Comparison: {la} = `{a.checkpoint_url}` vs {lb} = `{b.checkpoint_url}`", ""]
     common = [n for n in a.metrics if n in b.metrics]
     if not common:
         raise ValueError(f"no benchmark in common: {sorted(a.metrics)} vs {sorted(b.metrics)}")
+    differs = {n: d for n in common if (d := measurement_differences(a, b, n))}
+    if differs:
+        what = "; ".join(f"{n}: {', '.join(d)}" for n, d in differs.items())
+        if not allow_mismatch:
+            raise ValueError(f"the reports were not measured the same way ({what}; {la}'s value first), so their "
+                             "pass@1s do not compare: evaluate both with the same protocol and benchmark files, or "
+                             "allow the mismatch to see the diff anyway")
+        out += [(f"**Not measured the same way** ({la}'s value first): {what}. The deltas below mix the "
+                 "models' difference with the protocol's."), ""]
     out += [f"| benchmark | metric | {la} | {lb} | delta |", "|---|---|---|---|---|"]
     for n in common:
         for key, title, fmt in COLUMNS:

@@ -95,6 +95,17 @@ def test_eval_compare_cli(tmp_path, capsys):
     assert "8 of 8 problems changed: 8 improved, 0 regressed" in out
     assert (tmp_path / "diff.md").read_text() == out.rstrip("\n") + "\n"
     assert main(["eval-compare", str(tmp_path / "a"), str(tmp_path / "zzz")]) == 2
+    capsys.readouterr()
+    # another protocol (k 4 against 2): refused, naming the difference, unless the mismatch is allowed
+    evaluate(cfg, checkpoint_url="c", out_url=str(tmp_path / "c"), k=4, sampler=ScriptedSampler(gold, 1.0),
+             grade_math=exact_grader, progress=False)
+    assert main(["eval-compare", str(tmp_path / "a"), str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err
+    assert "not measured the same way (synthetic: k: 2 vs 4" in err and "--allow-mismatch" in err
+    assert main(["eval-compare", str(tmp_path / "a"), str(tmp_path / "c"), "--allow-mismatch"]) == 0
+    out = capsys.readouterr().out
+    assert "**Not measured the same way** (A's value first): synthetic: k: 2 vs 4" in out
+    assert "8 of 8 problems changed: 8 improved, 0 regressed" in out
 
 
 @pytest.mark.slow

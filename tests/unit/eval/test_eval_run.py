@@ -7,7 +7,7 @@ from eval_fakes import ScriptedSampler, exact_grader
 from rstar2_core import storage
 from rstar2_core.config import load_config
 from rstar2_core.data.benchmarks import benchmark_from_url, load_benchmark
-from rstar2_core.eval.report import compare_reports, plot_history
+from rstar2_core.eval.report import diff_markdown, plot_history
 from rstar2_core.eval.run import EvalReport, evaluate
 
 FIX = Path(__file__).resolve().parents[2] / "fixtures"
@@ -73,7 +73,7 @@ def test_compare_reports_per_problem_diff(tmp_path):
     cfg = synthetic_cfg(30)
     a, _ = run(cfg, tmp_path, 0.2, "a", k=4)
     b, _ = run(cfg, tmp_path, 0.9, "b", k=4)
-    md = compare_reports(a, b, ("sft", "rl"))
+    md = diff_markdown(a, b, ("sft", "rl"))
     ra = {r.id: r for r in a.rows["synthetic"]}
     rb = {r.id: r for r in b.rows["synthetic"]}
     changed = [i for i in ra if ra[i].n_correct != rb[i].n_correct]
