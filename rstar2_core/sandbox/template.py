@@ -109,6 +109,8 @@ class _Call:
         code = req["code"].encode("utf-8", "surrogatepass")   # the child decodes it the same way
         self.code = memoryview(len(code).to_bytes(8, "big") + code)
         self.code_fd = -1
+        self.pid: int | None = None   # known when the zygote answers
+        self.pidfd = -1
         self.kill_reason: str | None = None
         self.nsfd = -1   # the call's own mount namespace, when it has one
         self.exited = False
@@ -149,6 +151,7 @@ class Template:
         self.calls: dict[int, _Call] = {}      # pid -> call
         self.fd_owner: dict[int, tuple[_Call, str]] = {}
         self.free_slots = list(range(int(settings["slots"])))[::-1]
+        self.cloning: collections.deque[_Call] = collections.deque()  # sent to the zygote, no pid yet
         self.pending: collections.deque[dict] = collections.deque()  # waiting for a free slot
         self.stopping = False
         self.seq = 0
@@ -185,8 +188,7 @@ class Template:
         for fd in (self.ctrl_in, self.ctrl_out):
             os.set_blocking(fd, False)
         self.sel.register(self.ctrl_in, selectors.EVENT_READ, "ctrl")
-        # Between spawns the zygote sends nothing (spawn reads its answer itself), so its socket turns
-        # readable only when the zygote is gone (EOF): an idle template then stops too.
+        # The zygote's answers (a call's pid), and its EOF when it dies: an idle template then stops too.
         self.sel.register(self.zygote.sock, selectors.EVENT_READ, "zygote")
         self._send({"hello": True, "kind": self.s["kind"], "pid": os.getpid(), "features": feats,
                     "preloaded": loaded, "missing": missing, "vm_mb": self.as_base >> 20,
@@ -237,6 +239,8 @@ class Template:
 
     # -- calls
     def _spawn(self, req: dict) -> None:
+        """Send the zygote a call's spec with its pipes and go on: the pid comes back as an event
+        (`_on_zygote`). Output and code pipes work before the clone (the child finds its code waiting)."""
         slot = self.free_slots.pop()
         self.seq += 1
         cwd = ("/tmp" if self.cs.conf["tmp_opts"]
@@ -256,30 +260,17 @@ class Template:
             call.deadline = call.t0 + float(req["timeout_s"])
             spec = {"slot": slot, "uid": self.uids[slot] if self.uids else None, "cwd": cwd,
                     **{k: req[k] for k in ("memory_mb", "cpu_s", "nproc", "fsize_mb")}}   # no code, no stdin
-            pid, call.nsfd = self.zygote.spawn(spec, [in_r, out_w, err_w, code_r])
+            self.zygote.send(spec, [in_r, out_w, err_w, code_r])
         except OSError:
             for fd in made:
                 os.close(fd)
             self.free_slots.append(slot)
             raise
-        for fd in (in_r, out_w, err_w, code_r):
+        for fd in (in_r, out_w, err_w, code_r):   # the zygote's message holds its own copies
             if fd != self.devnull:
                 os.close(fd)
-        call.pid = pid
-        try:
-            call.pidfd = os.pidfd_open(pid)
-        except OSError:   # e.g. out of fds: the child (still waiting for its code) must not outlive the call
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            for fd in (in_w, out_r, err_r, code_w):
-                if fd >= 0:
-                    os.close(fd)
-            if call.nsfd >= 0:      # its namespace goes to the reaper, as a finished call's does
-                self.dead_ns.append(call.nsfd)
-            self.free_slots.append(slot)
-            raise
-        self.calls[pid] = call
-        for fd, role in ((out_r, "out"), (err_r, "err"), (call.pidfd, "exit")):
+        self.cloning.append(call)
+        for fd, role in ((out_r, "out"), (err_r, "err")):
             os.set_blocking(fd, False)
             self.sel.register(fd, selectors.EVENT_READ, role)
             self.fd_owner[fd] = (call, role)
@@ -291,6 +282,47 @@ class Template:
                 self.fd_owner[fd] = (call, role)
                 call.open_fds.add(fd)
                 self._write_input(call, role)
+
+    def _on_zygote(self) -> None:
+        """Take the zygote's answers (in the order of the sends): a running call gets its pid, pidfd and
+        exit watch; a call it could not clone fails with `internal`, the template goes on."""
+        while (reply := self.zygote.reply()) is not None:
+            if not self.cloning or reply["slot"] != self.cloning[0].slot:
+                raise RuntimeError(f"{zygote.DIED}: answer for slot {reply['slot']} out of order")
+            call = self.cloning.popleft()
+            if "error" in reply:
+                self._spawn_failed(call, OSError(reply["errno"], reply["error"]))
+                continue
+            call.pid, call.nsfd = reply["pid"], reply["nsfd"]
+            try:
+                call.pidfd = os.pidfd_open(call.pid)
+            except OSError as e:   # e.g. out of fds: the child must not outlive the call
+                os.kill(call.pid, signal.SIGKILL)
+                os.waitpid(call.pid, 0)
+                self._spawn_failed(call, e)
+                continue
+            self.calls[call.pid] = call
+            os.set_blocking(call.pidfd, False)
+            self.sel.register(call.pidfd, selectors.EVENT_READ, "exit")
+            self.fd_owner[call.pidfd] = (call, "exit")
+            call.open_fds.add(call.pidfd)
+            if call.kill_reason is not None:   # asked for before the pid was known (output flood, stop)
+                self._kill(call, call.kill_reason)
+
+    def _spawn_failed(self, call: _Call, err: OSError) -> None:
+        """A call whose child never ran (or was killed before it could): close its pipes, hand its
+        namespace to the reaper, free its slot, answer `internal`."""
+        for fd in list(call.open_fds):
+            self._close_fd(call, fd)
+        if call.nsfd >= 0:
+            self.dead_ns.append(call.nsfd)
+            call.nsfd = -1
+        self.free_slots.append(call.slot)
+        self._send_spawn_error(call.req, err)
+
+    def _send_spawn_error(self, req: dict, err: OSError) -> None:
+        self._send({"cid": req["cid"], "status": "internal", "stdout": "", "exit_code": None,
+                    "stderr": f"sandbox could not start the program: {err}", "duration_s": 0.0, "truncated": False})
 
     def _write_input(self, call: _Call, role: str) -> None:
         """Feed the child its code ("code") or stdin ("in") as far as the pipe takes it; the rest when
@@ -338,6 +370,8 @@ class Template:
 
     def _kill(self, call: _Call, reason: str) -> None:
         call.kill_reason = reason
+        if call.pid is None:   # still being cloned: killed when the zygote answers (`_on_zygote`)
+            return
         try:
             if self.feats["pidns"]:
                 os.kill(call.pid, signal.SIGKILL)   # PID 1 of its namespace: the kernel kills the rest
@@ -435,9 +469,9 @@ class Template:
 
     # -- loop
     def loop(self) -> None:
-        while not (self.stopping and not self.calls and not self.pending and not self.outbuf):
-            if self.stopping and self.calls:
-                for call in list(self.calls.values()):
+        while not (self.stopping and not self.calls and not self.cloning and not self.pending and not self.outbuf):
+            if self.stopping and (self.calls or self.cloning):
+                for call in [*self.calls.values(), *self.cloning]:
                     if call.kill_reason is None:
                         self._kill(call, "timeout")
             if self.stopping:
@@ -446,10 +480,8 @@ class Template:
                 req = self.pending.popleft()
                 try:
                     self._spawn(req)
-                except OSError as e:  # e.g. the host is out of processes: this call fails, not the template
-                    self._send({"cid": req["cid"], "status": "internal", "stdout": "", "exit_code": None,
-                                "stderr": f"sandbox could not start the program: {e}", "duration_s": 0.0,
-                                "truncated": False})
+                except OSError as e:  # e.g. out of fds: this call fails, not the template
+                    self._send_spawn_error(req, e)
             now = time.monotonic()
             timeout = None
             for call in self.calls.values():
@@ -475,7 +507,7 @@ class Template:
                 if role == "ctrl":
                     self._read_ctrl()
                 elif role == "zygote":
-                    raise RuntimeError(zygote.DIED)   # as spawn does: the service restarts this template
+                    self._on_zygote()   # RuntimeError when it died: the service restarts this template
                 elif role == "ctrl_out":
                     try:
                         self._flush_out()

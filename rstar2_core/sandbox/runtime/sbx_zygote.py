@@ -18,6 +18,7 @@ Loaded by template.py from this directory; standard library only. It dies with t
 
 from __future__ import annotations
 
+import array
 import os
 import pickle
 import signal
@@ -31,29 +32,47 @@ DIED = "the sandbox zygote died"   # the template's RuntimeError: it cannot go o
 
 
 class Zygote:
-    """The template's handle: `spawn` one child per call (blocking: the template waits for the clone
-    and the answer; 2.2 ms median, 1.0 ms of it the zygote's own work, in a one-off timing of 350
-    trivial calls on a loaded 2-core VM, 2026-12-01: docs/sandbox.md)."""
+    """The template's handle: `send` a call's spec, take the answers with `reply` when the socket is
+    readable. The zygote serves the requests in order, so the answers come in the order of the sends;
+    the template does not wait for them (it sends the next call's spec, reads output and reaps exits
+    while the zygote clones). A clone cost the zygote ~1.0 ms median in a one-off timing on a loaded
+    2-core VM (docs/sandbox.md)."""
 
     def __init__(self, sock: socket.socket, pid: int):
         self.sock, self.pid = sock, pid
 
-    def spawn(self, spec: dict, fds: list[int]) -> tuple[int, int]:
-        """Clone the child of a call: `spec` {slot, uid, cwd, memory_mb, cpu_s, nproc, fsize_mb}, `fds`
-        [stdin read end, stdout write end, stderr write end, code read end]. Returns (pid, the call's
-        mount namespace fd or -1). OSError: the zygote could not clone (this call fails);
-        RuntimeError: the zygote is gone (the template cannot go on)."""
+    def send(self, spec: dict, fds: list[int]) -> None:
+        """Ask for the child of a call: `spec` {slot, uid, cwd, memory_mb, cpu_s, nproc, fsize_mb}, `fds`
+        [stdin read end, stdout write end, stderr write end, code read end] (the message holds its own
+        copies: the caller may close them once this returns). RuntimeError: the zygote is gone."""
         try:
             socket.send_fds(self.sock, [pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)], fds)
-            msg, got, _, _ = socket.recv_fds(self.sock, 4096, 1)
         except (BrokenPipeError, ConnectionResetError) as e:
             raise RuntimeError(f"{DIED}: {e}") from e
+
+    def reply(self) -> dict | None:
+        """The next answer without blocking: {"slot", "pid", "nsfd"} (the call's mount namespace fd or -1),
+        {"slot", "errno", "error"} when the zygote could not clone (that call fails), or None when no
+        answer is waiting. RuntimeError: the zygote is gone (the template cannot go on)."""
+        fds = array.array("i")
+        try:   # not socket.recv_fds: it drops its flags argument (CPython 3.11), so it would block here
+            msg, anc, _, _ = self.sock.recvmsg(4096, socket.CMSG_LEN(fds.itemsize), socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return None
+        except ConnectionResetError as e:
+            raise RuntimeError(f"{DIED}: {e}") from e
+        for level, kind, data in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.frombytes(data[:len(data) - len(data) % fds.itemsize])
         if not msg:
+            for fd in fds:
+                os.close(fd)
             raise RuntimeError(DIED)
         reply = pickle.loads(msg)
-        if "error" in reply:
-            raise OSError(reply["errno"], reply["error"])
-        return reply["pid"], (got[0] if got else -1)
+        reply["nsfd"] = fds[0] if fds else -1
+        for fd in fds[1:]:
+            os.close(fd)
+        return reply
 
 
 def start(feats: dict, cs: iso.CallSetup, procfd: int, as_base: int) -> Zygote:
@@ -122,7 +141,7 @@ def _serve(sock: socket.socket, feats: dict, cs: iso.CallSetup, procfd: int, as_
                 os.close(nsfd)
             for fd in fds:
                 os.close(fd)
-            sock.send(pickle.dumps({"errno": e.errno or 0, "error": e.strerror or str(e)}))
+            sock.send(pickle.dumps({"slot": spec["slot"], "errno": e.errno or 0, "error": e.strerror or str(e)}))
             continue
         if pid == 0:
             child.run_child(spec, tuple(fds), as_base, conf, netfd)
@@ -130,7 +149,7 @@ def _serve(sock: socket.socket, feats: dict, cs: iso.CallSetup, procfd: int, as_
             iso.setns(cs.home_mnt, iso.CLONE_NEWNS)
         for fd in fds:
             os.close(fd)
-        socket.send_fds(sock, [pickle.dumps({"pid": pid})], [nsfd] if nsfd >= 0 else [])
+        socket.send_fds(sock, [pickle.dumps({"slot": spec["slot"], "pid": pid})], [nsfd] if nsfd >= 0 else [])
         if nsfd >= 0:
             os.close(nsfd)   # the template's copy keeps the namespace until it hands it to the reaper
 
