@@ -98,6 +98,13 @@ class SyntheticConfig(_Section):
     keeps at eval temperature (in about the share's proportion, sharpened by the temperature), so
     correct trajectories with a tool error exist for RoC to act on. false: the failures are spread over
     varied typos that a policy sampled at a low temperature rarely reproduces."""
+    max_infra_failure_share: float = Field(0.01, ge=0.0, le=1.0)
+    """Share of the demonstrations' tool calls that may fail for infrastructure reasons (the sandbox
+    answered `internal`: the service failed, not the program) before building the SFT set, or the tiny
+    tokenizer's corpus, stops with a retryable error. Such a demonstration is dropped and counted
+    (`sandbox_internal`); past this share the set would be the direct answers and whatever survived the
+    outage, and the tokenizer would learn none of the tool format. 0.01: a healthy service answers every
+    call (it retries a call whose template died once itself)."""
 
 
 class LabelCheckConfig(_Section):

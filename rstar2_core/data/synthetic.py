@@ -56,6 +56,7 @@ from rstar2_core.chat.tokens import (
     TOOL_CALL_OPEN,
     TOOL_NAME,
 )
+from rstar2_core.errors import InfraFailureShareExceeded
 from rstar2_core.sandbox.types import ExecutionRequest, ExecutionResult, Status
 
 SPLITS = ("sft", "rl", "eval")
@@ -325,7 +326,8 @@ HASTY_REASON = "Let me try it quickly in Python."   # opens a failing first call
 
 def demo_options(syn) -> dict:
     """The keyword options of `sft_demonstrations` from a `data.synthetic` config section."""
-    return {"direct_share": syn.direct_answer_share, "signposted": syn.fail_first_signposted}
+    return {"direct_share": syn.direct_answer_share, "signposted": syn.fail_first_signposted,
+            "max_infra_share": syn.max_infra_failure_share}
 
 
 def demonstration_turns(p: Problem, codes: Sequence[str], results: Sequence[ExecutionResult],
@@ -350,11 +352,13 @@ def sft_demonstrations(seed: int, n: int, fail_first_share: float, *,
                        execute: Callable[[Sequence[ExecutionRequest]], list[ExecutionResult]],
                        render: Callable[[ExecutionResult], str],
                        rejected: dict[str, int] | None = None, direct_share: float = 0.0,
-                       signposted: bool = False) -> list[Demonstration]:
+                       signposted: bool = False, max_infra_share: float = 0.01) -> list[Demonstration]:
     """Up to `n` demonstrations over `generate_problems(seed, n, "sft")`; each tool response is the
     rendered result of actually running the code (`execute`, e.g. a sandbox's batch run; `render`,
     e.g. `chat.render_tool_result`). A demonstration is rejected (counted in `rejected[reason]`) when
-    the correct call does not print the gold answer or a deliberately broken call does not fail.
+    the correct call does not print the gold answer or a deliberately broken call does not fail, or
+    (`sandbox_internal`) when one of its calls failed for infrastructure reasons (`Status.INTERNAL`);
+    more of those than `max_infra_share` of all calls raises `InfraFailureShareExceeded` (retryable).
     `fail_first_share` of them first make a failing call and fix it; `signposted` opens those with
     `HASTY_REASON`.
 
@@ -376,11 +380,22 @@ def sft_demonstrations(seed: int, n: int, fail_first_share: float, *,
     reqs = [ExecutionRequest(code=c, id=f"{p.id}:{j}") for p, codes in zip(problems, plans)
             for j, c in enumerate(codes)]
     results = {r.id: r for r in execute(reqs)}
+    infra = sum(r.status.is_infra for r in results.values())
+    if reqs and infra > max_infra_share * len(reqs):
+        example = next(r for r in results.values() if r.status.is_infra)
+        raise InfraFailureShareExceeded(
+            f"{infra} of the {len(reqs)} tool calls of the SFT demonstrations failed in the sandbox service "
+            f"(status internal; e.g. {example.stderr[:200]!r}), more than data.synthetic.max_infra_failure_share "
+            f"= {max_infra_share}: the demonstrations would lack their tool turns. Check the sandbox "
+            "(`rstar2 sandbox doctor`) and retry")
     counts = rejected if rejected is not None else {}
     out: list[Demonstration] = []
     for p, codes in zip(problems, plans):
         res = [results[f"{p.id}:{j}"] for j in range(len(codes))]
         final = res[-1]
+        if any(r.status.is_infra for r in res):
+            counts["sandbox_internal"] = counts.get("sandbox_internal", 0) + 1
+            continue
         if final.status is not Status.OK or final.stdout.strip() != p.answer:
             counts["reference_code_wrong"] = counts.get("reference_code_wrong", 0) + 1
             continue

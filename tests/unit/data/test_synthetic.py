@@ -19,7 +19,7 @@ from rstar2_core.data.synthetic import (
     sft_demonstrations,
 )
 from rstar2_core.models.tokenizer import bootstrap_tokenizer
-from rstar2_core.sandbox.types import ExecutionRequest, Status
+from rstar2_core.sandbox.types import ExecutionRequest, ExecutionResult, Status
 
 
 def _execute(reqs):
@@ -145,6 +145,30 @@ def test_wrong_reference_output_is_rejected_and_counted():
     rejected: dict[str, int] = {}
     demos = sft_demonstrations(0, 7, 0.0, execute=off_by_one, render=render_tool_result, rejected=rejected)
     assert demos == [] and rejected == {"reference_code_wrong": 7}
+
+
+def test_sandbox_internal_errors_drop_their_demonstrations_and_past_the_share_raise():
+    from dataclasses import replace
+
+    from rstar2_core.errors import InfraFailureShareExceeded
+
+    def failing(share):
+        def execute(reqs):
+            out = [ExecutionResult(id=r.id, status=Status.OK, stdout="", stderr="", exit_code=0, duration_s=0.0)
+                   for r in reqs]   # never run: every call below either fails or is replaced by the right output
+            ok = {p.id: p.answer for p in generate_problems(0, 40, "sft")}
+            bad = set(range(0, len(reqs), round(1 / share))) if share else set()
+            return [replace(o, status=Status.INTERNAL, stderr="sandbox light template died twice") if i in bad
+                    else replace(o, stdout=ok[o.id.split(":")[0]] + "\n") for i, o in enumerate(out)]
+        return execute
+
+    rejected: dict[str, int] = {}
+    demos = sft_demonstrations(0, 40, 0.0, execute=failing(0.025), render=render_tool_result, rejected=rejected,
+                               max_infra_share=0.05)
+    assert rejected == {"sandbox_internal": 1} and len(demos) == 39   # counted apart from wrong reference code
+    with pytest.raises(InfraFailureShareExceeded, match=r"2 of the 40 tool calls .* failed in the sandbox service "
+                       r".*template died twice.*max_infra_failure_share = 0.01"):
+        sft_demonstrations(0, 40, 0.0, execute=failing(0.05), render=render_tool_result, max_infra_share=0.01)
 
 
 def test_demonstrations_run_on_the_local_service_whatever_backend_the_stages_use():
