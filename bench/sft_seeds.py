@@ -1,0 +1,130 @@
+"""Does the tiny SFT cross the copying phase change, seed after seed? The same SFT set, several model seeds.
+
+    .venv/bin/python bench/sft_seeds.py [--seeds 0 1 2] [--set sft.lr=5e-3 ...] [--json]
+
+The tiny profile's SFT policy can copy the problem's numbers into its code only once a sharp drop of the
+loss (the copying phase change, docs/models-and-sft.md) has happened within its one pass; whether and
+when it happens depends on the run. This builds the profile's SFT set once (`build_sft_dataset`), then for
+each seed in `--seeds` (the global `seed`: the model's initialisation) prepares the base model and runs
+`run_sft` (the code the pipeline runs) with the profile plus `--set` overrides, and scores the result
+with the copy probe (`bench/copy_probe.py`, teacher-forced, seconds). A schedule is judged by how many
+seeds cross and how early: the later the crossing, the less margin a run has.
+
+Keys of the JSON object (last line with `--json`): `runs` (per seed: `seed`, `steps`, `cross_step` = the
+first step whose 50-step mean loss is below `SFT_CROSSED_LOSS` (0.1; None: never), `late_loss` = mean
+loss of the last 5% of steps, `sft_s`, `probe` = the copy probe's figures), `crossed` (how many runs
+crossed), `overrides`, `plot` (loss curves, PNG) and the load average before/after. Each run costs a
+full SFT (~6 minutes on 2 quiet cores with 2 threads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+
+WINDOW = 50   # steps in the running mean that decides the crossing
+
+
+def crossing(losses: list[float], threshold: float) -> int | None:
+    """First step (1-based) whose WINDOW-step mean loss is below `threshold`, None if none is."""
+    total = 0.0
+    for i, x in enumerate(losses):
+        total += x - (losses[i - WINDOW] if i >= WINDOW else 0.0)
+        if i >= WINDOW - 1 and total / WINDOW < threshold:
+            return i + 1
+    return None
+
+
+def plot(curves: dict[int, list[float]], threshold: float, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for seed, losses in curves.items():
+        means = [sum(losses[max(0, i - WINDOW + 1):i + 1]) / len(losses[max(0, i - WINDOW + 1):i + 1])
+                 for i in range(len(losses))]
+        ax.plot(range(1, len(means) + 1), means, label=f"seed {seed}")
+    ax.axhline(threshold, color="gray", ls="--", lw=1, label=f"crossed below {threshold}")
+    ax.set(yscale="log", xlabel="SFT step", ylabel=f"loss ({WINDOW}-step mean)", title=title)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--profile", default="tiny")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="model seeds, one full SFT each")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], help="config override (repeatable)")
+    ap.add_argument("--probe-n", type=int, default=60, help="held-out problems of the copy probe")
+    ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads (the demo's SFT uses 2)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    args = ap.parse_args(argv)
+
+    os.environ.setdefault("RSTAR2_HOME", str(ROOT / ".rstar2"))
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from copy_probe import probe
+    from learning import SFT_CROSSED_LOSS
+
+    from rstar2_core import storage
+    from rstar2_core.config import load_config
+    from rstar2_core.models import prepare_base_model
+    from rstar2_core.sft.data import build_sft_dataset
+    from rstar2_core.sft.train import run_sft
+
+    t_start, load_before = time.time(), os.getloadavg()
+    stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    work = (Path(os.environ["RSTAR2_HOME"]) / "bench" / f"sft-seeds-{stamp}").resolve()
+    root = work.as_uri()
+
+    def log(msg: str) -> None:
+        print(f"[sft seeds {time.time() - t_start:7.1f} s] {msg}", file=sys.stderr, flush=True)
+
+    cfgs = {seed: load_config(args.profile, [*args.overrides, f"seed={seed}"]) for seed in args.seeds}
+    data = build_sft_dataset(next(iter(cfgs.values())), storage.join(root, "sft-data"))  # the seed is not in it
+    log(f"SFT set: {data.n_rows} conversations; {len(args.seeds)} runs, overrides {args.overrides}")
+    runs, curves = [], {}
+    for k, (seed, cfg) in enumerate(cfgs.items()):
+        t0 = time.time()
+        base = prepare_base_model(cfg, storage.join(root, f"base-seed{seed}"))
+        losses: list[float] = []
+        res = run_sft(cfg, base_model_url=base, sft_data_url=data.url, out_url=storage.join(root, f"sft-seed{seed}"),
+                      log_metrics=lambda m, step, out=losses: out.append(float(m["sft/loss"])), resume=False)
+        sft_s = time.time() - t0
+        tail = losses[-max(1, len(losses) // 20):]
+        run = {"seed": seed, "steps": len(losses), "cross_step": crossing(losses, SFT_CROSSED_LOSS),
+               "late_loss": round(sum(tail) / len(tail), 4), "sft_s": round(sft_s, 1),
+               "probe": probe(res.checkpoint_url, args.probe_n)}
+        runs.append(run)
+        curves[seed] = losses
+        done = time.time() - t_start
+        log(f"seed {seed}: crossed at step {run['cross_step']} of {run['steps']}, late loss {run['late_loss']}, "
+            f"copy probe exact {run['probe']['calls_exact']} ({sft_s:.0f} s) "
+            f"[{k + 1}/{len(cfgs)}, ETA {done / (k + 1) * (len(cfgs) - k - 1):.0f} s]")
+    png = Path(os.environ["RSTAR2_HOME"]).resolve() / "bench" / f"sft-seeds-{stamp}.png"
+    plot(curves, SFT_CROSSED_LOSS, png, f"tiny SFT, {' '.join(args.overrides) or 'profile as committed'}")
+    out = {"runs": runs, "crossed": sum(r["cross_step"] is not None for r in runs), "of": len(runs),
+           "overrides": args.overrides, "plot": str(png), "wall_s": round(time.time() - t_start, 1),
+           "load_avg_before": load_before, "load_avg_after": os.getloadavg()}
+    print(f"crossed in {out['crossed']} of {out['of']} runs: "
+          + ", ".join(f"seed {r['seed']} -> {r['cross_step']}" for r in runs) + f"; plot {png}")
+    if args.json:
+        print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
