@@ -99,6 +99,12 @@ def eval_arm(cfg, ckpt_url: str, out_url: str, log) -> dict:
     return out
 
 
+def late_loss(losses: list[float]) -> float | None:
+    """Mean SFT loss over the last 5% of steps (the figure `SFT_CROSSED_LOSS` is compared with)."""
+    tail = losses[-max(1, len(losses) // 20):]
+    return round(sum(tail) / len(tail), 4) if tail else None
+
+
 def late_mean(stream: list[tuple[int, dict]], key: str) -> float | None:
     vals = [m[key] for _, m in stream[len(stream) // 2:] if key in m]
     return sum(vals) / len(vals) if vals else None
@@ -179,8 +185,7 @@ def main(argv=None) -> int:
         sft_losses: list[float] = []
         sft_url = run_sft(cfg, base_model_url=base, sft_data_url=sft_data.url, out_url=storage.join(root, "sft"),
                           log_metrics=lambda m, step: sft_losses.append(float(m["sft/loss"]))).checkpoint_url
-        tail = sft_losses[-max(1, len(sft_losses) // 20):]
-        sft_late_loss = round(sum(tail) / len(tail), 4) if tail else None
+        sft_late_loss = late_loss(sft_losses)
         log(f"SFT done {sft_url}; mean loss over the last 5% of steps {sft_late_loss}")
         if sft_late_loss is not None and sft_late_loss > SFT_CROSSED_LOSS:
             log(f"WARNING: SFT did not cross the copying phase change (late loss {sft_late_loss:.3f} > "

@@ -77,7 +77,7 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.threads)
     from copy_probe import probe
-    from learning import SFT_CROSSED_LOSS
+    from learning import SFT_CROSSED_LOSS, late_loss
 
     from rstar2_core import storage
     from rstar2_core.config import load_config
@@ -104,9 +104,8 @@ def main(argv=None) -> int:
         res = run_sft(cfg, base_model_url=base, sft_data_url=data.url, out_url=storage.join(root, f"sft-seed{seed}"),
                       log_metrics=lambda m, step, out=losses: out.append(float(m["sft/loss"])), resume=False)
         sft_s = time.time() - t0
-        tail = losses[-max(1, len(losses) // 20):]
         run = {"seed": seed, "steps": len(losses), "cross_step": crossing(losses, SFT_CROSSED_LOSS),
-               "late_loss": round(sum(tail) / len(tail), 4), "sft_s": round(sft_s, 1),
+               "late_loss": late_loss(losses), "sft_s": round(sft_s, 1),
                "probe": probe(res.checkpoint_url, args.probe_n)}
         runs.append(run)
         curves[seed] = losses

@@ -65,14 +65,14 @@ def _eval(args: argparse.Namespace) -> int:
 
 def _compare(args: argparse.Namespace) -> int:
     from rstar2_core import storage
-    from rstar2_core.eval.report import diff_markdown
+    from rstar2_core.eval.report import ReportsNotComparable, diff_markdown
     from rstar2_core.eval.run import EvalReport
 
     try:
         a, b = EvalReport.load(args.a), EvalReport.load(args.b)
         md = diff_markdown(a, b, (args.label_a, args.label_b), allow_mismatch=args.allow_mismatch)
     except (FileNotFoundError, ValueError) as e:
-        hint = " (--allow-mismatch)" if "not measured the same way" in str(e) else ""
+        hint = " (--allow-mismatch)" if isinstance(e, ReportsNotComparable) else ""
         print(f"rstar2 eval-compare: {e}{hint}", file=sys.stderr)
         return 2
     if args.out:

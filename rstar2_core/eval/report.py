@@ -8,7 +8,7 @@
   of a recipe run, in the order given.
 - `diff_markdown(a, b)`: markdown with metric deltas per benchmark and a per-problem diff
   (problems whose number of correct samples changed, largest changes first); refused (ValueError
-  naming what differs) when the two reports were not measured the same way (`compare.measurement_differences`:
+  `ReportsNotComparable`, naming what differs) when the two reports were not measured the same way (`compare.measurement_differences`:
   another protocol or benchmark content) unless `allow_mismatch=True`, which then heads the diff with it.
 """
 
@@ -127,10 +127,14 @@ def plot_history(points: Sequence[tuple[str, dict[str, BenchmarkMetrics]]], out_
     return urls
 
 
+class ReportsNotComparable(ValueError):
+    """Two reports measured differently (`compare.measurement_differences`) given to `diff_markdown`."""
+
+
 def diff_markdown(a: Any, b: Any, labels: tuple[str, str] = ("A", "B"), *, allow_mismatch: bool = False) -> str:
     """Markdown comparison of two EvalReports on their common benchmarks, with a per-problem diff.
-    ValueError when they share no benchmark, or when a common benchmark was measured differently
-    (another k, temperature, turn or token limit, or benchmark content) and `allow_mismatch` is False:
+    ValueError when they share no benchmark; `ReportsNotComparable` when a common benchmark was measured
+    differently (another k, temperature, turn or token limit, or benchmark content) and `allow_mismatch` is False:
     such pass@1s differ by the protocol as much as by the model."""
     from rstar2_core.eval.compare import measurement_differences
 
@@ -143,7 +147,7 @@ def diff_markdown(a: Any, b: Any, labels: tuple[str, str] = ("A", "B"), *, allow
     if differs:
         what = "; ".join(f"{n}: {', '.join(d)}" for n, d in differs.items())
         if not allow_mismatch:
-            raise ValueError(f"the reports were not measured the same way ({what}; {la}'s value first), so their "
+            raise ReportsNotComparable(f"the reports were not measured the same way ({what}; {la}'s value first), so their "
                              "pass@1s do not compare: evaluate both with the same protocol and benchmark files, or "
                              "allow the mismatch to see the diff anyway")
         out += [(f"**Not measured the same way** ({la}'s value first): {what}. The deltas below mix the "
