@@ -51,6 +51,10 @@ def runtime_problems(cfg: Any) -> list[str]:
     if ws == "checkpoint" and cfg.rl.checkpoint_every != 1:
         p.append(f"rollout.weight_sync = \"checkpoint\" reloads the checkpoint each step publishes, but "
                  f"rl.checkpoint_every = {cfg.rl.checkpoint_every}: set rl.checkpoint_every = 1")
+    if not cl.use_ray and cl.resources:
+        p.append(f"cluster.resources sets per-task Ray reservations ({', '.join(sorted(cl.resources))}), but "
+                 "cluster.use_ray = false runs every task as a thread of the flow process, where nothing reserves "
+                 "or limits them: set cluster.use_ray = true, or drop them with the override cluster.resources={}")
     if cl.runtime == "local":
         p += _local_problems(cfg, ws)
     else:

@@ -437,7 +437,8 @@ class ClusterConfig(_Section):
     image: str | None = None
     """Container image the Ray nodes and the Prefect worker run (infra/); None = local processes."""
     resources: dict[str, TaskResources] = Field(default_factory=dict)
-    """Per-task Ray resources by task name (curate, sft, rl, hard_subset, eval). With runtime = "ray"
+    """Per-task Ray resources by task name (curate, sft, rl, hard_subset, eval); refused with use_ray = false
+    (threads in the flow process reserve nothing). With runtime = "ray"
     the tasks that drive a stage (sft, rl, hard_subset, eval) only coordinate: their actors get GPUs from
     the layout's placement groups, so these tasks must not reserve GPUs themselves."""
 

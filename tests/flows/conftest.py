@@ -11,8 +11,8 @@ import pytest
 import stage_doubles
 
 # Small and fast: threads instead of Ray, no retry delay, short RL stages.
-FAST = ["cluster.use_ray=false", "pipeline.retry_delay_s=0", "rl.stages.0.steps=3", "rl.stages.1.steps=2",
-        "rl.stages.2.steps=2"]
+FAST = ["cluster.use_ray=false", "cluster.resources={}", "pipeline.retry_delay_s=0", "rl.stages.0.steps=3",
+        "rl.stages.1.steps=2", "rl.stages.2.steps=2"]
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ def test_a_retry_evaluates_the_model_the_first_attempt_resolved(tmp_path, monkey
     monkeypatch.setattr(recipe, "get_run_logger", lambda: logger)
     monkeypatch.setattr(registry, "get_run_logger", lambda: logger)
     monkeypatch.setenv("RSTAR2_HOME", str(tmp_path))
-    overrides = [f"tracking.tracking_uri={shared_mlflow}", "cluster.use_ray=false"]
+    overrides = [f"tracking.tracking_uri={shared_mlflow}", "cluster.use_ray=false", "cluster.resources={}"]
     champion = {"url": "file:///models/v3", "version": "3"}
     monkeypatch.setattr(registry, "resolve_model", lambda cfg, model: (champion["url"], champion["version"]))
     first = recipe.open_recipe("tiny", overrides, None, "flow-ev", attempt=1, kind="evaluate")

@@ -16,7 +16,7 @@ from tasks.run_config import locate_store
 @pytest.fixture
 def opened(tmp_path, monkeypatch, shared_mlflow):
     monkeypatch.setattr(recipe, "get_run_logger", lambda: logging.getLogger("test-open-recipe"))
-    overrides = [f"tracking.tracking_uri={shared_mlflow}", "cluster.use_ray=false"]
+    overrides = [f"tracking.tracking_uri={shared_mlflow}", "cluster.use_ray=false", "cluster.resources={}"]
 
     def home(name: str):
         monkeypatch.setenv("RSTAR2_HOME", str(tmp_path / name))

@@ -29,8 +29,8 @@ def run(tmp_path, monkeypatch, shared_mlflow, request):
     stage_doubles.install(monkeypatch)
 
     def open_(overrides):
-        return recipe.open_recipe("tiny", [f"tracking.tracking_uri={shared_mlflow}", "cluster.use_ray=false",
-                                           *overrides], request.node.name[-40:], "flow-1", attempt=1)
+        base = [f"tracking.tracking_uri={shared_mlflow}", "cluster.use_ray=false", "cluster.resources={}"]
+        return recipe.open_recipe("tiny", [*base, *overrides], request.node.name[-40:], "flow-1", attempt=1)
 
     return open_
 

@@ -75,7 +75,7 @@ def test_resources_and_ray_settings():
     assert resources(cfg, "eval") == {"num_cpus": 1.0, "num_gpus": 1.0}
     assert resources(cfg, "curate") == {}
     assert (task_threads(cfg, "rl"), task_threads(cfg, "eval"), task_threads(cfg, "curate")) == (2, 1, 1)
-    assert task_threads(load_config("tiny", ["cluster.use_ray=false"]), "rl") is None
+    assert task_threads(load_config("tiny", ["cluster.use_ray=false", "cluster.resources={}"]), "rl") is None
     with pytest.raises(ValueError, match="unknown task kind"):
         resources(cfg, "nope")
     kw = ray_init_kwargs(cfg)
@@ -87,6 +87,14 @@ def test_resources_and_ray_settings():
     with placement(cfg, "rl"):
         assert RemoteOptionsContext.get().current_remote_options == {"num_cpus": 2.0}
     assert RemoteOptionsContext.get().current_remote_options == {}
+
+
+def test_resources_without_ray_are_refused():
+    """Threads in the flow process take no per-task reservation: a profile's cluster.resources with
+    cluster.use_ray = false is refused with the fix, not silently dropped."""
+    with pytest.raises(ConfigError, match=r"cluster.resources sets per-task Ray reservations \(sft\).*"
+                                          r"cluster.resources=\{\}"):
+        load_config("tiny", ["cluster.use_ray=false"])
 
 
 def test_progress_knows_the_dag_size():

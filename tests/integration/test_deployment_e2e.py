@@ -27,7 +27,9 @@ ROOT = Path(__file__).resolve().parents[2]
 QUICK = [x.strip() for x in (ROOT / "scripts" / "demo-quick.overrides").read_text().splitlines()
          if x.strip() and not x.lstrip().startswith("#")]
 E2E_EXTRA = ["pipeline.eval_stages=rl"]
-E2E_OVERRIDES = ["cluster.use_ray=false", "pipeline.task_retries=0", *QUICK, *E2E_EXTRA]
+# threads in the flow process take no per-task Ray reservations: the profile's are dropped with them
+NO_RAY = ["cluster.use_ray=false", "cluster.resources={}"]
+E2E_OVERRIDES = [*NO_RAY, "pipeline.task_retries=0", *QUICK, *E2E_EXTRA]
 
 
 def _free_port() -> int:
@@ -75,7 +77,7 @@ def test_fault_retry_resume_through_the_deployment(services, monkeypatch, ui):
     cfg = load_config("tiny", E2E_OVERRIDES)
     lr = cfg.rl.lr
     demo = subprocess.run(["bash", "scripts/demo.sh", "--quick", "--fault", "rl-stage-1:step=2"], check=False, cwd=ROOT,
-                          env={**env, "RSTAR2_DEMO_OVERRIDES": " ".join(["cluster.use_ray=false", *E2E_EXTRA])},
+                          env={**env, "RSTAR2_DEMO_OVERRIDES": " ".join([*NO_RAY, *E2E_EXTRA])},
                           capture_output=True, text=True, timeout=900)
     assert demo.returncode == 1, demo.stdout[-3000:] + demo.stderr[-3000:]
     assert "QUICK MODE" in demo.stdout and "fault rl-stage-1:step=2" in demo.stdout
@@ -84,7 +86,7 @@ def test_fault_retry_resume_through_the_deployment(services, monkeypatch, ui):
     assert f"python -m flows.client retry {fid}" in demo.stdout and f"/v2/runs/flow-run/{fid}" in demo.stdout
     with temporary_settings({PREFECT_API_URL: api}):
         store = RunStore.for_run(cfg.resolved_storage_root(), str(fid))
-        assert store.read_config_snapshot()["overrides"] == [*QUICK, "pipeline.task_retries=0", "cluster.use_ray=false",
+        assert store.read_config_snapshot()["overrides"] == [*QUICK, "pipeline.task_retries=0", *NO_RAY,
                                                              *E2E_EXTRA]
         first = {k: store.record(k) for k in ("curate", "sft-data", "base-model", "sft")}
         assert all(r is not None and r["attempt"] == 1 for r in first.values()), first
@@ -186,7 +188,7 @@ def test_full_recipe_through_the_deployment_on_the_ray_runtime(services_no_fault
 
     home, api = services_no_fault
     monkeypatch.setenv("RSTAR2_HOME", str(home))
-    overrides = E2E_OVERRIDES[1:] + RAY_RUNTIME      # E2E_OVERRIDES[0] is cluster.use_ray=false
+    overrides = E2E_OVERRIDES[len(NO_RAY):] + RAY_RUNTIME
     cfg = load_config("tiny", overrides)
     with temporary_settings({PREFECT_API_URL: api}):
         fid = asyncio.run(start_run("rstar2/full-recipe", {"profile": "tiny", "overrides": overrides}))
