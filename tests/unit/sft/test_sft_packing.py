@@ -199,6 +199,16 @@ def test_masked_loss_is_the_cross_entropy_of_label_positions_only():
                           atol=1e-5)
 
 
+def same_up_to_summation_order(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """fp32 tensors that differ only by the order of their sums: elementwise within rtol 1e-4 plus a few ulps
+    of the tensor's largest element (an element near zero of a gradient whose largest is ~80, the embedding's,
+    moves by ~1e-5 with the summation order, above a fixed atol of 1e-6), and within 1e-5 in norm. A real
+    error (a wrong mask or segment) moves whole rows by O(1) relative."""
+    scale = float(want.abs().max())
+    return (torch.allclose(got, want, rtol=1e-4, atol=1e-6 * max(1.0, scale))
+            and float((got - want).norm()) <= 1e-5 * float(want.norm()) + 1e-12)
+
+
 def test_segment_loss_equals_the_dense_mask_loss_on_real_rows(sft_assets, monkeypatch):
     """Same rows (shared prefix, 2-6 conversations each), fp32: the segment-attention, chunked loss and its
     gradients equal the dense-mask path within 1e-5 relative."""
@@ -223,7 +233,7 @@ def test_segment_loss_equals_the_dense_mask_loss_on_real_rows(sft_assets, monkey
     assert torch.allclose(seg_loss, dense_loss, rtol=1e-5)
     assert seg_grads.keys() == dense_grads.keys()
     for k in dense_grads:
-        assert torch.allclose(seg_grads[k], dense_grads[k], rtol=1e-4, atol=1e-6), k
+        assert same_up_to_summation_order(seg_grads[k], dense_grads[k]), k
 
 
 def test_merged_prefix_row_gives_the_rows_loss_and_gradients(sft_assets):
@@ -253,6 +263,6 @@ def test_merged_prefix_row_gives_the_rows_loss_and_gradients(sft_assets):
     m_loss, m_n, m_grads = run([merged])
     assert m_n == rows_n > 100 and torch.allclose(m_loss, rows_loss, rtol=1e-5)
     for k in rows_grads:
-        assert torch.allclose(m_grads[k], rows_grads[k], rtol=1e-4, atol=1e-6), k
+        assert same_up_to_summation_order(m_grads[k], rows_grads[k]), k
     plain = epoch_rows(docs[:4], 1, seed=0, max_seq_len=1024, pad_id=tok.pad_token_id, share_prefix=False)
     assert merge_shared_prefix(plain) is None and merge_shared_prefix(rows[:1]) is None
