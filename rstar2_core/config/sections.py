@@ -50,6 +50,14 @@ class ModelConfig(_Section):
     """Shape of the from-scratch model (kind = "tiny" only)."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward: saves memory at ~30% more compute. On for 14B."""
+    head_kernel: Literal["auto", "liger", "torch"] = "auto"
+    """How training computes the LM head + log-softmax at the trained positions (SFT and RL;
+    `models/token_logprobs.py`). `torch`: chunks of tokens, each chunk's logits recomputed in the
+    backward (one extra LM-head matmul per chunk; never more than one chunk's logits alive). `liger`:
+    Liger's fused linear cross-entropy (the `kernels` extra, Triton): no logits in memory at all, but
+    CUDA only, an LM head without bias, and its weight whole on each rank (not ZeRO-3); a training
+    backend that cannot honour it refuses to start, naming what is missing. `auto`: `liger` where all of
+    that holds, else `torch` (so a CPU run and a ZeRO-3 run use the chunked path)."""
 
     @model_validator(mode="after")
     def _hf_needs_path(self) -> ModelConfig:

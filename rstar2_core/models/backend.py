@@ -7,6 +7,9 @@ protocol. `make_backend(model, train_cfg, total_steps, warmup_steps, schedule)` 
 
 Schedule: `models/schedules.py` (`lr_factor`: linear warm-up, then cosine (SFT) or constant (RL)).
 
+Head kernel: each backend sets `cfg.model.head_kernel` on its model (`token_logprobs.set_head_kernel`),
+so `liger` where it cannot work is refused before the first step.
+
 Precision: parameters stay in the model's dtype; on a CUDA device with bf16 support the forward runs
 under `torch.autocast(bfloat16)` (`backend.autocast()`); on CPU it is a no-op (bf16 autocast on CPU is
 slower than fp32 for our tiny shapes and changes numerics, which the resume tests rely on).
@@ -29,6 +32,7 @@ import torch
 from torch import nn
 
 from rstar2_core.models.schedules import SCHEDULES, lr_factor
+from rstar2_core.models.token_logprobs import set_head_kernel
 
 
 @runtime_checkable
@@ -56,19 +60,34 @@ def bf16_autocast_supported(model: nn.Module) -> bool:
             and torch.cuda.is_bf16_supported())
 
 
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """`cfg.model.gradient_checkpointing`: HF's non-reentrant activation checkpointing, under the name the
+    installed transformers has (`activation_checkpointing_enable` in newer releases, where
+    `gradient_checkpointing_enable` is a deprecated alias; only the latter in older ones, e.g. 5.17). A
+    model with neither is refused rather than trained without it."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    elif hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        raise ValueError(f"model.gradient_checkpointing = true, but {type(model).__name__} has no activation "
+                         "checkpointing (not a transformers model?); set model.gradient_checkpointing = false")
+
+
 class TorchBackend:
     """AdamW + warm-up/cosine-or-constant LambdaLR + global grad-norm clip, on one device."""
 
     def __init__(self, model: nn.Module, *, lr: float, total_steps: int, warmup_steps: int = 0,
                  schedule: str = "cosine", weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
                  grad_clip: float = 1.0, min_lr_ratio: float = 0.0, use_autocast: bool | None = None,
-                 gradient_checkpointing: bool = False):
+                 gradient_checkpointing: bool = False, head_kernel: str = "auto"):
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown lr schedule {schedule!r}; valid: {list(SCHEDULES)}")
         if total_steps < 1:
             raise ValueError(f"total_steps={total_steps} must be >= 1")
-        if gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        set_head_kernel(model, head_kernel)
+        if gradient_checkpointing:
+            enable_activation_checkpointing(model)
         self.model = model
         self.lr, self.total_steps, self.warmup_steps = lr, total_steps, warmup_steps
         self.schedule, self.weight_decay, self.betas = schedule, weight_decay, tuple(betas)
@@ -146,7 +165,8 @@ def backend_options(train_cfg: Any, model_cfg: Any, *, total_steps: int, warmup_
                            "betas": tuple(getattr(train_cfg, "betas", (0.9, 0.999))),
                            "grad_clip": train_cfg.grad_clip,
                            "min_lr_ratio": getattr(train_cfg, "min_lr_ratio", 0.0),
-                           "gradient_checkpointing": bool(model_cfg.gradient_checkpointing)}
+                           "gradient_checkpointing": bool(model_cfg.gradient_checkpointing),
+                           "head_kernel": model_cfg.head_kernel}
     if kind == "deepspeed":
         out.update(zero_stage=train_cfg.zero_stage, micro_batch_size=train_cfg.micro_batch_size)
     elif kind != "torch":
@@ -173,3 +193,4 @@ def make_backend(model: nn.Module, train_cfg: Any, total_steps: int, warmup_step
 
 class _NoModelCfg:
     gradient_checkpointing = False
+    head_kernel = "auto"

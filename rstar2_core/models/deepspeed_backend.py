@@ -40,7 +40,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from rstar2_core.models.backend import enable_activation_checkpointing
 from rstar2_core.models.schedules import SCHEDULES, lr_factor
+from rstar2_core.models.token_logprobs import set_head_kernel
 
 _DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 
@@ -115,7 +117,7 @@ class DeepSpeedBackend:
     def __init__(self, model: nn.Module, *, zero_stage: int = 2, lr: float, total_steps: int,
                  warmup_steps: int = 0, schedule: str = "cosine", weight_decay: float = 0.0,
                  betas: tuple[float, float] = (0.9, 0.999), grad_clip: float = 1.0, min_lr_ratio: float = 0.0,
-                 bf16: bool | None = None, gradient_checkpointing: bool = False,
+                 bf16: bool | None = None, gradient_checkpointing: bool = False, head_kernel: str = "auto",
                  dist_backend: str | None = None, micro_batch_size: int = 1):
         import deepspeed
 
@@ -133,9 +135,10 @@ class DeepSpeedBackend:
         if bf16 and not torch.cuda.is_bf16_supported():
             raise ValueError(f"DeepSpeedBackend: this GPU ({torch.cuda.get_device_name()}) has no bf16 support; set "
                              "model.dtype = \"float32\" (or run on a GPU with bf16: A100/H100/MI200 and newer)")
+        set_head_kernel(model, head_kernel, partitioned=zero_stage == 3)
         init_single_process_distributed(dist_backend or ("nccl" if on_gpu else "gloo"))
-        if gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if gradient_checkpointing:
+            enable_activation_checkpointing(model)
         self.zero_stage, self.bf16 = zero_stage, bool(bf16)
         self.lr, self.total_steps, self.warmup_steps = lr, total_steps, warmup_steps
         self.schedule, self.min_lr_ratio, self.grad_clip = schedule, min_lr_ratio, grad_clip

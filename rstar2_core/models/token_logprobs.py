@@ -13,17 +13,17 @@ the backward: at most one chunk's logits are alive, at the price of one more LM-
 chunk. The LM head is called as a module (`model.get_output_embeddings()`), so tied embeddings,
 autocast and DeepSpeed ZeRO-3's parameter gathering work as in the model's own forward.
 
-On CUDA, with the `kernels` extra installed (liger-kernel >= 0.8.5, Triton), the same quantity comes
-from Liger's fused linear cross-entropy with `reduction="none"` (in 0.8.5 its backward recomputes the
-chunk gradients with the per-token upstream gradients; older releases were not checked): used only
-when importable, on CUDA, with an unpartitioned LM-head weight (not ZeRO-3) and unless
-`RSTAR2_NO_LIGER` is set. Written against Liger's documented API and untested here (no GPU, and the
-package needs Triton).
+On CUDA, with the `kernels` extra installed (liger-kernel >= 0.8.5, Triton), the same quantity can
+come from Liger's fused linear cross-entropy with `reduction="none"` (in 0.8.5 its backward recomputes
+the chunk gradients with the per-token upstream gradients; older releases were not checked). Which
+path a model takes is `cfg.model.head_kernel`, set on the model by its training backend
+(`set_head_kernel`): `auto` (the default, also for a model no backend configured) takes Liger where
+it is usable (importable, CUDA, a bias-free LM head whose weight is not ZeRO-3 partitioned), `torch`
+never, `liger` always, refused up front where it is not usable. Written against Liger's documented
+API and untested here (no GPU, and the package needs Triton).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -59,9 +59,11 @@ def _chunk_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.
     return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
+HEAD_KERNELS = ("auto", "liger", "torch")
+_ATTR = "rstar2_head_kernel"     # on the HF model (a DeepSpeed engine's `.module`)
+
+
 def _liger():
-    if os.environ.get("RSTAR2_NO_LIGER"):
-        return None
     try:
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
     except ImportError:
@@ -69,11 +71,49 @@ def _liger():
     return liger_fused_linear_cross_entropy
 
 
-def _liger_usable(head: torch.nn.Module, hidden: torch.Tensor) -> bool:
+def liger_obstacles(head: torch.nn.Module, on_cuda: bool, partitioned: bool) -> list[str]:
+    """Why Liger's fused head cannot compute this model's log-probs ([] when it can)."""
+    out = []
+    if _liger() is None:
+        out.append("liger-kernel is not importable (install the `kernels` extra: pip install -e .[kernels])")
+    if not on_cuda:
+        out.append("the model is not on a CUDA device (Liger's kernels are Triton)")
+    if not isinstance(head, torch.nn.Linear) or getattr(head, "weight", None) is None:
+        out.append(f"the LM head is a {type(head).__name__}, not a Linear layer")
+    elif head.bias is not None:
+        # dividing the hidden states by the temperature is not (hW + b) / T with one
+        out.append("the LM head has a bias")
+    if partitioned:
+        out.append("ZeRO-3 partitions the LM head's weight across ranks")
+    return out
+
+
+def set_head_kernel(model: torch.nn.Module, mode: str, *, partitioned: bool = False) -> None:
+    """Make `token_logprobs` compute `model`'s log-probs the `mode` way (`cfg.model.head_kernel`).
+    `partitioned`: the backend will shard the weights ZeRO-3 style. `liger` where it cannot work raises
+    ValueError naming each obstacle and the settings that run instead."""
+    if mode not in HEAD_KERNELS:
+        raise ValueError(f"model.head_kernel = {mode!r} is not one of {list(HEAD_KERNELS)}")
+    inner = getattr(model, "module", model)
+    if mode == "liger":
+        p0 = next(inner.parameters(), None)
+        obstacles = liger_obstacles(inner.get_output_embeddings(), p0 is not None and p0.is_cuda, partitioned)
+        if obstacles:
+            raise ValueError('model.head_kernel = "liger" cannot be honoured here: ' + "; ".join(obstacles)
+                             + '. Set model.head_kernel = "auto" (Liger where usable, else the chunked torch '
+                             'path) or "torch"')
+    setattr(inner, _ATTR, mode)
+
+
+def _use_liger(model: torch.nn.Module, head: torch.nn.Module, hidden: torch.Tensor) -> bool:
+    mode = getattr(getattr(model, "module", model), _ATTR, "auto")
+    if mode == "torch":
+        return False
     weight = getattr(head, "weight", None)
-    # no bias: dividing the hidden states by the temperature is not (hW + b) / T with one
-    return (hidden.is_cuda and isinstance(head, torch.nn.Linear) and weight is not None and head.bias is None
-            and not hasattr(weight, "ds_id") and _liger() is not None)
+    obstacles = liger_obstacles(head, hidden.is_cuda, weight is not None and hasattr(weight, "ds_id"))
+    if mode == "liger" and obstacles:    # checked when the backend was built; this is a later change
+        raise RuntimeError('model.head_kernel = "liger" no longer holds: ' + "; ".join(obstacles))
+    return not obstacles
 
 
 def token_logprobs(model: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
@@ -89,7 +129,7 @@ def token_logprobs(model: torch.nn.Module, hidden: torch.Tensor, targets: torch.
     if n == 0:   # still through the head: the (empty) result stays in the graph, so a zero-weight micro-batch
         # touches every parameter and issues the collectives its data-parallel peers issue (ZeRO-2/3)
         return _chunk_logprobs(head, hidden, targets, temperature)
-    if _liger_usable(head, hidden):
+    if _use_liger(model, head, hidden):
         fused = _liger()
         nll = fused(hidden / temperature, head.weight, targets, reduction="none")
         return -nll.float()

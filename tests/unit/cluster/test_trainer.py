@@ -250,4 +250,4 @@ def test_production_backend_options_come_from_the_rl_config():
     kw = backend_options(cfg.rl, cfg.model, total_steps=510, warmup_steps=cfg.rl.warmup_steps, schedule="constant")
     assert kw == {"zero_stage": 3, "lr": 1e-6, "total_steps": 510, "warmup_steps": 20, "schedule": "constant",
                   "weight_decay": 0.0, "betas": (0.9, 0.999), "grad_clip": 1.0, "min_lr_ratio": 0.0,
-                  "micro_batch_size": 2, "gradient_checkpointing": True}
+                  "micro_batch_size": 2, "gradient_checkpointing": True, "head_kernel": "auto"}

@@ -97,3 +97,8 @@ def test_make_backend_from_config_and_errors():
         TorchBackend(_model(), lr=1e-3, total_steps=5, schedule="poly")
     with pytest.raises(ValueError, match="missing"):
         b.load_state_dict({"step": 1})
+
+
+def test_gradient_checkpointing_on_a_model_without_it_is_refused():
+    with pytest.raises(ValueError, match="model.gradient_checkpointing = false"):
+        TorchBackend(_model(), lr=1e-3, total_steps=2, gradient_checkpointing=True)

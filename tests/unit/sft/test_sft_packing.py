@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from numerics import same_up_to_summation_order
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from rstar2_core.chat import ChatFormat
@@ -197,16 +198,6 @@ def test_masked_loss_is_the_cross_entropy_of_label_positions_only():
     # position t predicts label t+1: the loss moves when the logits at positions 1, 3, 4 do, not at 0, 2
     assert torch.allclose(loss, -(logits[0, [1, 3, 4]].log_softmax(-1)[torch.arange(3), torch.tensor([3, 4, 5])]).sum(),
                           atol=1e-5)
-
-
-def same_up_to_summation_order(got: torch.Tensor, want: torch.Tensor) -> bool:
-    """fp32 tensors that differ only by the order of their sums: elementwise within rtol 1e-4 plus a few ulps
-    of the tensor's largest element (an element near zero of a gradient whose largest is ~80, the embedding's,
-    moves by ~1e-5 with the summation order, above a fixed atol of 1e-6), and within 1e-5 in norm. A real
-    error (a wrong mask or segment) moves whole rows by O(1) relative."""
-    scale = float(want.abs().max())
-    return (torch.allclose(got, want, rtol=1e-4, atol=1e-6 * max(1.0, scale))
-            and float((got - want).norm()) <= 1e-5 * float(want.norm()) + 1e-12)
 
 
 def test_segment_loss_equals_the_dense_mask_loss_on_real_rows(sft_assets, monkeypatch):
