@@ -18,6 +18,13 @@ the model had written it (3/4 trivial arithmetic, 1/4 a sympy factorisation, eac
 and after the last tool turn an answer. tokens/s counts only the sampled tokens (the scripted call
 text is prefilled on the next turn, not decoded).
 
+`--tool-latency-s MEAN` makes the sandbox behave like a remote tool service (production: the calls run
+on CPU nodes apart from the GPUs; the paper reports ~0.3 s mean latency per call under load): each call
+still runs for real here, and its answer is released once a latency drawn for it has passed (lognormal
+with that mean and `--tool-latency-sigma`, seeded by the call's code, so both modes wait the same
+time for the same call). The latency is a wait, not CPU work: on the GPU cluster the decode device
+does not pay for the tool service's CPU. Default 0: the calls' own local run time only.
+
 A third run, `async_plain`, is the async rollout on an engine with `shared_prefix=False` (every row
 reads its own copy of the system prompt's KV in each decode step): `shared_prefix_ratio` = async /
 async_plain is what reading the shared prompt once per step buys, in the same run.
@@ -42,6 +49,7 @@ import random
 import statistics
 import sys
 import time
+import zlib
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -124,6 +132,32 @@ class ScriptedToolEngine:
         pass
 
 
+class RemoteToolLatency:
+    """`sandbox` as a remote tool service: a call's answer arrives `latency(req)` after it was sent, or
+    when the call has run if that is later (see the module docstring)."""
+
+    def __init__(self, inner, mean_s: float, sigma: float):
+        self.inner, self.sigma = inner, sigma
+        self.median_s = mean_s / math.exp(sigma * sigma / 2)       # a lognormal's mean is median * e^(s^2/2)
+        self.waited_s = 0.0
+
+    def latency(self, req: ExecutionRequest) -> float:
+        rng = random.Random(zlib.crc32(f"{req.code}\0{req.stdin}".encode()))
+        return self.median_s * math.exp(self.sigma * rng.gauss(0.0, 1.0))
+
+    async def run(self, req: ExecutionRequest):
+        t0 = time.perf_counter()
+        res = await self.inner.run(req)
+        wait = self.latency(req) - (time.perf_counter() - t0)
+        if wait > 0:
+            self.waited_s += wait
+            await asyncio.sleep(wait)
+        return res
+
+    async def run_batch(self, reqs: list[ExecutionRequest]):
+        return list(await asyncio.gather(*(self.run(r) for r in reqs)))
+
+
 async def sync_rollout(engine, sandbox, chat, problems, n, limits, seed) -> list[tuple[int, ...]]:
     """Turn barrier: all trajectories generate, then all their tool calls run as one batch.
     Returns each trajectory's sampled-token count per turn."""
@@ -178,9 +212,13 @@ async def measure(args) -> dict:
     per_mode = {m: dict.fromkeys(keys, 0) for m in engines}
     print(f"[rollout bench] {args.problems * args.n} trajectories x {args.tool_turns} tool turns, turn length "
           f"lognormal(median {args.median}, sigma {args.sigma}, cap {args.cap}), prompt {prompt_len} tokens, "
-          f"torch threads {torch.get_num_threads()}", flush=True)
+          f"torch threads {torch.get_num_threads()}, remote tool latency "
+          f"{f'mean {args.tool_latency_s} s (sigma {args.tool_latency_sigma})' if args.tool_latency_s > 0 else 'none'}",
+          flush=True)
     runs = {m: [] for m in engines}
-    async with LocalSandbox(SandboxConfig()) as sandbox:
+    async with LocalSandbox(SandboxConfig()) as local:
+        sandbox = RemoteToolLatency(local, args.tool_latency_s, args.tool_latency_sigma) \
+            if args.tool_latency_s > 0 else local
         for warm in (engines["sync"], engines["async_plain"]):                                  # warm-up
             await sync_rollout(warm, sandbox, chat, problems[:2], 1, limits, seed=999)
         for rep in range(args.repeats):
@@ -227,6 +265,7 @@ async def measure(args) -> dict:
         "sync_wall_s": [round(r[1], 2) for r in runs["sync"]], "async_wall_s": [round(r[1], 2) for r in runs["async"]],
         "async_plain_wall_s": [round(r[1], 2) for r in runs["async_plain"]],
         "sampled_tokens": runs["sync"][0][2], "trajectories": args.problems * args.n, "tool_turns": args.tool_turns,
+        "tool_latency_mean_s": args.tool_latency_s, "tool_latency_sigma": args.tool_latency_sigma,
         "decode_step_ms": round(1000 * st["decode_s"] / max(1, st["decode_steps"]), 3),
         "decode_tokens_per_step": round(st["decode_tokens"] / max(1, st["decode_steps"]), 2),
         "prefill_ms_per_token": round(1000 * st["prefill_s"] / max(1, st["prefill_tokens"]), 4),
@@ -248,6 +287,9 @@ def main() -> None:
     ap.add_argument("--cap", type=int, default=192, help="most sampled tokens per turn")
     ap.add_argument("--budget", type=int, default=1536, help="max_response_tokens")
     ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--tool-latency-s", type=float, default=0.0,
+                    help="mean latency of a remote tool service per call (0: the local calls' own time)")
+    ap.add_argument("--tool-latency-sigma", type=float, default=1.0, help="lognormal sigma of that latency")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads (1: on a shared, loaded machine 2 OpenMP threads run ~10x slower)")
     args = ap.parse_args()
