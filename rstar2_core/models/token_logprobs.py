@@ -25,6 +25,8 @@ API and untested here (no GPU, and the package needs Triton).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -63,6 +65,7 @@ HEAD_KERNELS = ("auto", "liger", "torch")
 _ATTR = "rstar2_head_kernel"     # on the HF model (a DeepSpeed engine's `.module`)
 
 
+@functools.cache        # a failed import is not cached by Python: without this, every call would search again
 def _liger():
     try:
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
