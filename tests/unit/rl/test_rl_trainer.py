@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from numerics import same_up_to_summation_order
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from rstar2_core.models.backend import TorchBackend
@@ -76,7 +77,7 @@ def test_micro_batches_accumulate_the_full_batch_token_mean():
     micro = GradCapture(tiny_model())
     m_micro = rl_update(micro, TRAJS, adv, pad_id=PAD, micro_batch_size=1)
     for n, g in full.grads.items():
-        assert torch.allclose(micro.grads[n], g, atol=1e-6), n
+        assert same_up_to_summation_order(micro.grads[n], g), n     # the micro-batches sum in another order
     assert m_full["actor/tokens"] == 4 + 1 + 1 + 4
     assert m_micro["actor/pg_loss"] == pytest.approx(m_full["actor/pg_loss"], abs=1e-6)
     # ratio is exactly 1 with recomputed old log-probs: on-policy, nothing clipped
