@@ -17,10 +17,11 @@ def same_up_to_summation_order(got: torch.Tensor, want: torch.Tensor) -> bool:
 
 def same_adam_update(got: torch.Tensor, want: torch.Tensor, lr: float) -> bool:
     """Two AdamW runs' weight changes (after minus before) whose gradients differ only by summation order:
-    within 1e-3 of the update's norm, and no element off by more than 5% of lr. Adam divides by sqrt(v),
+    within 1% of the update's norm, and no element off by more than 5% of lr. Adam divides by sqrt(v),
     so an element whose gradient is near zero turns a rounding difference of the gradient into a visible
-    one of its update (one element of 3,072 moved 2.7e-5 at lr 1e-2 under ZeRO-3 on one CPU; norms agreed
-    within 5e-5). A real fault (a micro-batch dropped, a rank's gradients missing) changes most elements
-    by O(lr)."""
-    return (float((got - want).norm()) <= 1e-3 * float(want.norm()) + 1e-12
+    one of its update (under ZeRO-3 on one CPU: one element of 3,072 off by 2.7e-5 at lr 1e-2, norms within
+    5e-5; one of a 16-element tensor off by 1.3e-5, its norm within ~3e-4: in a small tensor one such
+    element is a large share of the norm). A real fault (a micro-batch dropped, a rank's gradients
+    missing) changes most elements by O(lr), the norm by O(1) relative."""
+    return (float((got - want).norm()) <= 1e-2 * float(want.norm()) + 1e-12
             and float((got - want).abs().max()) <= 0.05 * lr)
