@@ -139,7 +139,6 @@ class RemoteToolLatency:
     def __init__(self, inner, mean_s: float, sigma: float):
         self.inner, self.sigma = inner, sigma
         self.median_s = mean_s / math.exp(sigma * sigma / 2)       # a lognormal's mean is median * e^(s^2/2)
-        self.waited_s = 0.0
 
     def latency(self, req: ExecutionRequest) -> float:
         rng = random.Random(zlib.crc32(f"{req.code}\0{req.stdin}".encode()))
@@ -150,7 +149,6 @@ class RemoteToolLatency:
         res = await self.inner.run(req)
         wait = self.latency(req) - (time.perf_counter() - t0)
         if wait > 0:
-            self.waited_s += wait
             await asyncio.sleep(wait)
         return res
 
@@ -293,6 +291,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads (1: on a shared, loaded machine 2 OpenMP threads run ~10x slower)")
     args = ap.parse_args()
+    if args.tool_latency_s < 0 or args.tool_latency_sigma < 0:
+        ap.error("--tool-latency-s and --tool-latency-sigma must be >= 0")
     import torch
     torch.set_num_threads(args.threads)
     args.problems = args.problems or (4 if args.quick else 16)
