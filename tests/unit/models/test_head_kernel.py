@@ -67,9 +67,15 @@ def test_liger_that_stops_holding_after_the_backend_checked_raises(monkeypatch):
         tl.token_logprobs(model, torch.randn(3, 32), torch.randint(0, 64, (3,)))
 
 
-def test_an_unconfigured_model_takes_auto_and_a_bad_mode_is_refused():
-    model = _model()
+def test_an_unconfigured_model_takes_auto_and_a_bad_mode_is_refused(monkeypatch):
+    model = _model()                    # no backend set a mode on it
     hidden, targets = torch.randn(4, 32), torch.randint(0, 64, (4,))
-    assert tl.token_logprobs(model, hidden, targets).shape == (4,)      # CPU: the chunked path
+    plain = tl.token_logprobs(model, hidden, targets)                   # on this CPU: the chunked path
+    calls = []
+    monkeypatch.setattr(tl, "_liger", lambda: _fake_fused(calls))
+    monkeypatch.setattr(tl, "liger_obstacles", lambda head, on_cuda, partitioned: [])
+    fused = tl.token_logprobs(model, hidden, targets)                   # where Liger can run, auto takes it
+    assert calls == [4]
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="not one of"):
         tl.set_head_kernel(model, "fused")
