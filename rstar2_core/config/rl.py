@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from rstar2_core.config.base import _Section
+from rstar2_core.config.base import AdamBetas, _Section
 
 
 # ------------------------------------------------------------------------------------------ GRPO-RoC
@@ -103,8 +103,8 @@ class RLConfig(_Section):
     """Linear warm-up steps (counted over the whole RL run). Paper: 20."""
     weight_decay: float = Field(0.0, ge=0.0)
     """AdamW weight decay."""
-    betas: tuple[float, float] = (0.9, 0.999)
-    """AdamW betas."""
+    betas: AdamBetas = (0.9, 0.999)
+    """AdamW (beta1, beta2)."""
     grad_clip: float = Field(1.0, gt=0)
     """Global gradient-norm clip. Paper: 1.0."""
     prompts_per_step: int = Field(512, ge=1)

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from rstar2_core.config.base import _Section
+from rstar2_core.config.base import AdamBetas, _Section
 
 
 # --------------------------------------------------------------------------------------------- model
@@ -310,6 +310,11 @@ class SFTConfig(_Section):
     """Pack several conversations into one row (attention stays causal over the row)."""
     weight_decay: float = Field(0.0, ge=0.0)
     """AdamW weight decay."""
+    betas: AdamBetas = (0.9, 0.999)
+    """AdamW (beta1, beta2). beta2 sets how long the per-weight step size remembers past gradients
+    (~1 / (1 - beta2) steps): with 0.999 (torch's default) the large gradients of the first steps
+    keep the steps small for ~1,000 steps after they are over; 0.95 (the usual value for training a
+    transformer from scratch) forgets them within tens of steps, at the price of noisier steps."""
     grad_clip: float = Field(1.0, gt=0)
     """Global gradient-norm clip."""
     backend: Literal["torch", "deepspeed"] = "torch"

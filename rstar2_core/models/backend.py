@@ -162,7 +162,7 @@ def backend_options(train_cfg: Any, model_cfg: Any, *, total_steps: int, warmup_
     out: dict[str, Any] = {"lr": train_cfg.lr, "total_steps": max(1, int(total_steps)),
                            "warmup_steps": int(warmup_steps), "schedule": schedule,
                            "weight_decay": train_cfg.weight_decay,
-                           "betas": tuple(getattr(train_cfg, "betas", (0.9, 0.999))),
+                           "betas": tuple(train_cfg.betas),
                            "grad_clip": train_cfg.grad_clip,
                            "min_lr_ratio": getattr(train_cfg, "min_lr_ratio", 0.0),
                            "gradient_checkpointing": bool(model_cfg.gradient_checkpointing),

@@ -99,6 +99,16 @@ def test_make_backend_from_config_and_errors():
         b.load_state_dict({"step": 1})
 
 
+def test_sft_betas_reach_the_optimizer_and_bad_ones_are_refused():
+    b = make_backend(_model(), SFTConfig(lr=3e-3, betas=(0.9, 0.95)), total_steps=5, warmup_steps=0,
+                     schedule="constant")
+    assert b.optimizer.param_groups[0]["betas"] == (0.9, 0.95)
+    assert make_backend(_model(), SFTConfig(lr=3e-3), total_steps=5, warmup_steps=0,
+                        schedule="constant").optimizer.param_groups[0]["betas"] == (0.9, 0.999)
+    with pytest.raises(ValueError, match="less than 1"):
+        SFTConfig(betas=(0.9, 1.0))
+
+
 def test_gradient_checkpointing_on_a_model_without_it_is_refused():
     with pytest.raises(ValueError, match="model.gradient_checkpointing = false"):
         TorchBackend(_model(), lr=1e-3, total_steps=2, gradient_checkpointing=True)
