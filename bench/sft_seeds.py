@@ -1,6 +1,7 @@
 """Does the tiny SFT cross the copying phase change, seed after seed? The same SFT set, several model seeds.
 
     .venv/bin/python bench/sft_seeds.py [--seeds 0 1 2] [--set sft.lr=5e-3 ...] [--json]
+        [--stop-after 50] [--cap 1200] [--sft-data file:///.../sft-data]
 
 The tiny profile's SFT policy can copy the problem's numbers into its code only once a sharp drop of the
 loss (the copying phase change, docs/models-and-sft.md) has happened within its one pass; whether and
@@ -10,11 +11,18 @@ each seed in `--seeds` (the global `seed`: the model's initialisation) prepares 
 with the copy probe (`bench/copy_probe.py`, teacher-forced, seconds). A schedule is judged by how many
 seeds cross and how early: the later the crossing, the less margin a run has.
 
-Keys of the JSON object (last line with `--json`): `runs` (per seed: `seed`, `steps`, `cross_step` = the
+Keys of the JSON object (last line with `--json`): `runs` (per seed: `seed`, `steps`, `stopped` (a screening
+stop ended it), `cross_step` = the
 first step whose 50-step mean loss is below `SFT_CROSSED_LOSS` (0.1; None: never), `late_loss` = mean
 loss of the last 5% of steps, `sft_s`, `probe` = the copy probe's figures), `crossed` (how many runs
 crossed), `overrides`, `plot` (loss curves, PNG) and the load average before/after. Each run costs a
 full SFT (~6 minutes on 2 quiet cores with 2 threads).
+
+Screening (`--stop-after N`, `--cap N`): a run stops N steps after its crossing, or at step `--cap` when
+it has not crossed by then, so that a schedule's crossing steps over six seeds cost minutes, not an hour.
+A stopped run has no final checkpoint: its `probe` is None and its `late_loss` is that of the steps it
+ran. `--sft-data URL` reuses an SFT set an earlier run built (`<RSTAR2_HOME>/bench/sft-seeds-*/sft-data`),
+so that runs in separate invocations train on the same conversations.
 """
 
 from __future__ import annotations
@@ -40,6 +48,20 @@ def crossing(losses: list[float], threshold: float) -> int | None:
         if i >= WINDOW - 1 and total / WINDOW < threshold:
             return i + 1
     return None
+
+
+def should_stop(losses: list[float], threshold: float, stop_after: int | None, cap: int | None) -> bool:
+    """Screening rule: stop `stop_after` steps after the crossing, or at step `cap` (either None: never)."""
+    if cap is not None and len(losses) >= cap:
+        return True
+    if stop_after is None:
+        return False
+    c = crossing(losses, threshold)
+    return c is not None and len(losses) >= c + stop_after
+
+
+class _Stopped(Exception):
+    """Raised from the metrics callback to end a screening run."""
 
 
 def plot(curves: dict[int, list[float]], threshold: float, path: Path, title: str) -> None:
@@ -70,7 +92,13 @@ def main(argv=None) -> int:
     ap.add_argument("--probe-n", type=int, default=60, help="held-out problems of the copy probe")
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads (the demo's SFT uses 2)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    ap.add_argument("--stop-after", type=int, default=None,
+                    help="screening: stop a run this many steps after its crossing (no final checkpoint, no probe)")
+    ap.add_argument("--cap", type=int, default=None, help="screening: stop a run at this step")
+    ap.add_argument("--sft-data", default=None, help="URL of an SFT set built by an earlier run (default: build one)")
     args = ap.parse_args(argv)
+    if (args.stop_after is not None and args.stop_after < 0) or (args.cap is not None and args.cap < 1):
+        ap.error("--stop-after must be >= 0 and --cap >= 1")
 
     os.environ.setdefault("RSTAR2_HOME", str(ROOT / ".rstar2"))
     import torch
@@ -94,24 +122,38 @@ def main(argv=None) -> int:
         print(f"[sft seeds {time.time() - t_start:7.1f} s] {msg}", file=sys.stderr, flush=True)
 
     cfgs = {seed: load_config(args.profile, [*args.overrides, f"seed={seed}"]) for seed in args.seeds}
-    data = build_sft_dataset(next(iter(cfgs.values())), storage.join(root, "sft-data"))  # the seed is not in it
-    log(f"SFT set: {data.n_rows} conversations; {len(args.seeds)} runs, overrides {args.overrides}")
+    if args.sft_data:
+        data_url = args.sft_data
+        log(f"SFT set: {data_url} (reused); {len(args.seeds)} runs, overrides {args.overrides}")
+    else:
+        data = build_sft_dataset(next(iter(cfgs.values())), storage.join(root, "sft-data"))  # the seed is not in it
+        data_url = data.url
+        log(f"SFT set: {data.n_rows} conversations; {len(args.seeds)} runs, overrides {args.overrides}")
     runs, curves = [], {}
     for k, (seed, cfg) in enumerate(cfgs.items()):
         t0 = time.time()
         base = prepare_base_model(cfg, storage.join(root, f"base-seed{seed}"))
         losses: list[float] = []
-        res = run_sft(cfg, base_model_url=base, sft_data_url=data.url, out_url=storage.join(root, f"sft-seed{seed}"),
-                      log_metrics=lambda m, step, out=losses: out.append(float(m["sft/loss"])), resume=False)
+
+        def record(m, step, out=losses):
+            out.append(float(m["sft/loss"]))
+            if should_stop(out, SFT_CROSSED_LOSS, args.stop_after, args.cap):
+                raise _Stopped
+
+        try:
+            res = run_sft(cfg, base_model_url=base, sft_data_url=data_url, out_url=storage.join(root, f"sft-seed{seed}"),
+                          log_metrics=record, resume=False)
+        except _Stopped:
+            res = None
         sft_s = time.time() - t0
-        run = {"seed": seed, "steps": len(losses), "cross_step": crossing(losses, SFT_CROSSED_LOSS),
-               "late_loss": late_loss(losses), "sft_s": round(sft_s, 1),
-               "probe": probe(res.checkpoint_url, args.probe_n)}
+        run = {"seed": seed, "steps": len(losses), "stopped": res is None,
+               "cross_step": crossing(losses, SFT_CROSSED_LOSS), "late_loss": late_loss(losses),
+               "sft_s": round(sft_s, 1), "probe": None if res is None else probe(res.checkpoint_url, args.probe_n)}
         runs.append(run)
         curves[seed] = losses
         done = time.time() - t_start
         log(f"seed {seed}: crossed at step {run['cross_step']} of {run['steps']}, late loss {run['late_loss']}, "
-            f"copy probe exact {run['probe']['calls_exact']} ({sft_s:.0f} s) "
+            f"copy probe exact {run['probe']['calls_exact'] if run['probe'] else '-'} ({sft_s:.0f} s) "
             f"[{k + 1}/{len(cfgs)}, ETA {done / (k + 1) * (len(cfgs) - k - 1):.0f} s]")
     png = Path(os.environ["RSTAR2_HOME"]).resolve() / "bench" / f"sft-seeds-{stamp}.png"
     plot(curves, SFT_CROSSED_LOSS, png, f"tiny SFT, {' '.join(args.overrides) or 'profile as committed'}")
