@@ -18,7 +18,5 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
 
 
-
-
 AdamBetas = tuple[Annotated[float, Field(ge=0.0, lt=1.0)], Annotated[float, Field(ge=0.0, lt=1.0)]]
 """AdamW (beta1, beta2), each in [0, 1)."""

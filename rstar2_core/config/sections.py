@@ -311,10 +311,10 @@ class SFTConfig(_Section):
     weight_decay: float = Field(0.0, ge=0.0)
     """AdamW weight decay."""
     betas: AdamBetas = (0.9, 0.999)
-    """AdamW (beta1, beta2). beta2 sets how long the per-weight step size remembers past gradients
-    (~1 / (1 - beta2) steps): with 0.999 (torch's default) the large gradients of the first steps
-    keep the steps small for ~1,000 steps after they are over; 0.95 (the usual value for training a
-    transformer from scratch) forgets them within tens of steps, at the price of noisier steps."""
+    """AdamW (beta1, beta2). beta2 sets over how many steps (~1 / (1 - beta2)) the per-weight step size
+    averages past squared gradients: 0.999 (torch's default) ~1,000 steps, 0.95 (common when training a
+    transformer from scratch) ~20, which follows the gradients' scale faster at the price of noisier
+    steps. On the tiny profile 0.95 made SFT's copying phase change later (docs/models-and-sft.md)."""
     grad_clip: float = Field(1.0, gt=0)
     """Global gradient-norm clip."""
     backend: Literal["torch", "deepspeed"] = "torch"
