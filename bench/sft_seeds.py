@@ -19,7 +19,8 @@ crossed), `overrides`, `plot` (loss curves, PNG) and the load average before/aft
 full SFT (~6 minutes on 2 quiet cores with 2 threads).
 
 Screening (`--stop-after N`, `--cap N`): a run stops N steps after its crossing, or at step `--cap` when
-it has not crossed by then, so that a schedule's crossing steps over six seeds cost minutes, not an hour.
+it has not crossed by then (a cap at the pass's length stops at its last step: no final checkpoint, no
+probe), so that a schedule's crossing steps over six seeds cost minutes, not an hour.
 A stopped run has no final checkpoint: its `probe` is None and its `late_loss` is that of the steps it
 ran. `--sft-data URL` reuses an SFT set an earlier run built (`<RSTAR2_HOME>/bench/sft-seeds-*/sft-data`),
 so that runs in separate invocations train on the same conversations.
