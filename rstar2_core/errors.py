@@ -16,12 +16,57 @@ reads the same files and fails the same way, so it fails at once with the fix (d
 An RL stage whose steps all took no optimizer step (`StageTrainedNothing`, a `ValueError`) fails instead
 of handing an unchanged policy to the next stage as if it had trained.
 A storage error while reading one (an `OSError` of the file system or of S3) stays retryable.
+
+These errors cross processes: a stage task on Ray hands its failure to the flow pickled (inside the
+task's Failed state), and an actor's error reaches its caller pickled. Python pickles an exception as
+`type(*args)`, which an `__init__` with other arguments cannot take, so such an error would arrive as
+Ray's `RaySystemError` about a constructor. `PicklableError` (a mixin) pickles an error as its type,
+`args` and attributes instead; the project's error classes with their own `__init__` take it, and
+tests/unit/test_error_pickling.py checks that every error class in the packages round-trips.
 """
 
 from __future__ import annotations
 
+import pickle
+from typing import Any
 
-class InfraError(ConnectionError):
+
+class PicklableError:
+    """Mixin for an exception whose `__init__` takes other arguments than its `args`: it pickles as its
+    type, `args` and attribute dict and unpickles without calling `__init__`, so the copy has the same
+    message and attributes whatever the constructor's signature. Put it before the builtin base
+    (`class ActorFailure(PicklableError, ConnectionError)`).
+
+    An attribute that does not survive a pickle round trip itself (an exception holding a lock or a
+    socket, one whose own class cannot be unpickled) travels as `"Type: message"` (`repr` for other
+    objects): the copy keeps what a reader needs, not the object. The trade-off: `__init__` does not run
+    on the copy, so an error class must keep all its state in `args` and attributes (nothing computed
+    lazily from constructor arguments it did not store)."""
+
+    __slots__ = ()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        state = {k: _portable(v) for k, v in vars(self).items()}
+        return _restore, (type(self), self.args, state)
+
+
+def _restore(cls: type[BaseException], args: tuple, state: dict[str, Any]) -> BaseException:
+    err = cls.__new__(cls, *args)
+    err.args = args
+    err.__dict__.update(state)
+    return err
+
+
+def _portable(value: Any) -> Any:
+    """`value` if it comes back from pickling, else `"Type: message"` for an exception, `repr` otherwise."""
+    try:
+        pickle.loads(pickle.dumps(value))
+    except Exception:  # noqa: BLE001 - whatever pickling raises, the error itself must still travel
+        return f"{type(value).__name__}: {value}" if isinstance(value, BaseException) else repr(value)
+    return value
+
+
+class InfraError(PicklableError, ConnectionError):
     """The infrastructure failed; a retry of the stage resumes from its last complete checkpoint."""
 
 

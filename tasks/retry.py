@@ -8,6 +8,13 @@ OS/connection/timeout error (a storage read that failed included). Bad config
 (`ConfigError`), bad data (`ValueError`, `KeyError`, `TypeError`) and a checkpoint marked complete that
 lacks its trainer state (`rstar2_core.errors.CorruptCheckpoint`, a `ValueError`) fail at once: a retry
 would only fail again, later.
+
+On Ray the rule sees the same errors as in the flow process. A stage task's error reaches the flow
+inside the task's Failed state, pickled by Ray, as its own type (the project's errors pickle with their
+message and attributes, rstar2_core/errors.py `PicklableError`). An actor's or remote function's error
+reaches its caller as Ray's `RayTaskError`: usually a `RayTaskError(<cause's class>)`, an instance of
+both, which the checks below class by the cause's class; where Ray could not build that subclass it is
+a plain `RayTaskError`, which the rule classes by its `cause`.
 """
 
 from __future__ import annotations
@@ -31,13 +38,31 @@ def _ray_infra_errors() -> tuple[type[BaseException], ...]:
     return tuple(getattr(rex, n) for n in names if hasattr(rex, n))
 
 
+def _ray_task_error_cause(exc: BaseException) -> BaseException | None:
+    """The user exception a plain `RayTaskError` wraps (None for anything else, a dual subclass included:
+    it is already an instance of its cause's class)."""
+    try:
+        from ray.exceptions import RayTaskError
+    except ImportError:
+        return None
+    cause = getattr(exc, "cause", None)
+    if isinstance(exc, RayTaskError) and isinstance(cause, BaseException) and not isinstance(exc, type(cause)):
+        return cause
+    return None
+
+
 def is_infrastructure_error(exc: BaseException) -> bool:
     """True for errors a retry can fix (fault injection, Ray deaths, OS/connection/timeout errors)."""
     if isinstance(exc, InfraError):   # injected faults, dead actors, infra-failure share, stale engine weights
         return True
     if isinstance(exc, _NEVER):
         return False
-    return isinstance(exc, (OSError, ConnectionError, TimeoutError, *_ray_infra_errors()))
+    if isinstance(exc, (OSError, ConnectionError, TimeoutError)):
+        return True
+    cause = _ray_task_error_cause(exc)
+    if cause is not None:
+        return is_infrastructure_error(cause)
+    return isinstance(exc, _ray_infra_errors())
 
 
 def retry_on_infrastructure_error(task, task_run, state) -> bool:

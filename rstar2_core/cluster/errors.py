@@ -7,11 +7,15 @@ of marking one trajectory as infra-failed (a dead actor ends the step), and a re
 from its last checkpoint. `PlacementTimeout` (a `TimeoutError`, also retried) means the cluster did not have the
 resources of a placement group in time, e.g. while an autoscaler adds nodes; `ActorStartTimeout` (also a
 `TimeoutError`, retried) that actors were not scheduled and constructed in time, naming them.
+
+The errors with constructor arguments (`ActorFailure`, `ActorStartTimeout`, `ActorConfigError`) are
+`PicklableError`s: raised in a stage task on a Ray worker, they reach the flow with their type, message
+and attributes (a cause that cannot be pickled travels as its "Type: message").
 """
 
 from __future__ import annotations
 
-from rstar2_core.errors import InfraError
+from rstar2_core.errors import InfraError, PicklableError
 
 
 class ActorFailure(InfraError):
@@ -20,12 +24,12 @@ class ActorFailure(InfraError):
     def __init__(self, actor: str, cause: BaseException | str):
         self.actor = actor
         self.cause = cause
-        super().__init__(f"cluster actor {actor} failed: {type(cause).__name__ if isinstance(cause, BaseException) else ''}"
-                         f"{': ' if isinstance(cause, BaseException) else ''}{cause}. The stage's actors were shut "
-                         "down; a retry resumes from the last checkpoint")
+        what = f"{type(cause).__name__}: {cause}" if isinstance(cause, BaseException) else str(cause)
+        super().__init__(f"cluster actor {actor} failed: {what.rstrip('.')}. The stage's actors were shut down; "
+                         "a retry resumes from the last checkpoint")
 
 
-class ActorStartTimeout(TimeoutError):
+class ActorStartTimeout(PicklableError, TimeoutError):
     """Actors of the stage were not ready (scheduled and constructed) in time; `actors` lists them."""
 
     def __init__(self, actors: list[str], message: str):
@@ -37,7 +41,7 @@ class PlacementTimeout(TimeoutError):
     """A placement group was not scheduled in time; the message lists what the cluster has free."""
 
 
-class ActorConfigError(ValueError):
+class ActorConfigError(PicklableError, ValueError):
     """A Ray actor of the stage could not start: its constructor raised a ValueError/TypeError (bad config
     or arguments) or an ImportError (a package missing on the node), so a retry would fail the same way. `error` is the constructor's `Type: message`."""
 

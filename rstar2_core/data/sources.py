@@ -33,6 +33,7 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from rstar2_core import storage
+from rstar2_core.errors import PicklableError
 
 
 class SourceLayoutError(ValueError):
@@ -62,7 +63,7 @@ class SourceRead:
     rejected: Counter = field(default_factory=Counter)
 
 
-class Reject(Exception):
+class Reject(PicklableError, Exception):
     """Raised by adapters for one bad row; `reason` goes into the counts."""
 
     def __init__(self, reason: str):

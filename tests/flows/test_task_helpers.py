@@ -39,6 +39,12 @@ def test_retry_rule_retries_infrastructure_only():
     assert not is_infrastructure_error(ValueError("bad row"))
     assert not is_infrastructure_error(KeyError("answer"))
     assert not is_infrastructure_error(RuntimeError("a bug"))
+    # an actor's error as Ray re-raises it in the caller: RayTaskError(<cause's class>), or a plain
+    # RayTaskError where Ray cannot build that subclass: both are classed by the cause
+    for cause, infra in ((ActorFailure("engine-0", "killed"), True), (CorruptCheckpoint("no state"), False),
+                         (RuntimeError("a bug"), False)):
+        wrapped = rex.RayTaskError("generate", "Traceback ...", cause)
+        assert is_infrastructure_error(wrapped) == is_infrastructure_error(wrapped.as_instanceof_cause()) == infra
 
 
 def test_run_store_returns_only_complete_results(tmp_path):

@@ -16,6 +16,7 @@ import os
 import shutil
 import socket
 import subprocess
+import time
 from pathlib import Path
 from uuid import UUID
 
@@ -145,7 +146,8 @@ def test_fault_retry_resume_through_the_deployment(services, monkeypatch, ui):
 
 
 # The same shrunk recipe on the Ray runtime: Prefect tasks on Ray (RayTaskRunner), each stage driving its
-# own engine actors (2), DeepSpeed trainer shards (2, ZeRO-2, gloo) and sandbox actor pool.
+# own engine actors (2), DeepSpeed trainer shards (2, ZeRO-2, gloo) and sandbox actor pool; its test kills
+# engine 0 once (`kill-engine`) and retries the failed run as the UI does.
 RAY_RUNTIME = ["cluster.use_ray=true", 'cluster.runtime="ray"', 'rl.backend="deepspeed"', 'sft.backend="deepspeed"',
                'sandbox.backend="ray"', "cluster.trainer_ranks=2", "rollout.num_engines=2", "rl.zero_stage=2",
                "sft.zero_stage=2"]
@@ -155,6 +157,27 @@ def _worker_log_tail(home: Path, chars: int = 6000) -> str:
     """The end of the process worker's log (the flow run's traceback), for a failed run's assertion."""
     log = home / "logs" / "prefect-worker.log"
     return log.read_text(errors="replace")[-chars:] if log.exists() else f"no worker log at {log}"
+
+
+async def _attempt_process_exited(flow_run_id: UUID, timeout_s: float = 300) -> None:
+    """Return once the worker has seen the failed attempt's process exit. A flow run turns Failed seconds
+    before its process ends (the failure hook, Ray's shutdown), and Prefect's process worker then reports
+    the run Crashed if it is no longer final: a Retry pressed in between is overwritten. The test presses
+    it after, as a person does."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.client.schemas.sorting import LogSort
+
+    deadline = time.monotonic() + timeout_s
+    async with get_client() as c:
+        while time.monotonic() < deadline:
+            logs = await c.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), limit=200,
+                                     sort=LogSort.TIMESTAMP_DESC)
+            if any("exited with status code" in log.message for log in logs):
+                await asyncio.sleep(2)   # the worker's crash report follows that line (a no-op on a final state)
+                return
+            await asyncio.sleep(1)
+    raise AssertionError(f"the worker did not report the exit of flow run {flow_run_id}'s process in {timeout_s:.0f} s")
 
 
 @pytest.fixture
@@ -179,9 +202,13 @@ def services_no_fault(tmp_path):
 
 @pytest.mark.slow
 def test_full_recipe_through_the_deployment_on_the_ray_runtime(services_no_fault, monkeypatch):
+    """The quick recipe on the Ray runtime with engine actor 0 killed at RL stage 1's step 2 (task retries
+    off): the failed flow run's message is the project's `ActorFailure` naming the dead actor (it crossed
+    from the stage task's Ray worker to the flow pickled), and the UI's Retry resumes the run to the end."""
+    from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from flows.client import start_run, watch
+    from flows.client import retry_flow_run, start_run, watch
     from rstar2_core.config import load_config
     from tasks import tracking
     from tasks.run_store import RunStore
@@ -191,10 +218,22 @@ def test_full_recipe_through_the_deployment_on_the_ray_runtime(services_no_fault
     overrides = E2E_OVERRIDES[len(NO_RAY):] + RAY_RUNTIME
     cfg = load_config("tiny", overrides)
     with temporary_settings({PREFECT_API_URL: api}):
-        fid = asyncio.run(start_run("rstar2/full-recipe", {"profile": "tiny", "overrides": overrides}))
+        fid = asyncio.run(start_run("rstar2/full-recipe", {"profile": "tiny", "overrides": overrides},
+                                    env={"RSTAR2_FAULT_INJECT": "rl-stage-1:step=2:kill-engine"}))
+        assert asyncio.run(watch(fid, timeout_s=1800, quiet=True)) == "Failed", _worker_log_tail(home)
+
+        async def message() -> str:
+            async with get_client() as c:
+                return (await c.read_flow_run(fid)).state.message or ""
+
+        failed = asyncio.run(message())
+        assert "ActorFailure: cluster actor engine-0 failed" in failed and "RaySystemError" not in failed, failed
+        asyncio.run(_attempt_process_exited(fid))
+        asyncio.run(retry_flow_run(fid))  # the UI's Retry
         state = asyncio.run(watch(fid, timeout_s=1800, quiet=True))
         assert state == "Completed", _worker_log_tail(home)
     store = RunStore.for_run(cfg.resolved_storage_root(), str(fid))
+    assert store.record("sft")["attempt"] == 1 and store.record("rl-stage-1")["attempt"] == 2
     c = tracking.client(cfg)
     runs = [c.get_run(store.tracking_id(stage)) for stage in ("rl-stage-1", "rl-stage-2", "rl-stage-3")]
     for run in runs:   # each stage ran its steps on 2 engine actors and 2 trainer ranks
