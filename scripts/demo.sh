@@ -106,10 +106,10 @@ PYEOF
 fi
 echo "demo wall time: $total s ($phases); load average at start $load_start, at end $load_end, mean of the" \
      "1-min load during the run $load_mean (2 cores); servers left up, 'make stop' stops them"
-.venv/bin/python - "$RSTAR2_HOME/demo-timings.jsonl" <<PYEOF
+.venv/bin/python - "$RSTAR2_HOME/demo-timings.jsonl" ${overrides[@]+"${overrides[@]}"} <<PYEOF
 import json, sys, time
 rec = {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "flow_run_id": "$fid", "rc": $rc,
-       "profile": "$profile", "quick": bool($quick), "fault": "$fault", "overrides": """${overrides[*]:-}""".split(),
+       "profile": "$profile", "quick": bool($quick), "fault": "$fault", "overrides": sys.argv[2:],
        "t_start": $t_start, "t_script": $t_script, "t_services": $t_services, "t_deploy": $t_deploy, "t_run": $t_run,
        "load_start": "$load_start", "load_end": "$load_end", "load_mean": "$load_mean"}
 open(sys.argv[1], "a").write(json.dumps(rec) + "\n")

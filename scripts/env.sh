@@ -22,5 +22,10 @@ export DO_NOT_TRACK=1
 export RAY_AUTH_MODE=disabled
 export RAY_USAGE_STATS_ENABLED=0
 export TOKENIZERS_PARALLELISM=false
-export PYTHONDONTWRITEBYTECODE=1
+# compiled bytecode of every process (site-packages included: uv installs none) cached under the state
+# folder instead of beside the sources: a fresh interpreter then imports vLLM, transformers and Prefect
+# from it instead of compiling them again (~20 -> ~13 s for those three), and the checkout stays clean
+# (an inherited PYTHONDONTWRITEBYTECODE would make every interpreter compile them again: unset)
+export PYTHONPYCACHEPREFIX="$RSTAR2_HOME/cache/pycache"
+unset PYTHONDONTWRITEBYTECODE
 mkdir -p "$RSTAR2_HOME/cache"
