@@ -10,7 +10,11 @@ Kinds (`FAULT_KINDS`):
   in-process engine is closed), so the step's next call to it fails as a dead actor would;
 - `kill-trainer`: trainer rank 1 is killed (Ray runtime only; rank 0 on a single-rank runtime);
 - `engine-errors`: engine 0 fails every request from that step on (the engine stays up; the step's
-  infrastructure-failure share then decides whether the stage stops).
+  infrastructure-failure share then decides whether the stage stops);
+- `stale-weights`: engine 0 is loaded with other weights than the trainer holds (the policy's, every
+  tensor moved by noise of its own scale: what a weight sync that did not land, or a sleep-mode engine
+  that woke up on old weights, serves), so the step's engine/trainer log-prob gap check
+  (`rl.max_engine_logprob_gap`) stops it with `StaleEngineWeights`.
 
 `maybe_inject_fault` returns the kind that fired (None otherwise) and raises for `raise`; the caller
 (the stage loop) carries out the other kinds through its runtime (`StageRuntime.inject_fault`).
@@ -23,7 +27,23 @@ import os
 from rstar2_core import storage
 from rstar2_core.errors import InfraError
 
-FAULT_KINDS = ("raise", "kill-engine", "kill-trainer", "engine-errors")
+FAULT_KINDS = ("raise", "kill-engine", "kill-trainer", "engine-errors", "stale-weights")
+STALE_NOISE = 0.5
+"""Noise of the `stale-weights` fault, as a share of each tensor's own standard deviation."""
+
+
+def stale_weights(state_dict: dict, noise: float = STALE_NOISE, seed: int = 0) -> dict:
+    """`state_dict` with every floating tensor moved by Gaussian noise of `noise` x its std (seeded)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for k, v in state_dict.items():
+        if v.is_floating_point():
+            t = v.detach().float()
+            v = (t + noise * t.std().clamp(min=1e-3) * torch.randn(t.shape, generator=g)).to(v.dtype)
+        out[k] = v
+    return out
 ENV = "RSTAR2_FAULT_INJECT"
 
 

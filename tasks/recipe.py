@@ -133,6 +133,15 @@ def close_recipe(profile: str, overrides: list[str], run_id: str, status: str) -
         tracking.finish(rc.config, parent, status)
 
 
+def _stage_gap_max(store, stage: str) -> float | None:
+    """The largest engine/trainer log-prob gap of a sampled token over an RL stage's steps (None for SFT,
+    or a stage that took no optimizer step)."""
+    res = store.load(stage)
+    metrics = getattr(res, "metrics", None) or {}
+    v = metrics.get("total/actor/engine_logprob_gap_max")
+    return float(v) if v is not None else None
+
+
 @task(name="register-best", task_run_name="register best checkpoint", retries=2, retry_delay_seconds=2,
       retry_condition_fn=retry_on_infrastructure_error, cache_policy=NO_CACHE, persist_result=False)
 def register_best(ctx: RecipeContext, reports: dict[str, EvalReport]) -> dict:
@@ -178,7 +187,8 @@ def register_best(ctx: RecipeContext, reports: dict[str, EvalReport]) -> dict:
                             "primary_pass1": reg.primary_pass1, "line": reg.summary_line()},
            "promotion": decision,
            "stages": [{"stage": st, "primary_pass1": rep.metrics[bench].pass1 if bench in rep.metrics else None,
-                       "pass1": rep.pass1(), "checkpoint_url": rep.checkpoint_url, "report_url": rep.json_url}
+                       "pass1": rep.pass1(), "checkpoint_url": rep.checkpoint_url, "report_url": rep.json_url,
+                       "engine_logprob_gap_max": _stage_gap_max(store, st)}
                       for st, rep in reports.items()],
            "primary_benchmark": bench, "run_id": ctx.run_id, "mlflow_parent_run_id": ctx.parent_run_id,
            "config_digest": ctx.config_digest}

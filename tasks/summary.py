@@ -152,17 +152,23 @@ def write_plot(cfg: Config, store: RunStore, summary: dict[str, Any], order: lis
 def summary_markdown(summary: dict[str, Any], order: list[str], timings: list[StageTiming] | None = None,
                      plot_url: str | None = None) -> str:
     """The recipe's stage table (pass@1 per benchmark, stages in recipe order, with the seconds each stage
-    trained and was evaluated when `timings` are given), the promotion decision with its numbers, the
+    trained and was evaluated when `timings` are given, and each RL stage's largest engine/trainer log-prob
+    gap of a sampled token when the summary has them), the promotion decision with its numbers, the
     registration line, where the time went and the plot's location."""
     rows = {s["stage"]: s for s in summary["stages"]}
     benches = sorted({b for s in summary["stages"] for b in s["pass1"]})
     wall = {t.stage: t.wall_s for t in timings or []}
-    cols = [f"{b} pass@1" for b in benches] + (["train s", "eval s"] if timings else [])
+    gaps = any(s.get("engine_logprob_gap_max") is not None for s in summary["stages"])
+    cols = [f"{b} pass@1" for b in benches] + (["train s", "eval s"] if timings else []) + (
+        ["engine-trainer log-prob gap, max"] if gaps else [])
     lines = [f"| stage | {' | '.join(cols)} |", "|---|" + "---|" * len(cols)]
     for st in [s for s in order if s in rows]:
         cells = [f"{rows[st]['pass1'].get(b, float('nan')):.3f}" for b in benches]
         if timings:
             cells += [_secs(wall.get(st)), _secs(wall.get(f"eval-{st}"))]
+        if gaps:
+            g = rows[st].get("engine_logprob_gap_max")
+            cells.append("-" if g is None else f"{g:.1e}")
         lines.append(f"| {st} | " + " | ".join(cells) + " |")
     reg, promo = summary["registration"], summary["promotion"]
     conf = (promo.get("vs_sft") or {}).get("confidence")

@@ -31,11 +31,21 @@ _STATE.mkdir(parents=True, exist_ok=True)
 
 
 def _children() -> set[int]:
+    """This process's descendants, less multiprocessing's resource tracker: one per interpreter, started by
+    the first spawned process (vLLM's engine) and ending with the interpreter, not a leak."""
     try:
         import psutil
     except ImportError:
         return set()
-    return {p.pid for p in psutil.Process().children(recursive=True)}
+    out = set()
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if "multiprocessing.resource_tracker" in " ".join(p.cmdline()):
+                continue
+        except psutil.Error:
+            pass
+        out.add(p.pid)
+    return out
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -96,3 +106,19 @@ def dist_env():
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     mp.undo()
+
+
+@pytest.fixture(scope="session")
+def local_ray():
+    """A local Ray (2 CPUs, small object store, short temp path) shared by the tests that need one (the
+    cluster tests, the vLLM engine actors); stopped at the end of the session."""
+    ray = pytest.importorskip("ray")
+    started = False
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
+                 object_store_memory=100 * 1024 * 1024, _node_ip_address="127.0.0.1",
+                 _temp_dir=f"/tmp/rstar2-ray-cl-{os.getuid()}")
+        started = True
+    yield ray
+    if started:
+        ray.shutdown()

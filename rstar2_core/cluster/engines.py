@@ -13,7 +13,8 @@
   TP = 1: the actor takes `slot.gpu_fraction` of its bundle's GPU (0.5 when colocated with a trainer
   shard, which pins both to the same device). TP > 1: the actor takes no GPU and vLLM's Ray executor
   (`distributed_executor_backend="ray"`) starts one worker per TP rank on the slot's bundles of the
-  same placement group (`VLLM_RAY_BUNDLE_INDICES`, `VLLM_RAY_PER_WORKER_GPUS`, captured child tasks).
+  same placement group (`VLLM_RAY_BUNDLE_INDICES`, `VLLM_RAY_PER_WORKER_GPUS`, captured child tasks); the
+  actor drops the visible-device variables Ray gave it (`clear_visible_devices`).
   With the `ipc` weight sync it also sets `VLLM_ALLOW_INSECURE_SERIALIZATION=1` (IPC handles need vLLM's
   pickle fallback; trade-off in `engine_actor_options`).
 
@@ -37,6 +38,21 @@ from rstar2_core.cluster.placement import _ACTOR_DEATHS, ActorGroup, bundle_stra
 from rstar2_core.rollout.types import GenerationOutput, SamplingParams
 from rstar2_core.runtime.engines import EngineFault, EngineSpec, build_engine, engine_busy_seconds
 
+VISIBLE_DEVICE_VARS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
+"""What an actor with `num_gpus: 0` inherits from Ray that would hide the GPUs from vLLM's Ray executor."""
+
+
+def clear_visible_devices(spec: EngineSpec | None, environ: dict | None = None) -> list[str]:
+    """Drop the visible-device variables in an engine actor whose TP workers vLLM places with its own Ray
+    executor (`distributed_executor_backend="ray"`, the actor itself holds no GPU): Ray set them to none
+    for this actor, and vLLM would otherwise see no device to plan its workers on (vLLM's examples/rl
+    clear them the same way; ROCm images also set Ray's RAY_EXPERIMENTAL_NOSET_*_VISIBLE_DEVICES). The
+    workers get their own devices from their bundles. Returns the names removed."""
+    env = os.environ if environ is None else environ
+    if spec is None or spec.distributed_executor_backend != "ray":
+        return []
+    return [k for k in VISIBLE_DEVICE_VARS if env.pop(k, None) is not None]
+
 
 def set_torch_threads(threads: int) -> None:
     if threads > 0:
@@ -51,6 +67,7 @@ class EngineActor:
 
     def __init__(self, spec: EngineSpec | None, threads: int = 0, factory: Callable[[], Any] | None = None):
         set_torch_threads(threads)
+        clear_visible_devices(spec)
         self.engine = factory() if factory is not None else build_engine(spec)
         self._fail = False
 
@@ -61,6 +78,12 @@ class EngineActor:
 
     def fail_requests(self, on: bool = True) -> None:
         self._fail = on
+
+    def load_stale_weights(self, state_dict: dict[str, Any]) -> None:
+        """The `stale-weights` fault: load `state_dict` moved by noise (rstar2_core.faults.stale_weights)."""
+        from rstar2_core.faults import stale_weights
+
+        self.engine.update_weights(stale_weights(state_dict))
 
     def kv_capacity_tokens(self) -> int:
         return int(self.engine.kv_capacity_tokens())

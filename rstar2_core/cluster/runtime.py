@@ -160,6 +160,11 @@ class RayRuntime:
             kill_and_wait(self.trainer.actor(min(1, self.trainer.world - 1)))
         elif kind == "engine-errors":
             ray.get(self.group.actors["engine-0"].fail_requests.remote(True))
+        elif kind == "stale-weights":
+            if self.trainer is None:
+                raise ValueError("stale-weights: this runtime has no trainer whose weights the engine could differ from")
+            ref, _ = self.trainer.weights_ref()
+            ray.get(self.group.actors["engine-0"].load_stale_weights.remote(ref))
         else:
             raise ValueError(f"fault kind {kind!r} is not carried out by a runtime")
 

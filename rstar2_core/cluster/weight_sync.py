@@ -12,20 +12,23 @@ RL steps, and vLLM engines additionally pause generation and reset their prefix 
   (~29.5 GB) that is a host copy per node per step: fine on CPU and for small models.
 - `checkpoint` (`CheckpointSync`): engines reload the checkpoint the step just published; nothing goes
   through Ray, every engine reads the whole checkpoint.
-- `nccl` (`NCCLSync`, vLLM, `separate` layout): vLLM's NCCL weight transfer
-  (`WeightTransferConfig(backend="nccl")`): once, trainer rank 0 and every engine's TP workers join one
-  NCCL group (`init_weight_transfer_engine`, rank offsets 1 + sum of earlier engines' TP sizes); per
-  push, every trainer rank walks the parameters (ZeRO-3: `GatheredParameters` one at a time, a
-  collective) and rank 0 broadcasts them packed (`NCCLWeightTransferEngine.trainer_send_weights`) while
-  each engine receives (`update_weights(WeightTransferUpdateRequest(...))`) and loads them
-  incrementally. No host copy.
+- `nccl` (`NCCLSync`, vLLM, `separate` layout): vLLM's NCCL weight transfer. Once, trainer rank 0 and
+  every engine's TP workers join one NCCL group: each rank builds vLLM's trainer engine
+  (`WeightTransferTrainerFactory.trainer_init(NCCLTrainerInitInfo(...))`, rank 0 opening the group as its
+  rank 0) while each engine joins with its rank offset (1 + the TP sizes of the engines before it) and the
+  packed wire settings (`nccl_engine_init_info`). Per push every rank runs `send_weights()` (ZeRO-3:
+  `GatheredParameters` one at a time, a collective; rank 0 broadcasts packed) while each engine opens an
+  update, receives and loads incrementally, and closes it (`start_weight_update`, `update_weights` with
+  names/dtypes/shapes only, `finish_weight_update`). No host copy. The driver, not rank 0, makes the
+  engine-side calls (`DriverDrivenClient`), so it waits on both sides of the collective at once.
 - `ipc` (`IPCSync`, vLLM, `colocated` layout): each trainer rank shares a GPU with one engine TP worker;
-  per bucket of parameters (`IPC_BUCKET_BYTES`), every rank gathers the bucket, keeps it alive and
-  returns CUDA-IPC handles keyed by its GPU's UUID; the driver merges, per engine, the handles of the
-  ranks colocated with its workers and the engine loads them (`IPCWeightTransferUpdateInfo`), then the
-  ranks drop the bucket. No copy leaves the GPU. The engine actors run with
-  `VLLM_ALLOW_INSECURE_SERIALIZATION=1` (cluster/engines.py `engine_actor_options`: vLLM's msgpack
-  encoder refuses the handles without its pickle fallback).
+  per push every engine opens an update, then per bucket of parameters (`IPC_BUCKET_BYTES`) every rank
+  gathers the bucket, keeps it alive and returns CUDA-IPC handles keyed by its GPU's UUID; the driver
+  merges, per engine, the handles of the ranks colocated with its workers and the engine loads them
+  (vLLM's unpacked IPC update info), then the ranks drop the bucket; the engines close the update. No
+  copy leaves the GPU. The engine actors run with `VLLM_ALLOW_INSECURE_SERIALIZATION=1`
+  (cluster/engines.py `engine_actor_options`: vLLM's msgpack encoder refuses the handles without its
+  pickle fallback).
 
 Sleep mode (`rollout.release_memory_during_training`, vLLM engines in the colocated layout): the RL
 step runs its optimizer step and the push inside `RayRuntime.training()` (`_Sync.training`). On entry
@@ -35,20 +38,17 @@ transfers, and wakes the KV cache (`wake_up(["kv_cache"])`): vLLM's documented o
 KV cache unallocated while the transfer runs. On a normal exit without a push (the step took no update)
 the engines `wake_up()` fully; an exception leaves them asleep (the runtime is being torn down).
 
-Departure: `nccl` and `ipc` are written against vLLM's weight-transfer API as documented in its
-`examples/rl/` (rlhf_nccl.py, rlhf_ipc.py, rlhf_async_new_apis.py) and have not run on GPUs in this
-project. What is tested, in one process (tests/unit/cluster/test_weight_transfer.py): the `NCCLSync` and
-`IPCSync` drivers, the per-rank steps (`_nccl_trainer_init`, `_nccl_send`, `_param_meta`, `_ipc_bucket`,
-`_ipc_release`) through the real `TrainerShardActor.call`, and the real `EngineActor` + `VLLMEngine` over
-a fake `vllm` (tests/vllm_fake.py): what each engine is told per push or bucket, the NCCL rank offsets,
-which ranks' handles (by GPU UUID) reach which engine, what rank 0 sends, that every rank joins each
-ZeRO-3 gather, that IPC buckets stay alive until loaded, then are released, and that an engine raising
-or dying in its side of the NCCL rendezvous or broadcast fails the sync (after the group shut down)
-instead of leaving it waiting on trainer rank 0, which never leaves the collective. Faked there: the Ray
-processes, vLLM's NCCL trainer engine, CUDA (device UUIDs, `reduce_tensor`) and ZeRO-3's gather; not
-tested: real NCCL, CUDA IPC, vLLM. Newer vLLM examples add `start_weight_update` /
-`finish_weight_update` around an update and a trainer-side IPC factory: check the pinned vLLM's API
-before the first GPU run. Sleep mode: tests/unit/cluster/test_sleep_mode.py.
+GPU only: `nccl` and `ipc` are written against vLLM 0.32's weight-transfer API and have not run on GPUs
+in this project. What runs for real on CPU (tests/vllm/): the engine side of the protocol against vLLM's
+CPU build (an update without a start, unknown update keys and a finish without a start are refused the
+way the fake of the GPU-only paths refuses them). What is tested in one process
+(tests/unit/cluster/test_weight_transfer.py): the `NCCLSync` and `IPCSync` drivers, the per-rank steps
+through the real `TrainerShardActor.call`, and the real `EngineActor` + `VLLMEngine` over a strict fake
+`vllm` (tests/vllm_fake.py): what each engine is told per push or bucket, the NCCL rank offsets, which
+ranks' handles (by GPU UUID) reach which engine, what rank 0 sends, that every rank joins each ZeRO-3
+gather, that IPC buckets stay alive until loaded, and that an engine raising or dying in its side of the
+NCCL rendezvous or broadcast fails the sync (after the group shut down) instead of leaving it waiting.
+Not tested: real NCCL, CUDA IPC, vLLM on GPUs. Sleep mode: tests/unit/cluster/test_sleep_mode.py.
 """
 
 from __future__ import annotations
@@ -192,28 +192,74 @@ def buckets(sizes: list[int], bucket_bytes: int) -> list[list[int]]:
     return out
 
 
-def _nccl_trainer_init(shard: Any, master_address: str, master_port: int, world_size: int) -> None:
-    if shard.rank != 0:
-        return
-    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+def _shard_source(shard: Any):
+    """vLLM's `WeightSource` over a trainer rank's model: metadata from `_param_meta` (no gather), a pass
+    walks `_named_full_parameters` (ZeRO-3: one gather per parameter, on every rank)."""
+    import torch
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
-    shard.extras["nccl_group"] = NCCLWeightTransferEngine.trainer_init(
-        {"master_address": master_address, "master_port": master_port, "world_size": world_size})
+    class ShardSource(WeightSource):
+        def metadata(self):
+            names, dtypes, shapes, _ = _param_meta(shard)
+            return [ParamMeta(n, getattr(torch, d), tuple(s)) for n, d, s in zip(names, dtypes, shapes)]
+
+        def __iter__(self):
+            return iter(_named_full_parameters(shard))
+
+    return ShardSource()
+
+
+class DriverDrivenClient:
+    """The `VLLMWeightSyncClient` handed to vLLM's trainer engine on each rank. vLLM's trainer engine calls
+    its client (init, start, update, finish) from inside trainer rank 0, beside the collective; here the
+    driver makes those calls on the engine actors itself (`NCCLSync`), concurrently with the ranks, so that
+    it waits on both sides of the collective at once and sees an engine that fails in its side (rank 0
+    cannot: it sits in the broadcast for good, as vLLM's `send_weights` notes). The client records what
+    vLLM's trainer engine would have told the engines, in order."""
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.calls.append(("init", dict(init_info)))
+
+    def start_weight_update(self) -> None:
+        self.calls.append(("start",))
+
+    def update_weights(self, update_info) -> None:
+        self.calls.append(("update", update_info))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.calls.append(("finish",))
+
+
+def _nccl_trainer_init(shard: Any, master_address: str, master_port: int, world_size: int) -> None:
+    """Every rank: vLLM's NCCL trainer engine (rank 0 opens the group as its rank 0; the others only take
+    part in the gathers of each pass)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+    info = NCCLTrainerInitInfo(master_address=master_address, master_port=master_port, world_size=world_size,
+                               rank=shard.rank)
+    shard.extras["nccl"] = WeightTransferTrainerFactory.trainer_init(info, client=DriverDrivenClient(),
+                                                                     source=_shard_source(shard))
 
 
 def _nccl_send(shard: Any) -> None:
-    params = _named_full_parameters(shard)
-    if shard.rank != 0:
-        for _ in params:       # take part in every gather; only rank 0 sends
-            pass
-        return
-    from vllm.distributed.weight_transfer.nccl_engine import (
-        NCCLTrainerSendWeightsArgs,
-        NCCLWeightTransferEngine,
-    )
+    shard.extras["nccl"].send_weights()
 
-    NCCLWeightTransferEngine.trainer_send_weights(
-        iterator=params, trainer_args=NCCLTrainerSendWeightsArgs(group=shard.extras["nccl_group"], packed=True))
+
+def nccl_engine_init_info(master_address: str, master_port: int, rank_offset: int, world_size: int) -> dict:
+    """What engine workers get at `init_weight_transfer`: the rendezvous, their rank offset, and the packed
+    wire settings of `NCCLTrainerInitInfo` (its defaults: the trainer side is built with them), which
+    vLLM's update info no longer carries."""
+    from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo, worker_init_payload
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+    t = NCCLTrainerInitInfo(master_address=master_address, master_port=master_port, world_size=world_size, rank=0)
+    return worker_init_payload(NCCLWeightTransferInitInfo(
+        master_address=master_address, master_port=master_port, rank_offset=rank_offset, world_size=world_size,
+        packed=t.packed, packed_buffer_size_bytes=t.packed_buffer_size_bytes, packed_num_buffers=t.packed_num_buffers))
 
 
 def nccl_group(tps: list[int]) -> tuple[int, list[int]]:
@@ -237,7 +283,7 @@ class NCCLSync(_Sync):
         tr = self.trainer
         addr, port = tr.group.get(tr.actor(0).address.remote(), tr.names[0])
         world, offsets = nccl_group([e.tp for e in self.engines])
-        eng = [e.handle.call.remote("init_weight_transfer", addr, port, off, world)
+        eng = [e.handle.call.remote("init_weight_transfer", nccl_engine_init_info(addr, port, off, world))
                for e, off in zip(self.engines, offsets)]
         trn = [tr.actor(r).call.remote(_nccl_trainer_init, addr, port, world) for r in range(tr.world)]
         self._both_sides(trn, eng)        # both sides block in the rendezvous: issued and waited on together
@@ -247,18 +293,17 @@ class NCCLSync(_Sync):
         if self.meta is None:
             self._setup()
         names, dtypes, shapes, sizes = self.meta
-        size = sum(sizes)
         tr = self.trainer
-        eng = [e.handle.call.remote("receive_weights", {"names": names, "dtype_names": dtypes, "shapes": shapes,
-                                                         "packed": True}) for e in self.engines]
+        info = {"names": names, "dtype_names": dtypes, "shapes": shapes}
+        eng = [e.handle.call.remote("receive_weights", info) for e in self.engines]
         secs = self._both_sides([tr.actor(r).call.remote(_nccl_send) for r in range(tr.world)], eng)
-        return size, tuple(float(s or 0.0) for s in secs)
+        return sum(sizes), tuple(float(s or 0.0) for s in secs)
 
 
 # -------------------------------------------------------------------------------------------- vLLM: ipc
 def _ipc_bucket(shard: Any, names: list[str]) -> list[dict]:
     """Gather the parameters `names`, keep them alive in `shard.extras` until `_ipc_release`, and return
-    {this GPU's uuid: CUDA-IPC handle} per tensor, in order."""
+    {this GPU's uuid: CUDA-IPC handle} per tensor, in order (vLLM's unpacked IPC update info)."""
     import torch
     from torch.multiprocessing.reductions import reduce_tensor
 
@@ -267,7 +312,7 @@ def _ipc_bucket(shard: Any, names: list[str]) -> list[dict]:
     for _, t in _named_full_parameters(shard, set(names)):
         w = t.detach().clone().contiguous()
         held.append(w)
-        handles.append({uuid: reduce_tensor(w)})
+        handles.append({uuid: reduce_tensor(w)[1]})
     shard.extras["ipc_held"] = held
     return handles
 
@@ -276,7 +321,18 @@ def _ipc_release(shard: Any) -> None:
     shard.extras.pop("ipc_held", None)
 
 
+IPC_INIT_INFO = {"packed": False}
+"""What engine workers get at `init_weight_transfer` for IPC: one handle per parameter (unpacked)."""
+
+
 class IPCSync(_Sync):
+    """Per push: every engine opens an update (`start_weight_update`), each bucket of parameters is gathered
+    on every rank, shared as CUDA-IPC handles and loaded by the engines (`receive_weight_chunk`, vLLM's
+    unpacked IPC update info), then the engines close the update (`finish_weight_update`). The trainer
+    side is ours (vLLM's IPC trainer engine gathers the handles over the default process group, which
+    here holds the trainer ranks only, and assumes one client it drives from rank 0); what crosses to the
+    engines is vLLM's wire format."""
+
     mode = "ipc"
 
     def __init__(self, rt: Any):
@@ -300,19 +356,26 @@ class IPCSync(_Sync):
         tr = self.trainer
         ranks = self.colocated_ranks()
         if self.meta is None:
+            self._call_engines("init_weight_transfer", IPC_INIT_INFO)
             self.meta = tr.group.get(tr.actor(0).call.remote(_param_meta), tr.names[0])
         names, dtypes, shapes, sizes = self.meta
-        for idx in buckets(sizes, IPC_BUCKET_BYTES):
-            bn = [names[i] for i in idx]
-            parts = tr.group.get([tr.actor(r).call.remote(_ipc_bucket, bn) for r in range(tr.world)], tr.names)
-            refs = []
-            for e, rs in zip(self.engines, ranks):
-                merged = [{k: v for r in rs for k, v in parts[r][j].items()} for j in range(len(bn))]
-                refs.append(e.handle.call.remote("receive_weights", {
-                    "names": bn, "dtype_names": [dtypes[i] for i in idx], "shapes": [shapes[i] for i in idx],
-                    "ipc_handles": merged}))
-            self._wait_engines(refs)
-            tr.group.get([tr.actor(r).call.remote(_ipc_release) for r in range(tr.world)], tr.names)
+        self._call_engines("start_weight_update")
+        try:
+            for idx in buckets(sizes, IPC_BUCKET_BYTES):
+                bn = [names[i] for i in idx]
+                parts = tr.group.get([tr.actor(r).call.remote(_ipc_bucket, bn) for r in range(tr.world)], tr.names)
+                refs = []
+                for e, rs in zip(self.engines, ranks):
+                    merged = [{k: v for r in rs for k, v in parts[r][j].items()} for j in range(len(bn))]
+                    refs.append(e.handle.call.remote("receive_weight_chunk", {
+                        "names": bn, "dtype_names": [dtypes[i] for i in idx], "shapes": [shapes[i] for i in idx],
+                        "ipc_handles": merged}))
+                self._wait_engines(refs)
+                tr.group.get([tr.actor(r).call.remote(_ipc_release) for r in range(tr.world)], tr.names)
+        except BaseException:
+            tr.group.shutdown()      # an engine left mid-update: the runtime is torn down, as for NCCL
+            raise
+        self._call_engines("finish_weight_update")
         return sum(sizes), ()
 
 

@@ -117,6 +117,13 @@ class RLConfig(_Section):
     """Where the PPO ratio's old log-probs come from: a no-grad forward of the policy before the update
     (verl; ratio exactly 1 for identical weights) or the engine's sampling log-probs (one forward less;
     the ratio then also carries engine/trainer numeric mismatch)."""
+    tis_cap: float | None = Field(None, ge=1.0)
+    """Truncated importance sampling (rl/loss.py): each sampled token's loss is weighted by
+    min(exp(trainer - engine log-prob), tis_cap), correcting for the engine sampling from a slightly
+    different distribution than the trainer computes (kernels, bf16, a stale sync). None = off (the
+    paper). verl's default cap is 2. Most useful with old_logprobs = "engine", where the ratio is then taken
+    against the trainer's own log-probs; with "recompute" it reweights the same way. The cap trades
+    bias (tokens above it are under-corrected) for variance."""
     checkpoint_every: int = Field(1, ge=1)
     """Save a resumable checkpoint (model, optimizer, scheduler, RNG, data cursor, run id) every N steps."""
     keep_checkpoints: int = Field(2, ge=1)
@@ -134,10 +141,11 @@ class RLConfig(_Section):
     training on the remainder. 0.1: a healthy cluster sees ~0, while a dead engine or a saturated
     sandbox pool shows up as a large share at once; 1.0 only stops a step where every trajectory failed."""
     max_engine_logprob_gap: float = Field(0.1, gt=0.0)
-    """With old_logprobs = "recompute": the step fails (StaleEngineWeights, retryable) when the mean
-    |engine - trainer| log-prob over sampled tokens exceeds this, i.e. the engines sample from other
-    weights than the trainer holds. Same precision on both sides gives ~1e-6; bf16 vLLM vs a bf16 trainer
-    ~0.015; stale weights after a failed sync ~0.2 (TRL issue #5312)."""
+    """The step fails (StaleEngineWeights, retryable) when the mean |engine - trainer| log-prob over
+    sampled tokens (`actor/engine_logprob_gap`, logged every step with its max) exceeds this, i.e. the
+    engines sample from other weights than the trainer holds. Measured here: HF engine or vLLM's CPU
+    build vs the trainer, float32, ~1e-6 mean (docs/production.md); bf16 vLLM vs a bf16 trainer ~0.015
+    (peers' reports); stale weights after a failed sync ~0.2 (TRL issue #5312)."""
     require_update: bool = True
     """A stage none of whose steps took an optimizer step (every group dropped: all rollouts wrong, all
     right, or too few valid) fails with StageTrainedNothing (not retried) instead of passing the

@@ -12,7 +12,6 @@ from typing import Any
 STAGE_TASKS = ("sft", "rl", "hard_subset", "eval")
 """Pipeline tasks that drive a stage through a runtime (their actors hold the GPUs)."""
 
-_DEFAULT_GPU_UTIL = 0.85
 
 
 def resolved_weight_sync(cfg: Any) -> str:
@@ -34,12 +33,19 @@ def runtime_problems(cfg: Any) -> list[str]:
         if ro.tensor_parallel_size != 1:
             p.append(f"rollout.tensor_parallel_size = {ro.tensor_parallel_size}: the HF engine has no tensor "
                      "parallelism; set it to 1 or use rollout.engine = \"vllm\"")
-        if ro.gpu_memory_utilization != _DEFAULT_GPU_UTIL:
+        if ro.gpu_memory_utilization is not None:
             p.append("rollout.gpu_memory_utilization applies to vLLM engines only; the HF engine's KV cache is "
                      "rollout.max_batch_size slots of the maximum length (or rollout.kv_capacity_tokens): remove it")
         if ro.release_memory_during_training:
             p.append("rollout.release_memory_during_training needs vLLM's sleep mode (rollout.engine = \"vllm\"); "
                      "set it to false")
+    if ro.engine == "vllm" and cfg.model.kind == "tiny":
+        t = cfg.model.tiny
+        head = t.hidden_size // t.num_heads
+        if not 32 <= head <= 256:
+            p.append(f"rollout.engine = \"vllm\" cannot serve the tiny model's head size {head} (model.tiny.hidden_size "
+                     f"{t.hidden_size} / num_heads {t.num_heads}): vLLM's attention takes 32 to 256; set model.tiny."
+                     "num_heads (and num_kv_heads) so that hidden_size / num_heads is in that range")
     if ws in ("nccl", "ipc") and (ro.engine != "vllm" or not cl.gpus_per_node):
         p.append(f"rollout.weight_sync = \"{ws}\" is vLLM's GPU weight transfer: it needs rollout.engine = \"vllm\" "
                  "and cluster.gpus_per_node > 0; use \"object_store\" or \"checkpoint\"")
@@ -102,6 +108,9 @@ def _ray_problems(cfg: Any, ws: str) -> list[str]:
                  "set sandbox.backend = \"ray\"")
     if ro.release_memory_during_training and (ro.engine != "vllm" or cl.layout != "colocated"):
         p.append("rollout.release_memory_during_training needs vLLM engines in cluster.layout = \"colocated\"")
+    if ro.release_memory_during_training and not cl.gpus_per_node:
+        p.append("rollout.release_memory_during_training is vLLM's sleep mode, which exists on CUDA and ROCm only: a "
+                 "CPU-only cluster (cluster.gpus_per_node = 0) has none; set it to false")
     if cl.gpus_per_node == 0 and cfg.model.dtype != "float32":
         p.append(f"model.dtype = \"{cfg.model.dtype}\" on a CPU-only cluster (cluster.gpus_per_node = 0): DeepSpeed "
                  "trains bf16/fp16 only on GPUs; set model.dtype = \"float32\"")

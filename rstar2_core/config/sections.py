@@ -242,7 +242,8 @@ class RolloutConfig(_Section):
     """Most sequences decoded together by one engine: the HF engine's KV slots, vLLM's `max_num_seqs`.
     More raises throughput until the KV cache (HF: slots x max length) or memory runs out."""
     kv_capacity_tokens: int = Field(0, ge=0)
-    """KV cache capacity per engine in tokens; 0 = the engine reports it (vLLM) or max_batch_size x max length (HF)."""
+    """KV cache capacity per engine in tokens; 0 = max_batch_size x the longest sequence (HF, and vLLM on CPU)
+    or what gpu_memory_utilization leaves (vLLM on GPUs)."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     """Nucleus sampling. Paper: 1.0."""
     tool_response_head_chars: int = Field(128, ge=0)
@@ -258,8 +259,10 @@ class RolloutConfig(_Section):
     a format the paper's model was not trained on."""
     tensor_parallel_size: int = Field(1, ge=1)
     """vLLM tensor parallelism per engine. 14B on MI300X: 2."""
-    gpu_memory_utilization: float = Field(0.85, gt=0.0, le=1.0)
-    """Share of GPU memory vLLM may take (weights + KV cache)."""
+    gpu_memory_utilization: float | None = Field(None, gt=0.0, le=1.0)
+    """Share of GPU memory a vLLM engine may take (weights + KV cache); None = 0.85. GPUs only: on CPU
+    vLLM would read it as a share of host memory, so a vLLM engine there refuses it and sizes its KV
+    cache by kv_capacity_tokens instead; the HF engine refuses it too (its cache is slots x length)."""
     weight_sync: Literal["auto", "state_dict", "object_store", "checkpoint", "nccl", "ipc"] = "auto"
     """How new policy weights reach the engines after each optimizer step
     (rstar2_core/runtime/weight_sync.py). `state_dict`: in-process copy of the trainer's tensors (local

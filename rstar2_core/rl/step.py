@@ -138,7 +138,7 @@ async def rl_step(rt: Any, chat: Any, batch: Sequence[RLProblem], *, cfg: Any, l
             actor = rt.trainer.step(list(zip(sb.trajectories, sb.advantages)), micro_batch_size=rl.micro_batch_size,
                                     pad_id=pad_id, temperature=rl.temperature, clip_low=grpo.clip_low,
                                     clip_high=grpo.clip_high, loss_key=grpo.policy_loss, old_logprobs=rl.old_logprobs,
-                                    prefix_len=chat.shared_prompt_len)
+                                    prefix_len=chat.shared_prompt_len, tis_cap=rl.tis_cap)
         else:
             actor = {"actor/skipped": 1.0, "actor/tokens": 0.0}
         stepped = not actor.get("actor/skipped")

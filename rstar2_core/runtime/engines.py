@@ -6,9 +6,11 @@ so `rollout.engine` (hf | vllm), `rollout.tensor_parallel_size`, `rollout.gpu_me
 
 - `hf`: `HFEngine` over the checkpoint loaded in `model.dtype` on the engine's device; `max_batch_size`
   KV slots of `max_model_len` tokens, fewer if `kv_capacity_tokens` (a memory budget) is smaller.
-- `vllm`: `VLLMEngine` (vLLM's AsyncLLM) with tensor parallelism, the memory share, at most
-  `max_batch_size` sequences per batch (`max_num_seqs`), prefix caching, and the weight-transfer
-  backend of `rollout.weight_sync` (nccl / ipc) when one is used.
+- `vllm`: `VLLMEngine` (vLLM's AsyncLLM) over the checkpoint localised to a folder (as the HF engine
+  does), with tensor parallelism, the KV cache of `kv_capacity_tokens` (or, on GPUs, the memory share
+  `gpu_memory_utilization`), at most `max_batch_size` sequences per batch (`max_num_seqs`), prefix
+  caching, sleep mode where `release_memory_during_training` asks for it, and the weight-transfer backend
+  of `rollout.weight_sync` (nccl / ipc) when one is used.
 
 `engine_busy_seconds(engine)` reads how long an engine has computed (HF: prefill + decode time;
 vLLM: time with at least one request running) for the stage's time accounting.
@@ -30,7 +32,7 @@ class EngineSpec:
     checkpoint_url: str
     max_model_len: int | None
     tensor_parallel_size: int = 1
-    gpu_memory_utilization: float = 0.85
+    gpu_memory_utilization: float | None = None   # None: vLLM's GPU share default (0.85); refused on CPU
     max_batch_size: int = 64
     kv_capacity_tokens: int | None = None
     dtype: str = "float32"
@@ -38,6 +40,7 @@ class EngineSpec:
     seed: int = 0
     weight_transfer: str | None = None      # vLLM weight-transfer backend: "nccl" | "ipc" | None
     distributed_executor_backend: str | None = None
+    sleep_mode: bool = False                 # vLLM sleep mode (rollout.release_memory_during_training)
 
     @classmethod
     def from_config(cls, cfg: Any, checkpoint_url: str, max_model_len: int | None, device: str,
@@ -46,7 +49,7 @@ class EngineSpec:
         ws = resolved_weight_sync(cfg)
         return cls(ro.engine, checkpoint_url, max_model_len, ro.tensor_parallel_size, ro.gpu_memory_utilization,
                    ro.max_batch_size, ro.kv_capacity_tokens or None, cfg.model.dtype, device, cfg.rl.seed + index,
-                   ws if ws in ("nccl", "ipc") else None)
+                   ws if ws in ("nccl", "ipc") else None, sleep_mode=ro.release_memory_during_training)
 
     def for_actor(self, device: str, tp_over_ray: bool) -> EngineSpec:
         """The spec as built inside a Ray engine actor: its device, and vLLM's Ray executor when its TP
@@ -71,16 +74,14 @@ def build_engine(spec: EngineSpec):
                         max_seq_len=min(max_len, int(model.config.max_position_embeddings)),
                         kv_capacity_tokens=spec.kv_capacity_tokens)
     if spec.kind == "vllm":
+        from rstar2_core.models.io import local_checkpoint_dir
         from rstar2_core.rollout.vllm_engine import VLLMEngine
 
-        extra: dict[str, Any] = {}
-        if spec.distributed_executor_backend:
-            extra["distributed_executor_backend"] = spec.distributed_executor_backend
-        return VLLMEngine(spec.checkpoint_url, max_model_len=spec.max_model_len, max_num_seqs=spec.max_batch_size,
-                          tensor_parallel_size=spec.tensor_parallel_size,
+        return VLLMEngine(str(local_checkpoint_dir(spec.checkpoint_url)), max_model_len=spec.max_model_len,
+                          max_num_seqs=spec.max_batch_size, tensor_parallel_size=spec.tensor_parallel_size,
                           gpu_memory_utilization=spec.gpu_memory_utilization, dtype=spec.dtype, seed=spec.seed,
                           kv_capacity_tokens=spec.kv_capacity_tokens, weight_transfer=spec.weight_transfer,
-                          **extra)
+                          sleep_mode=spec.sleep_mode, distributed_executor_backend=spec.distributed_executor_backend)
     raise ValueError(f"unknown engine kind {spec.kind!r}; valid: ['hf', 'vllm']")
 
 

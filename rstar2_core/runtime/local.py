@@ -113,6 +113,12 @@ class LocalRuntime:
             await self.engines[0].close()
         elif kind == "engine-errors":
             self.engines[0] = FailingEngine(self.engines[0])
+        elif kind == "stale-weights":
+            from rstar2_core.faults import stale_weights
+
+            if self.trainer is None:
+                raise ValueError("stale-weights: this runtime has no trainer whose weights the engine could differ from")
+            self.engines[0].update_weights(stale_weights(self.trainer.weights()))
         elif kind == "kill-trainer":
             raise ValueError("RSTAR2_FAULT_INJECT kind kill-trainer kills a trainer-shard actor: it needs "
                              "cluster.runtime = \"ray\" (the local runtime trains in this process)")

@@ -75,6 +75,9 @@ TOTAL_KEYS = ("usage/engine_device_s", "usage/engine_busy_s", "usage/trainer_dev
               "rollout/groups_dropped_all_correct", "rollout/groups_dropped_all_wrong", "rollout/groups_dropped_too_few")
 """Per-step metrics the stage also sums over its steps (`total/<key>`), kept across resumes
 (`total/actor/skipped`: steps that took no optimizer step; the stage refuses to end with every step so)."""
+MAX_KEYS = ("actor/engine_logprob_gap_max",)
+"""Per-step metrics the stage keeps the largest of (`total/<key>`): the worst engine/trainer log-prob gap of
+any sampled token in the stage, what the recipe's summary shows per RL stage."""
 
 
 def accumulate(totals: dict[str, float], metrics: dict[str, float]) -> dict[str, float]:
@@ -83,6 +86,9 @@ def accumulate(totals: dict[str, float], metrics: dict[str, float]) -> dict[str,
     for k in TOTAL_KEYS:
         if k in metrics:
             out[f"total/{k}"] = out.get(f"total/{k}", 0.0) + float(metrics[k])
+    for k in MAX_KEYS:
+        if k in metrics:
+            out[f"total/{k}"] = max(out.get(f"total/{k}", 0.0), float(metrics[k]))
     he, be = out.get("total/usage/engine_device_s", 0.0), out.get("total/usage/engine_busy_s", 0.0)
     ht, bt = out.get("total/usage/trainer_device_s", 0.0), out.get("total/usage/trainer_busy_s", 0.0)
     out["total/usage/engine_idle_frac"] = 1.0 - min(1.0, be / he) if he else 0.0

@@ -102,7 +102,9 @@ def run_rl_stage(cfg, stage_index, *, init_checkpoint_url, data_url, out_url, lo
             _checkpoint(storage.join(steps_dir, f"step-{step:06d}"), {"step": step, "run_id": tracking_run_id})
     quality = round(0.3 + 0.1 * stage_index, 6)
     url = _checkpoint(storage.join(out_url, "final"), {"stage": st.name, "quality": quality})
-    return StageResult(name=st.name, checkpoint_url=url, metrics={"rollout/reward_mean": 1.0}, steps=st.steps,
+    return StageResult(name=st.name, checkpoint_url=url, metrics={"rollout/reward_mean": 1.0,
+                                                                   "total/actor/engine_logprob_gap_max": 2e-6},
+                       steps=st.steps,
                        extra={"tracking_run_id": tracking_run_id})
 
 

@@ -26,9 +26,11 @@ def test_summary_of_a_finished_run(state):
     cfg = load_config("tiny", state.overrides)
     store = RunStore.for_run(cfg.resolved_storage_root(), "run-s")
     md = store.load("summary")["markdown"]
-    # the table has pass@1 and the seconds each stage trained and was evaluated
-    assert md.splitlines()[0] == "| stage | synthetic pass@1 | train s | eval s |"
-    assert re.search(r"^\| rl-stage-3 \| 0\.500 \| \d+ \| \d+ \|$", md, re.MULTILINE), md
+    # the table has pass@1, the seconds each stage trained and was evaluated, and each RL stage's largest
+    # engine/trainer log-prob gap (SFT samples nothing)
+    assert md.splitlines()[0] == "| stage | synthetic pass@1 | train s | eval s | engine-trainer log-prob gap, max |"
+    assert re.search(r"^\| rl-stage-3 \| 0\.500 \| \d+ \| \d+ \| 2\.0e-06 \|$", md, re.MULTILINE), md
+    assert re.search(r"^\| sft \| .* \| - \|$", md, re.MULTILINE), md
     assert f"promotion (synthetic, paired bootstrap, 95% interval): {out['promotion']['line']}" in md
     # where the time went: every stage that ran, the critical path ending in the last evaluation
     timings = stage_timings(cfg, store.tracking_id("parent"))

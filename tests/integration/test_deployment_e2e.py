@@ -7,7 +7,8 @@ the UI's Retry button does; the test then checks that finished stages were not r
 resumed from its step checkpoint into the same MLflow run with no step lost or repeated, the resumed and
 later RL stages trained with the run's frozen lr (not the edited one), MLflow's params are the run's config
 snapshot, one model version was registered, MLflow holds one parent run with its nested stage runs, and the
-run's summary (stage table, promotion, plot) is printed."""
+run's summary (stage table, promotion, plot) is printed. One of its two runs (the classic UI's Retry) serves
+every rollout and evaluation with vLLM engines (`rollout.engine = "vllm"`, the CPU build)."""
 
 from __future__ import annotations
 
@@ -62,8 +63,9 @@ def services(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ui", ["v2", "classic"])   # what each Prefect UI's Retry sends (force=True / False)
-def test_fault_retry_resume_through_the_deployment(services, monkeypatch, ui):
+@pytest.mark.parametrize(("ui", "engine"), [("v2", "hf"), ("classic", "vllm")])
+def test_fault_retry_resume_through_the_deployment(services, monkeypatch, ui, engine):
+    """`ui`: what each Prefect UI's Retry sends (force=True / False); `engine`: rollout.engine of the run."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from flows.client import retry_flow_run, watch
@@ -75,10 +77,11 @@ def test_fault_retry_resume_through_the_deployment(services, monkeypatch, ui):
     home, api, profiles, env = services
     monkeypatch.setenv("RSTAR2_HOME", str(home))
     monkeypatch.setenv("RSTAR2_CONFIG_DIR", str(profiles))
-    cfg = load_config("tiny", E2E_OVERRIDES)
+    extra = [*E2E_EXTRA, f'rollout.engine="{engine}"']
+    cfg = load_config("tiny", [*E2E_OVERRIDES, *extra])
     lr = cfg.rl.lr
     demo = subprocess.run(["bash", "scripts/demo.sh", "--quick", "--fault", "rl-stage-1:step=2"], check=False, cwd=ROOT,
-                          env={**env, "RSTAR2_DEMO_OVERRIDES": " ".join([*NO_RAY, *E2E_EXTRA])},
+                          env={**env, "RSTAR2_DEMO_OVERRIDES": " ".join([*NO_RAY, *extra])},
                           capture_output=True, text=True, timeout=900)
     assert demo.returncode == 1, demo.stdout[-3000:] + demo.stderr[-3000:]
     assert "QUICK MODE" in demo.stdout and "fault rl-stage-1:step=2" in demo.stdout
@@ -87,8 +90,7 @@ def test_fault_retry_resume_through_the_deployment(services, monkeypatch, ui):
     assert f"python -m flows.client retry {fid}" in demo.stdout and f"/v2/runs/flow-run/{fid}" in demo.stdout
     with temporary_settings({PREFECT_API_URL: api}):
         store = RunStore.for_run(cfg.resolved_storage_root(), str(fid))
-        assert store.read_config_snapshot()["overrides"] == [*QUICK, "pipeline.task_retries=0", *NO_RAY,
-                                                             *E2E_EXTRA]
+        assert store.read_config_snapshot()["overrides"] == [*QUICK, "pipeline.task_retries=0", *NO_RAY, *extra]
         first = {k: store.record(k) for k in ("curate", "sft-data", "base-model", "sft")}
         assert all(r is not None and r["attempt"] == 1 for r in first.values()), first
         assert store.record("rl-stage-1") is None
@@ -97,8 +99,9 @@ def test_fault_retry_resume_through_the_deployment(services, monkeypatch, ui):
         tiny = profiles / "tiny.toml"  # edit the profile between the failure and the retry
         assert lr == 3e-4 and "\nlr = 3e-4\n" in tiny.read_text()
         tiny.write_text(tiny.read_text().replace("\nlr = 3e-4\n", "\nlr = 1e-3\n"))
-        assert load_config("tiny", E2E_OVERRIDES).rl.lr == 1e-3
+        assert load_config("tiny", [*E2E_OVERRIDES, *extra]).rl.lr == 1e-3
 
+        asyncio.run(_attempt_process_exited(UUID(fid)))   # as a person does: after the failed process ended
         asyncio.run(retry_flow_run(fid, ui))  # the UI's Retry
         assert asyncio.run(watch(UUID(fid), timeout_s=900, quiet=True)) == "Completed"
     summary = subprocess.run([str(ROOT / ".venv/bin/python"), "-m", "flows.client", "summary", fid], check=False,
@@ -137,6 +140,7 @@ def test_fault_retry_resume_through_the_deployment(services, monkeypatch, ui):
     snap = store.read_config_snapshot()
     parent = parents[0].data
     assert parent.params["rl.lr"] == str(lr) and parent.tags["config_digest"] == snap["digest"]
+    assert parent.params["rollout.engine"] == engine
     assert parent.params == {tracking.metric_key(k): v[:6000] for k, v in tracking.flatten(snap["config"]).items()}
     assert "rl.lr: 0.0003 (run) vs 0.001 (now)" in parent.tags["rstar2.drift.attempt_2"]
     children = c.search_runs([exp], f"tags.mlflow.parentRunId = '{parents[0].info.run_id}'")

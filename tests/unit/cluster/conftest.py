@@ -1,24 +1,8 @@
-"""A local Ray (2 CPUs, small object store, short temp path) shared by the cluster tests; stopped at the end."""
+"""The cluster tests' helpers over the session's local Ray (`local_ray`, tests/conftest.py)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
-
-
-@pytest.fixture(scope="session")
-def local_ray():
-    ray = pytest.importorskip("ray")
-    started = False
-    if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
-                 object_store_memory=100 * 1024 * 1024, _node_ip_address="127.0.0.1",
-                 _temp_dir=f"/tmp/rstar2-ray-cl-{os.getuid()}")
-        started = True
-    yield ray
-    if started:
-        ray.shutdown()
 
 
 @pytest.fixture()

@@ -99,7 +99,9 @@ def test_ray_runtime_matches_the_local_runtime(ray_here, toy, local_run, tmp_pat
     for (_, a), (_, b) in zip(local_stream, stream):
         _assert_same_step(a, b)
     m = stream[-1][1]
-    assert m["sync/bytes"] > 0 and m["usage/engine_device_s"] > 0 and m["total/usage/trainer_device_s"] > 0
+    synced = [s for _, s in stream if "sync/bytes" in s]          # steps that took an update pushed weights
+    assert synced and all(s["sync/bytes"] > 0 for s in synced)
+    assert m["usage/engine_device_s"] > 0 and m["total/usage/trainer_device_s"] > 0
     assert 0.0 <= m["usage/engine_idle_frac"] <= 1.0 and m["usage/tokens_generated"] >= m["usage/tokens_trained"]
     wl, wr = _weights(local_res.checkpoint_url), _weights(res.checkpoint_url)
     for k in wl:

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from vllm_fake import FakeAsyncLLM, InProcessEngine, install_fake_vllm
+from vllm_fake import FakeAsyncLLM, InProcessEngine, fake_checkpoint, install_fake_vllm
 
 from rstar2_core.config import load_config
 
@@ -35,12 +35,13 @@ class _Trainer:
 
 
 @pytest.fixture
-def engines(monkeypatch):
+def engines(monkeypatch, tmp_path):
     install_fake_vllm(monkeypatch)
     from rstar2_core.cluster.engines import EngineActor
     from rstar2_core.rollout.vllm_engine import VLLMEngine
 
-    actors = [EngineActor(None, factory=lambda: VLLMEngine("/ckpt")) for _ in range(2)]
+    ckpt = fake_checkpoint(tmp_path)
+    actors = [EngineActor(None, factory=lambda: VLLMEngine(ckpt, sleep_mode=True)) for _ in range(2)]
     shared: list = []
     for fake in FakeAsyncLLM.instances:        # one log across both engines and the trainer
         fake.events = shared
@@ -68,7 +69,7 @@ def test_engines_sleep_through_the_trainer_step_and_wake_around_the_transfer(eng
             rep = sync.push()
         step = log[start:]
         assert step == [("sleep", 1)] * 2 + ["trainer.step"] + [("wake_up", ["weights"])] * 2 + [
-            ("rpc", "rstar2_load_state_dict"), "reset"] * 2 + [("wake_up", ["kv_cache"])] * 2
+            ("rpc", "rstar2_load_safetensors"), "reset"] * 2 + [("wake_up", ["kv_cache"])] * 2
         assert rep.bytes == 16 and not sync.asleep
 
 
@@ -89,7 +90,7 @@ def test_without_the_setting_nothing_sleeps(engines):
     with sync.training():
         sync.trainer.step()
         sync.push()
-    assert log == ["trainer.step"] + [("rpc", "rstar2_load_state_dict"), "reset"] * 2
+    assert log == ["trainer.step"] + [("rpc", "rstar2_load_safetensors"), "reset"] * 2
 
 
 # ------------------------------------------------------------------------------------------- rl_step

@@ -1,8 +1,9 @@
 """vLLM weight transfer on the Ray runtime (cluster/weight_sync.py), driven end to end in one process: the
 real `NCCLSync` / `IPCSync` drivers, the real per-rank steps (`_nccl_trainer_init`, `_nccl_send`,
 `_ipc_bucket`, `_ipc_release`, `_param_meta`) run through the real `TrainerShardActor.call`, and the real
-`EngineActor` + `VLLMEngine` over the fake `vllm` of tests/vllm_fake.py. Faked: the processes (calls run
-in place), vLLM's NCCL trainer engine (records what it is asked to send), CUDA (each rank's GPU UUID,
+`EngineActor` + `VLLMEngine` over the strict fake `vllm` of tests/vllm_fake.py (it refuses what vLLM 0.32
+refuses: an update outside start/finish, unknown keys). Faked: the processes (calls run in place), vLLM's
+NCCL trainer engine (records what it is asked to send), CUDA (each rank's GPU UUID,
 `reduce_tensor` handles) and ZeRO-3's gather. What is checked: what each engine is told per push or per
 bucket, the rank offsets of the NCCL group, which ranks' handles (by GPU UUID) reach which engine, what
 rank 0 sends, that every rank takes part in each gather, and that the IPC buckets are released. The
@@ -25,7 +26,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 from torch import nn
-from vllm_fake import FakeAsyncLLM, FakeNCCLWeightTransferEngine, InProcessEngine, install_fake_vllm
+from vllm_fake import (
+    FakeAsyncLLM,
+    FakeNCCLTrainerEngine,
+    InProcessEngine,
+    fake_checkpoint,
+    install_fake_vllm,
+)
 
 from rstar2_core.config import load_config
 
@@ -75,11 +82,12 @@ class _Trainer:
         return _Shard(self.shards[r])
 
 
-def _engines(n: int, tp: int, transfer: str):
+def _engines(n: int, tp: int, transfer: str, tmp_path):
     from rstar2_core.cluster.engines import EngineActor
     from rstar2_core.rollout.vllm_engine import VLLMEngine
 
-    actors = [EngineActor(None, factory=lambda: VLLMEngine("/ckpt", tensor_parallel_size=tp, weight_transfer=transfer))
+    ckpt = fake_checkpoint(tmp_path)
+    actors = [EngineActor(None, factory=lambda: VLLMEngine(ckpt, tensor_parallel_size=tp, weight_transfer=transfer))
               for _ in range(n)]
     return [InProcessEngine(a, f"engine-{i}", tp) for i, a in enumerate(actors)]
 
@@ -98,32 +106,46 @@ META = (["lin.weight", "lin.bias", "emb.weight"], ["float32", "float32", "bfloat
 
 
 # ------------------------------------------------------------------------------------------------ nccl
-def test_nccl_joins_one_group_at_rank_offsets_and_rank_0_sends_every_parameter(monkeypatch):
+def _kinds(fake) -> list:
+    return [ev if isinstance(ev, str) else ev[0] for ev in fake.events]
+
+
+def test_nccl_joins_one_group_at_rank_offsets_and_rank_0_sends_every_parameter(monkeypatch, tmp_path):
     install_fake_vllm(monkeypatch)
     from rstar2_core.cluster.weight_sync import NCCLSync, _param_meta
 
     cfg = load_config("qwen3-14b-mi300x", ["cluster.nodes=1", 'cluster.layout="separate"', "cluster.trainer_gpus=2",
                                            "rollout.num_engines=3", 'rollout.weight_sync="nccl"'])
-    trainer, engines = _Trainer(2), _engines(3, 2, "nccl")
+    trainer, engines = _Trainer(2), _engines(3, 2, "nccl", tmp_path)
     assert _param_meta(trainer.shards[0]) == META
     sync = NCCLSync(SimpleNamespace(cfg=cfg, engines=engines, trainer=trainer))
+    update = {"names": META[0], "dtype_names": META[1], "shapes": META[2]}     # no wire settings per update
     for push in range(2):
         rep = sync.push()
         assert rep.mode == "nccl" and rep.bytes == 80 and len(rep.engine_seconds) == 3
-        # set up once: trainer rank 0 is rank 0 of a 7-rank group, engine i's 2 TP workers from 1 + 2i
-        assert FakeNCCLWeightTransferEngine.inits == [{"master_address": "10.0.0.1", "master_port": 29500,
-                                                       "world_size": 7}]
-        assert "nccl_group" in trainer.shards[0].extras and "nccl_group" not in trainer.shards[1].extras
+        # set up once: every rank builds vLLM's trainer engine, rank 0 opens a 7-rank group as its rank 0
+        assert FakeNCCLTrainerEngine.inits == [{"master_address": "10.0.0.1", "master_port": 29500,
+                                                "world_size": 7, "packed": True,
+                                                "packed_buffer_size_bytes": 1 << 30, "packed_num_buffers": 2,
+                                                "rank": 0}]
+        assert [s.extras["nccl"].info.rank for s in trainer.shards] == [0, 1]
         for i, fake in enumerate(FakeAsyncLLM.instances):
+            # engine i's 2 TP workers from rank 1 + 2i, with the trainer's packed wire settings
             inits = [ev[1] for ev in fake.events if isinstance(ev, tuple) and ev[0] == "init"]
             assert inits == [{"master_address": "10.0.0.1", "master_port": 29500, "rank_offset": 1 + 2 * i,
-                              "world_size": 7}]
-            assert _updates(fake) == [{"names": META[0], "dtype_names": META[1], "shapes": META[2],
-                                       "packed": True}] * (push + 1)
-        # one send per push, from rank 0 only, on the group it joined, every parameter in order
-        assert len(FakeNCCLWeightTransferEngine.sent) == push + 1
-        sent, args = FakeNCCLWeightTransferEngine.sent[-1]
-        assert args.group is trainer.shards[0].extras["nccl_group"] and args.packed
+                              "world_size": 7, "packed": True, "packed_buffer_size_bytes": 1 << 30,
+                              "packed_num_buffers": 2}]
+            assert _updates(fake) == [update] * (push + 1)
+            # each push: generation paused, one update opened and closed, the prefix cache reset
+            assert _kinds(fake) == ["init"] + ["pause", "start", "update", "finish", "reset", "resume"] * (push + 1)
+        # what vLLM's trainer engine asked its client is what the driver told the engines (but for the offset)
+        calls = trainer.shards[0].extras["nccl"].client.calls
+        assert calls[0][0] == "init" and calls[0][1]["rank_offset"] == 1 and calls[1:] == [
+            ("start",), ("update", update), ("finish",)] * (push + 1)
+        # one send per push, from rank 0 only, every parameter in order
+        assert len(FakeNCCLTrainerEngine.sent) == push + 1
+        sent, info = FakeNCCLTrainerEngine.sent[-1]
+        assert info.rank == 0 and info.packed
         module = trainer.shards[0].backend.engine.module
         assert [n for n, _ in sent] == META[0]
         for (n, t), (_, p) in zip(sent, module.named_parameters()):
@@ -131,7 +153,7 @@ def test_nccl_joins_one_group_at_rank_offsets_and_rank_0_sends_every_parameter(m
     _close(engines)
 
 
-def test_zero3_every_rank_gathers_each_parameter_and_meta_uses_the_full_shapes(monkeypatch):
+def test_zero3_every_rank_gathers_each_parameter_and_meta_uses_the_full_shapes(monkeypatch, tmp_path):
     """Under ZeRO-3 a rank holds a partition (`p.data` empty, `ds_shape` the full shape): the meta comes
     from `ds_shape` without gathering, and each send walks the parameters one `GatheredParameters` at a
     time on every rank (a collective), rank 0 sending what was gathered."""
@@ -162,10 +184,10 @@ def test_zero3_every_rank_gathers_each_parameter_and_meta_uses_the_full_shapes(m
     assert _param_meta(trainer.shards[0]) == META and gathers == []
     cfg = load_config("qwen3-14b-mi300x", ["cluster.nodes=1", 'cluster.layout="separate"', "cluster.trainer_gpus=2",
                                            "rollout.num_engines=3", 'rollout.weight_sync="nccl"'])
-    engines = _engines(3, 2, "nccl")
+    engines = _engines(3, 2, "nccl", tmp_path)
     NCCLSync(SimpleNamespace(cfg=cfg, engines=engines, trainer=trainer)).push()
     assert sorted(gathers) == sorted((r, n) for r in range(2) for n in META[0])
-    (sent, _), = FakeNCCLWeightTransferEngine.sent
+    (sent, _), = FakeNCCLTrainerEngine.sent
     assert [n for n, _ in sent] == META[0]
     for n, t in sent:
         assert torch.equal(t, full[0][n])
@@ -173,7 +195,7 @@ def test_zero3_every_rank_gathers_each_parameter_and_meta_uses_the_full_shapes(m
 
 
 # ------------------------------------------------------------------------------------------------- ipc
-def test_ipc_buckets_carry_the_colocated_ranks_handles_by_gpu_uuid_and_are_released(monkeypatch):
+def test_ipc_buckets_carry_the_colocated_ranks_handles_by_gpu_uuid_and_are_released(monkeypatch, tmp_path):
     install_fake_vllm(monkeypatch)
     from torch.multiprocessing import reductions
 
@@ -188,7 +210,7 @@ def test_ipc_buckets_carry_the_colocated_ranks_handles_by_gpu_uuid_and_are_relea
     monkeypatch.setattr(weight_sync, "IPC_BUCKET_BYTES", 60)           # lin.weight + lin.bias | emb.weight
     cfg = load_config("qwen3-14b-mi300x", ["cluster.nodes=1", "rollout.num_engines=4"])
     layout = compute_layout(cfg)
-    trainer, engines = _Trainer(8), _engines(4, 2, "ipc")
+    trainer, engines = _Trainer(8), _engines(4, 2, "ipc", tmp_path)
     sync = weight_sync.IPCSync(SimpleNamespace(cfg=cfg, engines=engines, trainer=trainer, layout=layout))
     rep = sync.push()
     assert rep.mode == "ipc" and rep.bytes == 80
@@ -202,18 +224,18 @@ def test_ipc_buckets_carry_the_colocated_ranks_handles_by_gpu_uuid_and_are_relea
         for u in ups:
             for name, handles in zip(u["names"], u["ipc_handles"]):
                 assert set(handles) == {f"GPU-{2 * i}", f"GPU-{2 * i + 1}"}
-                for uuid, (_, k) in handles.items():
+                for uuid, k in handles.items():          # vLLM's unpacked format: {uuid: rebuild args}
                     gpu, tensor = shared[k]
                     assert gpu == uuid and torch.equal(tensor, params[name].detach())
-        # each bucket loads with generation paused and the prefix cache reset
-        assert [ev if isinstance(ev, str) else ev[0] for ev in fake.events] == ["pause", "update", "reset",
-                                                                              "resume"] * 2
+        # one update per push, a chunk per bucket, with generation paused and the prefix cache reset after
+        assert fake.events[0] == ("init", {"packed": False})
+        assert _kinds(fake) == ["init", "pause", "start", "update", "update", "finish", "reset", "resume"]
     assert len(shared) == 8 * 3                   # every rank shares every parameter once, bucket by bucket
     assert all("ipc_held" not in s.extras for s in trainer.shards)   # released after each bucket
     _close(engines)
 
 
-def test_ipc_holds_each_bucket_until_the_engines_loaded_it(monkeypatch):
+def test_ipc_holds_each_bucket_until_the_engines_loaded_it(monkeypatch, tmp_path):
     """The shared copies must outlive the engines' load (a freed tensor's handle points at reused memory)."""
     install_fake_vllm(monkeypatch)
     from torch.multiprocessing import reductions
@@ -225,7 +247,7 @@ def test_ipc_holds_each_bucket_until_the_engines_loaded_it(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(uuid=f"GPU-{i}"))
     monkeypatch.setattr(reductions, "reduce_tensor", lambda t: ("handle", id(t)))
     cfg = load_config("qwen3-14b-mi300x", ["cluster.nodes=1", "rollout.num_engines=4"])
-    trainer, engines = _Trainer(8), _engines(4, 2, "ipc")
+    trainer, engines = _Trainer(8), _engines(4, 2, "ipc", tmp_path)
     held_at_load: list[int] = []
     update = FakeAsyncLLM.update_weights
 
@@ -313,7 +335,8 @@ def _joining(collective: threading.Barrier, real):
 
 @pytest.mark.parametrize("how", ["raises", "dies"])
 @pytest.mark.parametrize("step", ["init_weight_transfer", "receive_weights"])
-def test_an_engine_failing_its_side_of_the_nccl_sync_fails_the_sync_instead_of_hanging_it(monkeypatch, step, how):
+def test_an_engine_failing_its_side_of_the_nccl_sync_fails_the_sync_instead_of_hanging_it(monkeypatch, tmp_path, step,
+                                                                                         how):
     """Trainer rank 0 and every engine meet in vLLM's NCCL rendezvous (setup) and broadcast (each push): a
     party that never arrives leaves the others blocked for good. When engine 1 raises, or dies, in its
     side, the sync raises that failure (a death as ActorFailure naming the engine) after the group was shut
@@ -330,18 +353,18 @@ def test_an_engine_failing_its_side_of_the_nccl_sync_fails_the_sync_instead_of_h
 
     collective = threading.Barrier(1 + 3)      # trainer rank 0 + 3 engines (one party each here)
     _fake_ray(monkeypatch, collective.abort)
-    trainer_init, send = FakeNCCLWeightTransferEngine.trainer_init, FakeNCCLWeightTransferEngine.trainer_send_weights
+    open_endpoint, broadcast = FakeNCCLTrainerEngine.open_endpoint, FakeNCCLTrainerEngine.broadcast
 
-    def joined_init(cls, init_info):            # rank 0's side of the collective joins it
+    def joined_open(cls, init_info):            # rank 0's side of the collective joins it
         collective.wait()
-        return trainer_init(init_info)
+        return open_endpoint(init_info)
 
-    def joined_send(cls, iterator, trainer_args):
+    def joined_broadcast(self, pairs):
         collective.wait()
-        return send(iterator, trainer_args)
+        return broadcast(self, pairs)
 
-    monkeypatch.setattr(FakeNCCLWeightTransferEngine, "trainer_init", classmethod(joined_init))
-    monkeypatch.setattr(FakeNCCLWeightTransferEngine, "trainer_send_weights", classmethod(joined_send))
+    monkeypatch.setattr(FakeNCCLTrainerEngine, "open_endpoint", classmethod(joined_open))
+    monkeypatch.setattr(FakeNCCLTrainerEngine, "broadcast", joined_broadcast)
 
     class Rank(TrainerShardActor):
         def address(self):
@@ -354,10 +377,11 @@ def test_an_engine_failing_its_side_of_the_nccl_sync_fails_the_sync_instead_of_h
         rank.backend = SimpleNamespace(engine=SimpleNamespace(module=_model()), zero_stage=2)
         group.actors[f"trainer-{r}"] = _ThreadedActor(rank)
     engines = []
+    ckpt = fake_checkpoint(tmp_path)
     for i in range(3):
         name = f"engine-{i}"
         group.actors[name] = _ThreadedActor(EngineActor(None, factory=lambda: VLLMEngine(
-            "/ckpt", tensor_parallel_size=1, weight_transfer="nccl")))
+            ckpt, tensor_parallel_size=1, weight_transfer="nccl")))
         engines.append(RemoteEngine(group.actors[name], name, 1, on_failure=group.shutdown))
     actors = dict(group.actors)
     fakes = FakeAsyncLLM.instances

@@ -16,6 +16,7 @@ def test_smollm2_converts_to_loadable_hf_checkpoint(tmp_path, monkeypatch):
     out = smollm2.convert_smollm2(dst)
     assert out == dst and storage.is_complete(str(dst))
     assert (dst / "model.safetensors").exists() and not list(dst.glob("*.gguf"))
+    assert "quantization_config" not in storage.read_json(str(dst / "config.json"))    # plain weights
     model = AutoModelForCausalLM.from_pretrained(str(dst))
     tok = AutoTokenizer.from_pretrained(str(dst))
     assert 130e6 < sum(p.numel() for p in model.parameters()) < 140e6

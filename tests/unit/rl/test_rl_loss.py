@@ -143,3 +143,58 @@ def test_micro_batches_with_global_token_count_equal_full_batch():
         acc += part.item()
     assert acc == pytest.approx(full.item(), rel=1e-6)
     assert torch.allclose(lp.grad, g_full, atol=1e-7)
+
+
+# --------------------------------------------------------------------- truncated importance sampling
+def _tis_reference(lp, old, behaviour, adv, mask, cap, clip_low=0.2, clip_high=0.28):
+    """Token-level TIS written from its definition, one token at a time: the clipped PPO term of each
+    sampled token, times min(pi_old(token) / pi_engine(token), cap) (a constant), summed over the masked
+    tokens and divided by their count."""
+    total, n = 0.0, 0
+    for b in range(lp.shape[0]):
+        for t in range(lp.shape[1]):
+            if not mask[b, t]:
+                continue
+            ratio = torch.exp(lp[b, t] - old[b, t])
+            term = torch.maximum(-adv[b] * ratio, -adv[b] * torch.clamp(ratio, 1 - clip_low, 1 + clip_high))
+            weight = min(float(torch.exp(old[b, t] - behaviour[b, t])), cap)
+            total = total + term * weight
+            n += 1
+    return total / n
+
+
+def test_tis_matches_its_definition_value_and_gradient():
+    old = torch.tensor([[-1.0, -2.0, -0.5, 0.0], [-0.3, -1.7, -2.2, -0.9]])
+    behaviour = torch.tensor([[-1.1, -0.5, -0.5, -9.0], [-0.1, -1.7, -4.0, -0.9]])   # one ratio e^1.8 > cap
+    lp0 = torch.tensor([[-0.9, -2.1, -0.4, 0.0], [-0.35, -1.6, -2.0, -0.7]])
+    adv = torch.tensor([1.0, -0.5])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.float32)
+    lp_a = lp0.clone().requires_grad_(True)
+    loss, m = policy_loss(lp_a, old, adv, mask, behaviour_logprobs=behaviour, tis_cap=2.0)
+    loss.backward()
+    lp_b = lp0.clone().requires_grad_(True)
+    ref = _tis_reference(lp_b, old, behaviour, adv, mask, cap=2.0)
+    ref.backward()
+    assert loss.item() == pytest.approx(ref.item(), abs=1e-6)
+    assert torch.allclose(lp_a.grad, lp_b.grad, atol=1e-6)
+    weights = torch.clamp(torch.exp(old - behaviour), max=2.0)[mask.bool()]
+    assert m["actor/tis_weight_mean"] == pytest.approx(weights.mean().item(), abs=1e-6)
+    assert m["actor/tis_capped_frac"] == pytest.approx(1 / 7, abs=1e-6)      # 0.2 - (-4.0) = 1.8 -> e^1.8 capped
+    # the engine's log-prob on a masked position (-9.0) changes nothing
+    behaviour2 = behaviour.clone()
+    behaviour2[0, 3] = 5.0
+    assert policy_loss(lp0, old, adv, mask, behaviour_logprobs=behaviour2, tis_cap=2.0)[0].item() == pytest.approx(
+        loss.item(), abs=1e-7)
+
+
+def test_tis_off_is_the_papers_loss_bit_for_bit_and_needs_behaviour_logprobs():
+    g = torch.Generator().manual_seed(0)
+    lp, old = torch.randn(3, 5, generator=g), torch.randn(3, 5, generator=g)
+    adv, mask = torch.randn(3, generator=g), (torch.rand(3, 5, generator=g) > 0.3).float()
+    plain, _ = policy_loss(lp, old, adv, mask)
+    assert torch.equal(policy_loss(lp, old, adv, mask, behaviour_logprobs=old + 1.0)[0], plain)
+    # behaviour == old: every weight is 1, the loss is the paper's
+    assert torch.equal(policy_loss(lp, old, adv, mask, behaviour_logprobs=old, tis_cap=2.0)[0], plain)
+    with pytest.raises(ValueError, match="behaviour_logprobs"):
+        policy_loss(lp, old, adv, mask, tis_cap=2.0)
+

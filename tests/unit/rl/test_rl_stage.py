@@ -41,7 +41,7 @@ def _exact(stream):
     """Metrics that must repeat bit for bit. Timings and busy/idle seconds are wall-clock;
     `actor/engine_logprob_gap` compares the engine's log-probs, whose last bits depend on which requests
     shared a decode batch, with the trainer's."""
-    return [(s, {k: v for k, v in m.items() if not k.startswith(WALL_CLOCK) and k != "actor/engine_logprob_gap"})
+    return [(s, {k: v for k, v in m.items() if not k.startswith(WALL_CLOCK + ("actor/engine_logprob_gap",))})
             for s, m in stream]
 
 

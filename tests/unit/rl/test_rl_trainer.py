@@ -97,8 +97,15 @@ def test_engine_logprob_gap_reports_mismatch():
     # with the engine's log-probs as old_logprobs the ratio carries the mismatch
     m = rl_update(GradCapture(model), [traj([5, 6, 7], [8, 9, 10, 11], logprobs=off)], [1.0], pad_id=PAD,
                   old_logprobs="engine")
-    assert "actor/engine_logprob_gap" not in m
+    assert m["actor/engine_logprob_gap"] == pytest.approx(0.3, abs=1e-4)        # from the gradient forward
+    assert m["actor/engine_logprob_gap_max"] == pytest.approx(0.3, abs=1e-4)
     assert m["actor/ratio_mean"] == pytest.approx(torch.exp(torch.tensor(0.3)).item(), rel=1e-4)
+    # one token far off: the max shows it where the mean dilutes it
+    spiky = list(true_lp)
+    spiky[2] -= 2.0
+    m = rl_update(GradCapture(model), [traj([5, 6, 7], [8, 9, 10, 11], logprobs=spiky)], [1.0], pad_id=PAD)
+    assert m["actor/engine_logprob_gap_max"] == pytest.approx(2.0, abs=1e-4)
+    assert m["actor/engine_logprob_gap"] == pytest.approx(2.0 / 4, abs=1e-4)
     with pytest.raises(ValueError, match="recompute"):
         rl_update(GradCapture(model), TRAJS[:1], [1.0], pad_id=PAD, old_logprobs="vllm")
 
@@ -129,3 +136,21 @@ def test_no_sampled_tokens_skips_the_step():
     cap = GradCapture(tiny_model())
     m = rl_update(cap, [traj([1], [2, 3], [0, 0])], [1.0], pad_id=PAD)
     assert m["actor/skipped"] == 1.0 and cap.grads is None
+
+
+def test_tis_in_engine_mode_ratios_against_the_trainer_and_weights_by_the_engine():
+    """`old_logprobs="engine"` with `tis_cap`: the PPO ratio is 1 (the trainer's own log-probs, one step
+    per RL step) and each token weighs min(exp(trainer - engine), cap): with an engine 0.3 below the
+    trainer on every token the gradient is exp(0.3) times the on-policy one."""
+    model = tiny_model()
+    true_lp = naive_logprobs(model, traj([5, 6, 7], [8, 9, 10, 11]), 1.0).tolist()
+    off = [x - 0.3 for x in true_lp]
+    on_policy, tis = GradCapture(model), GradCapture(model)
+    m0 = rl_update(on_policy, [traj([5, 6, 7], [8, 9, 10, 11], logprobs=true_lp)], [1.0], pad_id=PAD,
+                   old_logprobs="engine")
+    m = rl_update(tis, [traj([5, 6, 7], [8, 9, 10, 11], logprobs=off)], [1.0], pad_id=PAD, old_logprobs="engine",
+                  tis_cap=2.0)
+    assert m["actor/ratio_mean"] == pytest.approx(1.0) and m0["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert m["actor/tis_weight_mean"] == pytest.approx(float(torch.exp(torch.tensor(0.3))), rel=1e-4)
+    for name, g in on_policy.grads.items():
+        assert torch.allclose(tis.grads[name], g * float(torch.exp(torch.tensor(0.3))), rtol=1e-3, atol=1e-7), name
