@@ -85,6 +85,39 @@ def plot(curves: dict[int, list[float]], threshold: float, path: Path, title: st
     plt.close(fig)
 
 
+def _one_seed(seed, cfg, data_url, base_url, out_url, stop_after, cap, probe_n, threads):
+    """One model seed: prepare the base model, run SFT (the pipeline's `run_sft`), probe it. Runs in the
+    bench's process or in a worker of `--parallel` (spawned: its own torch threads)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    from copy_probe import probe
+    from learning import SFT_CROSSED_LOSS, late_loss
+
+    from rstar2_core.errors import SFTNotConverged
+    from rstar2_core.models import prepare_base_model
+    from rstar2_core.sft.train import run_sft
+
+    t0 = time.time()
+    base = prepare_base_model(cfg, base_url)
+    losses: list[float] = []
+
+    def record(m, step):
+        losses.append(float(m["sft/loss"]))
+        if should_stop(losses, SFT_CROSSED_LOSS, stop_after, cap):
+            raise _Stopped
+
+    try:
+        res = run_sft(cfg, base_model_url=base, sft_data_url=data_url, out_url=out_url, log_metrics=record,
+                      resume=False)
+    except (_Stopped, SFTNotConverged):   # a screening stop, or the profile's own cap without converging
+        res = None
+    run = {"seed": seed, "steps": len(losses), "stopped": res is None,
+           "cross_step": crossing(losses, SFT_CROSSED_LOSS), "late_loss": late_loss(losses),
+           "sft_s": round(time.time() - t0, 1), "probe": None if res is None else probe(res.checkpoint_url, probe_n)}
+    return run, losses
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--profile", default="tiny")
@@ -96,6 +129,8 @@ def main(argv=None) -> int:
     ap.add_argument("--stop-after", type=int, default=None,
                     help="screening: stop a run this many steps after its crossing (no final checkpoint, no probe)")
     ap.add_argument("--cap", type=int, default=None, help="screening: stop a run at this step")
+    ap.add_argument("--parallel", type=int, default=1,
+                    help="seeds run at once, each in its own process with --threads threads (e.g. 2 x 1 on 2 cores)")
     ap.add_argument("--sft-data", default=None, help="URL of an SFT set built by an earlier run (default: build one)")
     args = ap.parse_args(argv)
     if (args.stop_after is not None and args.stop_after < 0) or (args.cap is not None and args.cap < 1):
@@ -105,14 +140,11 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    from copy_probe import probe
-    from learning import SFT_CROSSED_LOSS, late_loss
+    from learning import SFT_CROSSED_LOSS
 
     from rstar2_core import storage
     from rstar2_core.config import load_config
-    from rstar2_core.models import prepare_base_model
     from rstar2_core.sft.data import build_sft_dataset
-    from rstar2_core.sft.train import run_sft
 
     t_start, load_before = time.time(), os.getloadavg()
     stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
@@ -130,32 +162,29 @@ def main(argv=None) -> int:
         data = build_sft_dataset(next(iter(cfgs.values())), storage.join(root, "sft-data"))  # the seed is not in it
         data_url = data.url
         log(f"SFT set: {data.n_rows} conversations; {len(args.seeds)} runs, overrides {args.overrides}")
+    jobs = [(seed, cfg, data_url, storage.join(root, f"base-seed{seed}"), storage.join(root, f"sft-seed{seed}"),
+             args.stop_after, args.cap, args.probe_n, args.threads) for seed, cfg in cfgs.items()]
     runs, curves = [], {}
-    for k, (seed, cfg) in enumerate(cfgs.items()):
-        t0 = time.time()
-        base = prepare_base_model(cfg, storage.join(root, f"base-seed{seed}"))
-        losses: list[float] = []
 
-        def record(m, step, out=losses):
-            out.append(float(m["sft/loss"]))
-            if should_stop(out, SFT_CROSSED_LOSS, args.stop_after, args.cap):
-                raise _Stopped
-
-        try:
-            res = run_sft(cfg, base_model_url=base, sft_data_url=data_url, out_url=storage.join(root, f"sft-seed{seed}"),
-                          log_metrics=record, resume=False)
-        except _Stopped:
-            res = None
-        sft_s = time.time() - t0
-        run = {"seed": seed, "steps": len(losses), "stopped": res is None,
-               "cross_step": crossing(losses, SFT_CROSSED_LOSS), "late_loss": late_loss(losses),
-               "sft_s": round(sft_s, 1), "probe": None if res is None else probe(res.checkpoint_url, args.probe_n)}
+    def collect(run: dict, losses: list[float]) -> None:
         runs.append(run)
-        curves[seed] = losses
+        curves[run["seed"]] = losses
         done = time.time() - t_start
-        log(f"seed {seed}: crossed at step {run['cross_step']} of {run['steps']}, late loss {run['late_loss']}, "
-            f"copy probe exact {run['probe']['calls_exact'] if run['probe'] else '-'} ({sft_s:.0f} s) "
-            f"[{k + 1}/{len(cfgs)}, ETA {done / (k + 1) * (len(cfgs) - k - 1):.0f} s]")
+        log(f"seed {run['seed']}: crossed at step {run['cross_step']} of {run['steps']}, late loss "
+            f"{run['late_loss']}, copy probe exact {run['probe']['calls_exact'] if run['probe'] else '-'} "
+            f"({run['sft_s']:.0f} s) [{len(runs)}/{len(jobs)}, ETA {done / len(runs) * (len(jobs) - len(runs)):.0f} s]")
+
+    if args.parallel > 1:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
+        with ProcessPoolExecutor(args.parallel, mp_context=mp.get_context("spawn")) as pool:
+            for fut in as_completed([pool.submit(_one_seed, *job) for job in jobs]):
+                collect(*fut.result())
+        runs.sort(key=lambda r: r["seed"])
+    else:
+        for job in jobs:
+            collect(*_one_seed(*job))
     png = Path(os.environ["RSTAR2_HOME"]).resolve() / "bench" / f"sft-seeds-{stamp}.png"
     plot(curves, SFT_CROSSED_LOSS, png, f"tiny SFT, {' '.join(args.overrides) or 'profile as committed'}")
     out = {"runs": runs, "crossed": sum(r["cross_step"] is not None for r in runs), "of": len(runs),

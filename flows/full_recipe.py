@@ -40,6 +40,12 @@ from tasks.stages import (
 from tasks.summary import render_summary
 
 
+def _sft_label(sc) -> str:
+    """The SFT task's name in the run's progress: its length, or its cap and criterion."""
+    cap = f"{sc.max_steps} steps" if sc.max_steps else f"{sc.epochs:g} epochs"
+    return f"sft ({cap})" if sc.converged_loss is None else f"sft (to loss < {sc.converged_loss:g}, at most {cap})"
+
+
 def _configured(t, cfg):
     return t.with_options(retries=cfg.pipeline.task_retries, retry_delay_seconds=cfg.pipeline.retry_delay_s)
 
@@ -60,7 +66,7 @@ def recipe_stages(ctx: RecipeContext) -> dict:
     curated = submit("curate", "curate", label="curate")
     sft_data = submit("sft_data", "build-sft-data", label="sft-data")
     base = submit("base_model", "base-model", label=f"base-model ({cfg.model.kind})")
-    policy = submit("sft", "sft", base, sft_data, label=f"sft ({cfg.sft.epochs:g} epochs)")
+    policy = submit("sft", "sft", base, sft_data, label=_sft_label(cfg.sft))
     evals = {"sft": submit("eval", "evaluate", "sft", policy, label="eval sft")}  # the promotion baseline
     last = len(cfg.rl.stages) - 1
     for i, st in enumerate(cfg.rl.stages):

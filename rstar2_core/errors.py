@@ -94,6 +94,18 @@ class CorruptCheckpoint(ValueError):
     the stage resumes from the previous one or starts again); never retried (tasks/retry.py)."""
 
 
+class SFTNotConverged(PicklableError, RuntimeError):
+    """SFT ran its last step (`sft.max_steps` or its passes) without meeting `sft.converged_loss`: the
+    message names the measured loss, the threshold and the steps. Retried (tasks/retry.py): the stage
+    keeps no step checkpoint of the failed draw, and the retry starts SFT over with another data order
+    (`SFT_DRAW_SEED_STRIDE`), a fresh chance at the phase change the tiny model's SFT depends on; no
+    `final/` is written, so nothing downstream trains on the unconverged policy."""
+
+    def __init__(self, message: str, loss: float, threshold: float, steps: int, draw: int):
+        self.loss, self.threshold, self.steps, self.draw = loss, threshold, steps, draw
+        super().__init__(message)
+
+
 class StageTrainedNothing(ValueError):
     """An RL stage ran all its steps and took no optimizer step: every group of every step was dropped
     (all rollouts right, all wrong, or too few valid), so the policy left the stage as it came in.

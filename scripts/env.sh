@@ -2,11 +2,22 @@
 # (default <repo>/.rstar2), nothing under ~.
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # an RSTAR2_HOME inherited from a shell that sourced another checkout's env.sh would run this checkout on
-# that one's registry, runs and servers: say so once (an intended shared home is fine)
-if [ -n "${RSTAR2_HOME:-}" ] && [ -z "${RSTAR2_HOME_NOTED:-}" ] && [[ "$RSTAR2_HOME" != "$ROOT"/* ]]; then
-  echo "rstar2: RSTAR2_HOME=$RSTAR2_HOME comes from the environment and lies outside this checkout ($ROOT):" \
-       "its state is used; unset RSTAR2_HOME to use $ROOT/.rstar2" >&2
-  export RSTAR2_HOME_NOTED=1
+# that one's registry, runs and servers: refused when it is another checkout's state folder (unless
+# RSTAR2_SHARED_HOME=1 says it is meant), named once otherwise (a home chosen elsewhere on purpose is fine)
+if [ -n "${RSTAR2_HOME:-}" ] && [[ "$RSTAR2_HOME" != "$ROOT"/* ]]; then
+  _other="$(dirname "$RSTAR2_HOME")"
+  if [ "$(basename "$RSTAR2_HOME")" = ".rstar2" ] && [ -f "$_other/scripts/env.sh" ] && [ -z "${RSTAR2_SHARED_HOME:-}" ]; then
+    echo "rstar2: RSTAR2_HOME=$RSTAR2_HOME is the state of another checkout ($_other), inherited from the" \
+         "environment: refused. unset RSTAR2_HOME to use $ROOT/.rstar2, or set RSTAR2_SHARED_HOME=1 to share it" >&2
+    unset _other
+    return 1 2>/dev/null || exit 1
+  fi
+  unset _other
+  if [ -z "${RSTAR2_HOME_NOTED:-}" ]; then
+    echo "rstar2: RSTAR2_HOME=$RSTAR2_HOME comes from the environment and lies outside this checkout ($ROOT):" \
+         "its state is used; unset RSTAR2_HOME to use $ROOT/.rstar2" >&2
+    export RSTAR2_HOME_NOTED=1
+  fi
 fi
 export RSTAR2_HOME="${RSTAR2_HOME:-$ROOT/.rstar2}"
 export XDG_CACHE_HOME="$RSTAR2_HOME/cache"

@@ -142,6 +142,16 @@ def _stage_gap_max(store, stage: str) -> float | None:
     return float(v) if v is not None else None
 
 
+def _sft_steps(store, stage: str) -> dict | None:
+    """SFT's optimizer steps and the step it converged at (None for the RL stages)."""
+    if stage != SFT_STAGE:
+        return None
+    res = store.load(stage)
+    metrics = getattr(res, "metrics", None) or {}
+    conv = metrics.get("sft/converged_step")
+    return {"steps": int(getattr(res, "steps", 0) or 0), "converged_step": None if conv is None else int(conv)}
+
+
 @task(name="register-best", task_run_name="register best checkpoint", retries=2, retry_delay_seconds=2,
       retry_condition_fn=retry_on_infrastructure_error, cache_policy=NO_CACHE, persist_result=False)
 def register_best(ctx: RecipeContext, reports: dict[str, EvalReport]) -> dict:
@@ -188,7 +198,7 @@ def register_best(ctx: RecipeContext, reports: dict[str, EvalReport]) -> dict:
            "promotion": decision,
            "stages": [{"stage": st, "primary_pass1": rep.metrics[bench].pass1 if bench in rep.metrics else None,
                        "pass1": rep.pass1(), "checkpoint_url": rep.checkpoint_url, "report_url": rep.json_url,
-                       "engine_logprob_gap_max": _stage_gap_max(store, st)}
+                       "engine_logprob_gap_max": _stage_gap_max(store, st), "sft": _sft_steps(store, st)}
                       for st, rep in reports.items()],
            "primary_benchmark": bench, "run_id": ctx.run_id, "mlflow_parent_run_id": ctx.parent_run_id,
            "config_digest": ctx.config_digest}

@@ -1,4 +1,5 @@
-"""Which failures a stage task retries: infrastructure errors only.
+"""Which failures a stage task retries: infrastructure errors, and an SFT that missed its convergence
+criterion (`SFTNotConverged`: its retry starts over with another data order, a fresh draw).
 
 A retried stage resumes from its own last checkpoint (the core stages do that when given the same
 `out_url`), so retrying is cheap and safe for flaky infrastructure: any `rstar2_core.errors.InfraError`
@@ -19,7 +20,7 @@ a plain `RayTaskError`, which the rule classes by its `cause`.
 
 from __future__ import annotations
 
-from rstar2_core.errors import InfraError
+from rstar2_core.errors import InfraError, SFTNotConverged
 
 _NEVER = (ValueError, KeyError, TypeError, AssertionError)  # ConfigError and CorruptCheckpoint are ValueErrors
 
@@ -53,8 +54,8 @@ def _ray_task_error_cause(exc: BaseException) -> BaseException | None:
 
 def is_infrastructure_error(exc: BaseException) -> bool:
     """True for errors a retry can fix (fault injection, Ray deaths, OS/connection/timeout errors)."""
-    if isinstance(exc, InfraError):   # injected faults, dead actors, infra-failure share, stale engine weights
-        return True
+    if isinstance(exc, (InfraError, SFTNotConverged)):   # injected faults, dead actors, infra share, stale engine
+        return True                                       # weights; an SFT draw that missed convergence
     if isinstance(exc, _NEVER):
         return False
     if isinstance(exc, (OSError, ConnectionError, TimeoutError)):

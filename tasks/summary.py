@@ -177,6 +177,11 @@ def summary_markdown(summary: dict[str, Any], order: list[str], timings: list[St
               f"promotion ({summary['primary_benchmark']}, {how}): {promo['line']}",
               reg["line"] + ("" if reg["aliases"] else ": registered without aliases"),
               f"checkpoint: {reg['checkpoint_url']}"]
+    sft = (rows.get("sft") or {}).get("sft")
+    if sft and sft["steps"] and wall.get("sft") is not None:
+        conv = "" if sft["converged_step"] is None else f"; converged at step {sft['converged_step']}"
+        lines.append(f"sft: {sft['steps']} optimizer steps in {wall['sft']:.0f} s "
+                     f"({sft['steps'] / max(wall['sft'], 1e-3):.1f} steps/s, the figure to compare machines by{conv})")
     if timings:
         path = critical_path(timings)
         end = max(t.end_s for t in timings)

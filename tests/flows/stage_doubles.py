@@ -80,7 +80,7 @@ def run_sft(cfg, *, base_model_url, sft_data_url, out_url, log_metrics=None, res
         if log_metrics:
             log_metrics({"sft/loss": 1.0 / s}, s)
     return StageResult(name="sft", checkpoint_url=_checkpoint(out_url, {"stage": "sft", "quality": QUALITY["sft"]}),
-                       metrics={"actor/loss": 0.5}, steps=2)
+                       metrics={"actor/loss": 0.5, "sft/converged_step": 2.0}, steps=2)
 
 
 def run_rl_stage(cfg, stage_index, *, init_checkpoint_url, data_url, out_url, log_metrics=None, resume=True,

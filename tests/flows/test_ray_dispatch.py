@@ -49,7 +49,7 @@ def where(cfg, kind: str) -> dict:
 
     use_task_threads(cfg, kind)
     return {"pid": os.getpid(), "home": os.environ.get("RSTAR2_HOME"), "threads": torch.get_num_threads(),
-            "resources": ray.get_runtime_context().get_assigned_resources()}
+            "resources": ray.get_runtime_context().get_assigned_resources(), "nice": os.nice(0)}
 
 
 @pytest.mark.slow
@@ -68,6 +68,9 @@ def test_tasks_run_on_ray_with_configured_resources(prefect_harness, flow_ray):
     assert rl["pid"] != os.getpid() and rl["home"] == os.environ["RSTAR2_HOME"] == str(flow_ray)
     assert rl["resources"] == {"CPU": 2.0} and ev["resources"] == {"CPU": 0.5}
     assert (ev["threads"], rl["threads"], ev2["threads"]) == (1, 2, 1)
+    # the stages compute at the flow's priority, not at Ray's default worker niceness of 15 (below every
+    # service of a one-machine run: ray_init.WORKER_NICENESS)
+    assert rl["nice"] == ev["nice"] == os.nice(0)
 
 
 # What a stage raises (the messages abridged from where the core raises them).

@@ -32,6 +32,9 @@ def test_summary_of_a_finished_run(state):
     assert re.search(r"^\| rl-stage-3 \| 0\.500 \| \d+ \| \d+ \| 2\.0e-06 \|$", md, re.MULTILINE), md
     assert re.search(r"^\| sft \| .* \| - \|$", md, re.MULTILINE), md
     assert f"promotion (synthetic, paired bootstrap, 95% interval): {out['promotion']['line']}" in md
+    # SFT's speed, the figure that compares one machine with another, and where it converged
+    assert re.search(r"^sft: 2 optimizer steps in \d+ s \([0-9.]+ steps/s, .*; converged at step 2\)$", md,
+                     re.MULTILINE), md
     # where the time went: every stage that ran, the critical path ending in the last evaluation
     timings = stage_timings(cfg, store.tracking_id("parent"))
     assert {t.stage for t in timings} >= {"curate", "sft-data", "base-model", "sft", "rl-stage-1", "rl-stage-2",

@@ -33,6 +33,7 @@ SAMPLE_ARGS: dict[str, tuple] = {
         ["engine-0", "trainer-1"], "actors engine-0, trainer-1 not ready within 60 s"),
     "rstar2_core.cluster.errors.ActorConfigError": ("trainer-0", "ValueError: bf16 needs a GPU"),
     "rstar2_core.data.sources.Reject": ("missing_field:answer",),
+    "rstar2_core.errors.SFTNotConverged": ("SFT did not converge: ...", 0.23, 0.1, 1993, 0),
 }
 
 

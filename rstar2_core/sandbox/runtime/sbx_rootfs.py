@@ -11,7 +11,8 @@ then `pivot_root` into it, detach the host's tree, and make the root itself read
 Paths of the plan under `/tmp` (a checkout or virtual environment there, as on many CI runners) would be
 hidden by each call's own `/tmp`: they are built under `TMP_HOLD` (`/.tmp-host/...`) instead, and each
 call links its `/tmp/<entry>` to `/.tmp-host/<entry>` after mounting its tmpfs (`tmp_links`), so the
-interpreter finds them at their own paths, still read-only.
+interpreter finds them at their own paths, still read-only. The root's own `/tmp`, which the template
+itself sees while it imports its preloads, holds the same links.
 """
 
 from __future__ import annotations
@@ -93,6 +94,10 @@ def build(new_root: str, binds: list[str], masks: list[str], copies: list[str] =
         os.symlink(target, f"{new_root}/dev/{name}")
     for d in ("proc", "tmp"):
         os.mkdir(f"{new_root}/{d}", 0o755)
+    # the root's own /tmp (what the template sees; each call mounts its own over it) links the plan's
+    # paths under /tmp as calls do, so the template's preloads import from a checkout or venv there too
+    for name in tmp_links(new_root):
+        os.symlink(f"{TMP_HOLD}/{name}", f"{new_root}/tmp/{name}")
     return 1 + mounts
 
 

@@ -348,8 +348,9 @@ def test_ordinary_programs_still_work(roomy):
     assert run(sb, "import numpy as np\nprint(np.linalg.solve(np.eye(2) * 2, [2, 4]))").stdout == "[1. 2.]\n"
     assert run(sb, "import scipy.special\nprint(round(float(scipy.special.gamma(5)), 3))").stdout == "24.0\n"
     assert run(sb, "print(int(input()) * 2)", stdin="21\n").stdout == "42\n"
+    # (the call's cwd is its own /tmp, which links a checkout or venv under /tmp: the links are not its files)
     r = run(sb, "open('data.txt', 'w').write('1 2 3')\nimport json, fractions, os\n"
-                "sum(map(int, open('data.txt').read().split())), sorted(os.listdir('.'))")
+                "sum(map(int, open('data.txt').read().split())), sorted(p for p in os.listdir('.') if not os.path.islink(p))")
     assert r.stdout == "(6, ['data.txt'])\n"
     r = run(sb, "import subprocess, sys\nprint(subprocess.run([sys.executable, '-c', 'print(6 * 7)'],"
                 " capture_output=True, text=True).stdout.strip())")
@@ -360,19 +361,24 @@ _UNDER_TMP = """
 import json, sys
 from rstar2_core.config import SandboxConfig
 from rstar2_core.sandbox import ExecutionRequest, LocalSandbox
-code = "import os, sys, sympy\\nprint(sys.prefix, sympy.factorint(12), sorted(os.listdir('/tmp')))"
+code = ("import os, sys\\nwarm = 'sympy' in sys.modules\\nimport sympy\\n"
+        "print(sys.prefix, warm, sympy.factorint(12), sorted(os.listdir('/tmp')))")
 with LocalSandbox(SandboxConfig(workers=1, timeout_s=15.0, cpu_time_s=15.0)) as sb:
-    f = [t["features"] for t in sb.features.values()]
+    hello = sb.features
+    f = [t["features"] for t in hello.values()]
     r = sb.run_sync(ExecutionRequest(code=code))
 print(json.dumps({"prefix": sys.prefix, "roots": [x["minimal_root"] for x in f], "links": [x["tmp_links"] for x in f],
-                  "notes": [x["notes"] for x in f], "stdout": r.stdout, "stderr": r.stderr}))
+                  "notes": [x["notes"] for x in f], "preloaded": hello["heavy"]["preloaded"],
+                  "stdout": r.stdout, "stderr": r.stderr}))
 """
 
 
 def test_an_interpreter_under_tmp_keeps_the_minimal_root(sb):
     """A checkout or virtual environment under /tmp (where many CI runners put them): every call mounts its
     own /tmp, which would hide them, so the root holds those paths under /.tmp-host and each call links
-    its /tmp/<entry> there. Before, building the root failed (EEXIST on /tmp) and calls saw the host's files."""
+    its /tmp/<entry> there. Before, building the root failed (EEXIST on /tmp) and calls saw the host's files.
+    The template itself imports its preloads through the same links (before, the heavy template preloaded
+    no sympy there, and every sympy call imported it afresh)."""
     require(sb, "minimal_root")
     d = tempfile.mkdtemp(prefix="rstar2-venv-", dir="/tmp")
     try:
@@ -384,9 +390,11 @@ def test_an_interpreter_under_tmp_keeps_the_minimal_root(sb):
         out = json.loads(proc.stdout.strip().splitlines()[-1])
         assert out["prefix"] == str(link)
         assert set(out["roots"]) == {"pivot_root"}, out["notes"]
-        assert all(links == [Path(d).name] for links in out["links"]), out["links"]
-        prefix, factors, listing = out["stdout"].rstrip("\n").split(" ", 1)[0], "{2: 2, 3: 1}", Path(d).name
-        assert prefix == str(link) and factors in out["stdout"] and listing in out["stdout"], out
+        assert all(Path(d).name in links for links in out["links"]), out["links"]   # (and a checkout under /tmp)
+        assert "sympy" in out["preloaded"], out["preloaded"]
+        prefix, warm = out["stdout"].split(" ")[:2]
+        assert prefix == str(link) and warm == "True", out      # the call found sympy imported by its template
+        assert "{2: 2, 3: 1}" in out["stdout"] and Path(d).name in out["stdout"], out
     finally:
         shutil.rmtree(d)
 

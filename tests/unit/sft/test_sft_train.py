@@ -95,3 +95,50 @@ def test_external_sft_rows_validated_and_counted(tmp_path, sft_assets):
     src.write_text("\n".join(bad) + "\n")
     with pytest.raises(ValueError, match="SFT set is empty"):
         build_sft_dataset(cfg, (tmp_path / "sft2.jsonl").as_uri())
+
+
+@pytest.mark.slow
+def test_sft_stops_after_converging_and_past_max_steps_repeats_the_conversations(sft_assets, tmp_path):
+    """`sft.max_steps` beyond a pass repeats the conversations in a fresh order; `converged_loss` (here
+    loose enough for the first window) marks the step the 3-step running mean fell below it, and
+    `steps_after_converged` stops the run that many steps later, the final checkpoint taken there."""
+    base, data, _ = sft_assets
+    one_pass = run_sft(small_cfg("sft.batch_size=2", "sft.micro_batch_size=1"), base_model_url=base,
+                       sft_data_url=data, out_url=(tmp_path / "pass").as_uri()).steps
+    log = []
+    cfg = small_cfg("sft.batch_size=2", "sft.micro_batch_size=1", f"sft.max_steps={2 * one_pass + 1}",
+                    "sft.converged_loss=100", "sft.converged_window=3", "sft.steps_after_converged=2",
+                    "sft.schedule=constant")
+    res = run_sft(cfg, base_model_url=base, sft_data_url=data, out_url=(tmp_path / "conv").as_uri(),
+                  log_metrics=lambda m, s: log.append((s, m)))
+    assert res.steps == 3 + 2 and [s for s, _ in log] == [1, 2, 3, 4, 5]
+    assert "sft/converged_step" not in log[1][1] and log[2][1]["sft/converged_step"] == 3
+    assert read_meta(res.checkpoint_url)["step"] == 5 and res.metrics["sft/steps"] == 5
+    log.clear()
+    long = run_sft(cfg.model_copy(update={"sft": cfg.sft.model_copy(update={"steps_after_converged": None})}),
+                   base_model_url=base, sft_data_url=data, out_url=(tmp_path / "long").as_uri(),
+                   log_metrics=lambda m, s: log.append((s, m)))
+    assert long.steps == 2 * one_pass + 1 and log[-1][1]["sft/epoch"] > 2.0      # past two passes
+
+
+@pytest.mark.slow
+def test_sft_that_does_not_converge_fails_at_sft_and_its_retry_draws_another_order(sft_assets, tmp_path):
+    from rstar2_core.errors import SFTNotConverged
+    from tasks.retry import is_infrastructure_error
+
+    base, data, _ = sft_assets
+    cfg = small_cfg("sft.batch_size=2", "sft.micro_batch_size=1", "sft.checkpoint_every=2",
+                    "sft.converged_loss=1e-6", "sft.converged_window=2")
+    out = (tmp_path / "sft").as_uri()
+    first: list = []
+    with pytest.raises(SFTNotConverged, match=r"mean loss of its last 2 steps is [0-9.]+, above sft.converged_loss"
+                                              r" = 1e-06, after \d+ steps \(draw 1\)") as e:
+        run_sft(cfg, base_model_url=base, sft_data_url=data, out_url=out, log_metrics=lambda m, s: first.append(m))
+    assert e.value.threshold == 1e-6 and e.value.draw == 0 and e.value.loss > 1e-6
+    assert is_infrastructure_error(e.value)                       # retried by the pipeline's rule
+    assert not storage.is_complete(storage.join(out, "final"))    # nothing downstream trains on it
+    assert latest_complete(storage.join(out, "steps")) is None    # the retry does not resume this draw
+    second: list = []
+    with pytest.raises(SFTNotConverged, match=r"\(draw 2\)"):
+        run_sft(cfg, base_model_url=base, sft_data_url=data, out_url=out, log_metrics=lambda m, s: second.append(m))
+    assert [m["sft/loss"] for m in second] != [m["sft/loss"] for m in first]     # another data order
