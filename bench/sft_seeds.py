@@ -1,7 +1,7 @@
 """Does the tiny SFT cross the copying phase change, seed after seed? The same SFT set, several model seeds.
 
     .venv/bin/python bench/sft_seeds.py [--seeds 0 1 2] [--set sft.lr=5e-3 ...] [--json]
-        [--stop-after 50] [--cap 1200] [--sft-data file:///.../sft-data]
+        [--stop-after 50] [--cap 1200] [--sft-data file:///.../sft-data] [--parallel 2 --threads 1]
 
 The tiny profile's SFT policy can copy the problem's numbers into its code only once a sharp drop of the
 loss (the copying phase change, docs/models-and-sft.md) has happened within its one pass; whether and
@@ -15,8 +15,10 @@ Keys of the JSON object (last line with `--json`): `runs` (per seed: `seed`, `st
 stop ended it), `cross_step` = the
 first step whose 50-step mean loss is below `SFT_CROSSED_LOSS` (0.1; None: never), `late_loss` = mean
 loss of the last 5% of steps, `sft_s`, `probe` = the copy probe's figures), `crossed` (how many runs
-crossed), `overrides`, `plot` (loss curves, PNG) and the load average before/after. Each run costs a
-full SFT (~6 minutes on 2 quiet cores with 2 threads).
+crossed), `overrides`, `plot` (loss curves, PNG) and the load average before/after. Each run costs an
+SFT to its profile's stop (the tiny profile: ~950-1,300 steps, 3-4 minutes on 2 quiet cores with 2
+threads). `--parallel 2 --threads 1` runs two seeds at once, each in its own process (the 12 seeds of
+docs/models-and-sft.md took 35 minutes that way on 2 cores); the crossing steps do not depend on it.
 
 Screening (`--stop-after N`, `--cap N`): a run stops N steps after its crossing, or at step `--cap` when
 it has not crossed by then (a cap at the pass's length stops at its last step: no final checkpoint, no
@@ -72,7 +74,7 @@ def plot(curves: dict[int, list[float]], threshold: float, path: Path, title: st
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for seed, losses in curves.items():
+    for seed, losses in sorted(curves.items()):
         means = [sum(losses[max(0, i - WINDOW + 1):i + 1]) / len(losses[max(0, i - WINDOW + 1):i + 1])
                  for i in range(len(losses))]
         ax.plot(range(1, len(means) + 1), means, label=f"seed {seed}")
