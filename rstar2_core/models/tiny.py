@@ -26,12 +26,12 @@ TOKENIZER_CORPUS_DEMOS = 500
 def tiny_model_config(shape: TinyModelConfig, tokenizer) -> Qwen2Config | Qwen3Config:
     """Qwen2 (head size = hidden / heads), or Qwen3 when `shape.head_dim` is set (its own head size and
     RMS-normed queries and keys)."""
-    common = dict(
-        vocab_size=len(tokenizer), hidden_size=shape.hidden_size, num_hidden_layers=shape.num_layers,
-        num_attention_heads=shape.num_heads, num_key_value_heads=shape.num_kv_heads,
-        intermediate_size=shape.intermediate_size, max_position_embeddings=shape.max_position_embeddings,
-        tie_word_embeddings=True, bos_token_id=None, eos_token_id=tokenizer.convert_tokens_to_ids(IM_END),
-        pad_token_id=tokenizer.convert_tokens_to_ids(ENDOFTEXT), use_cache=True)
+    common = {
+        "vocab_size": len(tokenizer), "hidden_size": shape.hidden_size, "num_hidden_layers": shape.num_layers,
+        "num_attention_heads": shape.num_heads, "num_key_value_heads": shape.num_kv_heads,
+        "intermediate_size": shape.intermediate_size, "max_position_embeddings": shape.max_position_embeddings,
+        "tie_word_embeddings": True, "bos_token_id": None, "eos_token_id": tokenizer.convert_tokens_to_ids(IM_END),
+        "pad_token_id": tokenizer.convert_tokens_to_ids(ENDOFTEXT), "use_cache": True}
     if shape.head_dim is not None:
         return Qwen3Config(head_dim=shape.head_dim, **common)
     return Qwen2Config(**common)

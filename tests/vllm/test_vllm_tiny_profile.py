@@ -10,10 +10,9 @@ import asyncio
 
 import pytest
 import torch
+from test_vllm_engine import _generate, _model_with, _perturbed, _trainer_logprobs
 
 from rstar2_core.rollout.types import SamplingParams
-
-from test_vllm_engine import _generate, _model_with, _perturbed, _trainer_logprobs
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
