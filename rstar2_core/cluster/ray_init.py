@@ -22,9 +22,9 @@ RUNTIME_RESOURCE = "rstar2_runtime"
 WORKER_NICENESS = 0
 """Niceness of the workers of a Ray this process starts (added to its own). Ray's default is 15, which
 puts the workers, where the stages compute (SFT, the trainer shards, the engines), below every service
-of a one-machine run (the Prefect server, the MLflow UI, the flow process, Ray's own GCS and raylet): on
-2 cores the demo's SFT then ran ~1.3x slower than alone. A Ray cluster started with `ray start` keeps
-its own setting (`ray start --system-config`; on GPU nodes the services are elsewhere)."""
+of a one-machine run (the Prefect server, the MLflow UI, the flow process, Ray's own GCS and raylet). It
+is not what makes the demo's SFT step ~1.2x slower than alone (measured: docs/pipeline.md, "Demo").
+A Ray cluster started with `ray start` keeps its own setting (`ray start --system-config`)."""
 INHERITED_ENV = ("RSTAR2_HOME", "RSTAR2_CONFIG_DIR", "RSTAR2_FAULT_INJECT", "HF_HOME", "HF_HUB_OFFLINE",
                  "XDG_CACHE_HOME", "MPLCONFIGDIR", "TOKENIZERS_PARALLELISM", "AWS_ACCESS_KEY_ID",
                  "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "RAY_AUTH_MODE")
