@@ -133,23 +133,17 @@ def close_recipe(profile: str, overrides: list[str], run_id: str, status: str) -
         tracking.finish(rc.config, parent, status)
 
 
-def _stage_gap_max(store, stage: str) -> float | None:
-    """The largest engine/trainer log-prob gap of a sampled token over an RL stage's steps (None for SFT,
-    or a stage that took no optimizer step)."""
+def _stage_figures(store, stage: str) -> dict:
+    """What the summary shows of a stage beside its pass@1: an RL stage's largest engine/trainer log-prob
+    gap of a sampled token (None for SFT, or a stage that took no optimizer step), and SFT's optimizer
+    steps and the step it converged at (None for the RL stages)."""
     res = store.load(stage)
     metrics = getattr(res, "metrics", None) or {}
-    v = metrics.get("total/actor/engine_logprob_gap_max")
-    return float(v) if v is not None else None
-
-
-def _sft_steps(store, stage: str) -> dict | None:
-    """SFT's optimizer steps and the step it converged at (None for the RL stages)."""
-    if stage != SFT_STAGE:
-        return None
-    res = store.load(stage)
-    metrics = getattr(res, "metrics", None) or {}
+    gap = metrics.get("total/actor/engine_logprob_gap_max")
     conv = metrics.get("sft/converged_step")
-    return {"steps": int(getattr(res, "steps", 0) or 0), "converged_step": None if conv is None else int(conv)}
+    sft = None if stage != SFT_STAGE else {"steps": int(getattr(res, "steps", 0) or 0),
+                                           "converged_step": None if conv is None else int(conv)}
+    return {"engine_logprob_gap_max": None if gap is None else float(gap), "sft": sft}
 
 
 @task(name="register-best", task_run_name="register best checkpoint", retries=2, retry_delay_seconds=2,
@@ -198,7 +192,7 @@ def register_best(ctx: RecipeContext, reports: dict[str, EvalReport]) -> dict:
            "promotion": decision,
            "stages": [{"stage": st, "primary_pass1": rep.metrics[bench].pass1 if bench in rep.metrics else None,
                        "pass1": rep.pass1(), "checkpoint_url": rep.checkpoint_url, "report_url": rep.json_url,
-                       "engine_logprob_gap_max": _stage_gap_max(store, st), "sft": _sft_steps(store, st)}
+                       **_stage_figures(store, st)}
                       for st, rep in reports.items()],
            "primary_benchmark": bench, "run_id": ctx.run_id, "mlflow_parent_run_id": ctx.parent_run_id,
            "config_digest": ctx.config_digest}

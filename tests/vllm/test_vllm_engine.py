@@ -104,9 +104,10 @@ def test_logprobs_match_the_trainers_on_the_same_tokens(vllm_engine, toy_model, 
 
 
 def _perturbed(model, scale: float = 0.3) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(7)
-    return {k: v + scale * torch.randn(v.shape, generator=g) * v.std().clamp(min=1e-3)
-            for k, v in model.state_dict().items()}
+    """The model's weights, each tensor moved by noise of `scale` x its own std (the stale-weights fault's)."""
+    from rstar2_core.faults import stale_weights
+
+    return stale_weights(model.state_dict(), noise=scale, seed=7)
 
 
 def test_a_weight_update_changes_what_the_engine_serves(vllm_engine, toy_model, tmp_path):
