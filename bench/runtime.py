@@ -74,13 +74,12 @@ class ParityGrader:
 
 def run_arm(cfg, url: str, problems, args, label: str) -> dict:
     from rstar2_core.chat import ChatFormat
-    from rstar2_core.cluster import open_runtime
     from rstar2_core.models.io import load_tokenizer
     from rstar2_core.rl.stage import engine_seq_len, step_seed
     from rstar2_core.rl.step import rl_step
     from rstar2_core.rl.trainer import RL_STEP
     from rstar2_core.rollout.types import RolloutLimits
-    from rstar2_core.runtime import TrainerSpec
+    from rstar2_core.runtime import TrainerSpec, open_runtime
 
     chat = ChatFormat(load_tokenizer(url), with_tools=True)
     pad = chat.tokenizer.pad_token_id if chat.tokenizer.pad_token_id is not None else chat.tokenizer.eos_token_id
@@ -95,7 +94,8 @@ def run_arm(cfg, url: str, problems, args, label: str) -> dict:
             rt.grader = ParityGrader()
             for step in range(args.steps):
                 batch = problems[step * args.prompts:(step + 1) * args.prompts]
-                out = await rl_step(rt, chat, batch, cfg=cfg, limits=limits, seed=step_seed(0, step + 1), pad_id=pad)
+                out = await rl_step(rt, chat, batch, rl=cfg.rl, rollout=cfg.rollout, limits=limits,
+                                    seed=step_seed(0, step + 1), pad_id=pad)
                 steps.append(out.metrics)
                 print(f"  {label} step {step + 1}/{args.steps}: {out.metrics['timing/step_s']:.2f} s "
                       f"(rollout {out.metrics['timing/rollout_s']:.2f}, train {out.metrics['timing/train_s']:.2f}, "

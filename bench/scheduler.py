@@ -1,6 +1,6 @@
 """Benchmark: rollout scheduling on 8 simulated engines, static vs KV-aware, through the core's policies.
 
-Each workload is replayed by `rstar2_core.rollout.simulation.simulate` (a model of paged, vLLM-like
+Each workload is replayed by `bench/engine_sim.py` `simulate` (a model of paged, vLLM-like
 engines: continuous batching, prefix cache, LRU eviction, preempt-and-recompute) under the policy
 objects `rollout_groups` uses (`rstar2_core.rollout.admission`), so the figures measure that code:
 
@@ -48,8 +48,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from engine_sim import Cost, simulate, workload
+
 from rstar2_core.rollout.admission import KVAdmission, LengthModel, StaticAdmission, static_assignment
-from rstar2_core.rollout.simulation import Cost, simulate, workload
 
 GPU_LIKE = "5,0.02,0.03,0.05"
 PREVIOUS_STEP = 10_000      # seed offset of the workload that warms the length model

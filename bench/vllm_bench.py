@@ -75,7 +75,7 @@ async def main_async(args, url: str) -> dict:
     from rstar2_core.faults import stale_weights
     from rstar2_core.models.io import load_model_and_tokenizer
     from rstar2_core.rollout.types import RolloutLimits
-    from rstar2_core.runtime.engines import EngineSpec, build_engine
+    from rstar2_core.runtime.engine_builder import EngineSpec, build_engine
     from rstar2_core.sandbox import LocalSandbox
 
     cfg = load_config("tiny")

@@ -74,11 +74,10 @@ def ours_config(args):
 def run_ours(cfg, url, tok, problems, args) -> list[float]:
     """Our RL steps: `rl.step.rl_step` on the local runtime (the code the RL stage runs)."""
     from rstar2_core.chat import ChatFormat
-    from rstar2_core.cluster import open_runtime
     from rstar2_core.rl.step import rl_step
     from rstar2_core.rl.trainer import RL_STEP
     from rstar2_core.rollout.types import RolloutLimits
-    from rstar2_core.runtime import TrainerSpec
+    from rstar2_core.runtime import TrainerSpec, open_runtime
 
     cfg = ours_config(args)
     chat = ChatFormat(tok, with_tools=True)
@@ -94,7 +93,8 @@ def run_ours(cfg, url, tok, problems, args) -> list[float]:
             for step in range(args.steps):
                 batch = problems[step * args.prompts:(step + 1) * args.prompts]
                 t0 = time.perf_counter()
-                out = await rl_step(rt, chat, batch, cfg=cfg, limits=limits, seed=1000 + step, pad_id=pad)
+                out = await rl_step(rt, chat, batch, rl=cfg.rl, rollout=cfg.rollout, limits=limits, seed=1000 + step,
+                                    pad_id=pad)
                 times.append(time.perf_counter() - t0)
                 print(f"  ours step {step + 1}/{args.steps}: {times[-1]:.2f} s, kept "
                       f"{out.metrics['rollout/trajectories_kept']:.0f} of {out.metrics['rollout/trajectories']:.0f}",

@@ -17,7 +17,7 @@ from prefect import flow, runtime
 from prefect.artifacts import create_markdown_artifact
 
 from rstar2_core.config import ConfigError
-from rstar2_core.eval.run import EvalReport
+from rstar2_core.eval.metrics import EvalReport
 from tasks import nightly, registry
 from tasks.context import RecipeContext
 from tasks.recipe import close_recipe, open_recipe

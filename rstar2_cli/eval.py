@@ -65,8 +65,8 @@ def _eval(args: argparse.Namespace) -> int:
 
 def _compare(args: argparse.Namespace) -> int:
     from rstar2_core import storage
+    from rstar2_core.eval.metrics import EvalReport
     from rstar2_core.eval.report import ReportsNotComparable, diff_markdown
-    from rstar2_core.eval.run import EvalReport
 
     try:
         a, b = EvalReport.load(args.a), EvalReport.load(args.b)

@@ -4,7 +4,7 @@ Validates the profile (the config tree with the runtime rules, the RL actor layo
 reservation, and, when `cluster.image` is set, that infra/ describes the same cluster: node count, GPUs
 and CPUs per node, image names, service URLs, work pool, the head's `rstar2_runtime` slot), then prints
 the recipe DAG with each task's Ray resources (`cluster.resources[<kind>]`), the runtime and the RL
-stages' actor layout (rstar2_core/cluster/layout.py).
+stages' actor layout (rstar2_core/runtime/ray/layout.py).
 
     rstar2 plan --profile qwen3-14b-mi300x            # human-readable; exit 0 when no problem
     rstar2 plan --profile tiny --json                 # one JSON object
@@ -173,9 +173,9 @@ def infra_problems(cfg: Any, infra: Path = INFRA) -> list[str]:
 
 def _runtime_slot_problems(cfg: Any, rc: dict, up: dict) -> list[str]:
     """With cluster.runtime = "ray", the head must offer the one `rstar2_runtime` unit the stage tasks ask
-    for (cluster/ray_init.py) and CPUs for the largest of them (they run there)."""
-    from rstar2_core.cluster.ray_init import RUNTIME_RESOURCE
+    for (rstar2_core/runtime/ray/connect.py) and CPUs for the largest of them (they run there)."""
     from rstar2_core.config.runtime_rules import STAGE_TASKS
+    from rstar2_core.runtime.ray.connect import RUNTIME_RESOURCE
 
     p = []
     head = rc["spec"]["headGroupSpec"]["rayStartParams"]
@@ -199,8 +199,8 @@ def _runtime_slot_problems(cfg: Any, rc: dict, up: dict) -> list[str]:
 # ------------------------------------------------------------------------------------------- output
 def build_plan(cfg: Any) -> dict:
     """Everything `rstar2 plan` prints, as a JSON-able dict. Raises ConfigError when the layout cannot fit."""
-    from rstar2_core.cluster.layout import LayoutError, compute_layout, driver_conflicts
     from rstar2_core.config import ConfigError
+    from rstar2_core.runtime.ray.layout import LayoutError, compute_layout, driver_conflicts
 
     try:
         layout = compute_layout(cfg)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from rstar2_core import storage
 from rstar2_core.config import Config
 from rstar2_core.eval.compare import Comparison, compare_reports, comparisons_markdown
-from rstar2_core.eval.run import EvalReport
+from rstar2_core.eval.metrics import EvalReport
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,8 @@ from prefect.cache_policies import NO_CACHE
 from rstar2_core import storage
 from rstar2_core.config import Config, ConfigError, SnapshotError, load_config
 from rstar2_core.eval.compare import primary_benchmark, rank_checkpoints
+from rstar2_core.eval.metrics import EvalReport
 from rstar2_core.eval.promotion import SFT_STAGE, decide_promotion
-from rstar2_core.eval.run import EvalReport
 from tasks import registry, tracking
 from tasks.context import RecipeContext, apply_storage_settings
 from tasks.retry import retry_on_infrastructure_error

@@ -20,7 +20,7 @@ from prefect import get_run_logger
 
 from rstar2_core import storage
 from rstar2_core.config import Config
-from rstar2_core.eval.run import EvalReport
+from rstar2_core.eval.metrics import EvalReport
 from tasks import tracking
 from tasks.context import RecipeContext
 from tasks.modelref import registry_checkpoint

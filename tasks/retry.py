@@ -15,41 +15,16 @@ inside the task's Failed state, pickled by Ray, as its own type (the project's e
 message and attributes, rstar2_core/errors.py `PicklableError`). An actor's or remote function's error
 reaches its caller as Ray's `RayTaskError`: usually a `RayTaskError(<cause's class>)`, an instance of
 both, which the checks below class by the cause's class; where Ray could not build that subclass it is
-a plain `RayTaskError`, which the rule classes by its `cause`.
+a plain `RayTaskError`, which the rule classes by its `cause`. Ray's own error classes come from the one
+list in rstar2_core/runtime/ray/errors.py (`ray_infra_errors`), which imports Ray only when asked.
 """
 
 from __future__ import annotations
 
 from rstar2_core.errors import InfraError, SFTNotConverged
+from rstar2_core.runtime.ray.errors import ray_infra_errors, ray_task_error_cause
 
 _NEVER = (ValueError, KeyError, TypeError, AssertionError)  # ConfigError and CorruptCheckpoint are ValueErrors
-
-
-def _ray_infra_errors() -> tuple[type[BaseException], ...]:
-    try:
-        from ray import exceptions as rex
-    except ImportError:  # ray is a dependency, but the retry rule must not need it
-        return ()
-    # a superset of rstar2_core/cluster/placement.py `_ACTOR_DEATHS` (what the cluster layer treats as an
-    # actor death; tests/unit/cluster/test_placement.py checks it), plus lost objects, system errors, OOM
-    # kills and get timeouts
-    names = ("RayActorError", "WorkerCrashedError", "NodeDiedError", "ActorDiedError",
-             "ActorUnavailableError", "ObjectLostError", "OwnerDiedError", "RaySystemError",
-             "LocalRayletDiedError", "OutOfMemoryError", "GetTimeoutError")
-    return tuple(getattr(rex, n) for n in names if hasattr(rex, n))
-
-
-def _ray_task_error_cause(exc: BaseException) -> BaseException | None:
-    """The user exception a plain `RayTaskError` wraps (None for anything else, a dual subclass included:
-    it is already an instance of its cause's class)."""
-    try:
-        from ray.exceptions import RayTaskError
-    except ImportError:
-        return None
-    cause = getattr(exc, "cause", None)
-    if isinstance(exc, RayTaskError) and isinstance(cause, BaseException) and not isinstance(exc, type(cause)):
-        return cause
-    return None
 
 
 def is_infrastructure_error(exc: BaseException) -> bool:
@@ -60,10 +35,10 @@ def is_infrastructure_error(exc: BaseException) -> bool:
         return False
     if isinstance(exc, (OSError, ConnectionError, TimeoutError)):
         return True
-    cause = _ray_task_error_cause(exc)
+    cause = ray_task_error_cause(exc)
     if cause is not None:
         return is_infrastructure_error(cause)
-    return isinstance(exc, _ray_infra_errors())
+    return isinstance(exc, ray_infra_errors())
 
 
 def retry_on_infrastructure_error(task, task_run, state) -> bool:

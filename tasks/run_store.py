@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rstar2_core import storage
-from rstar2_core.eval.run import EvalReport
+from rstar2_core.eval.metrics import EvalReport
 from rstar2_core.results import DatasetRef, StageResult
 
 _KINDS: dict[str, Any] = {"dataset": DatasetRef, "stage": StageResult, "eval_report": EvalReport}

@@ -7,7 +7,7 @@ process.
 (kinds: curate, sft_data, base_model, sft, rl, hard_subset, eval) and reach Ray through prefect-ray's
 `remote_options` context; a kind without an entry gets Ray's default (1 CPU). With
 `cluster.runtime = "ray"` the stage tasks (sft, rl, hard_subset, eval) also ask for the cluster's one
-`rstar2_runtime` unit, so they drive their runtimes one at a time (rstar2_core/cluster/ray_init.py).
+`rstar2_runtime` unit, so they drive their runtimes one at a time (rstar2_core/runtime/ray/connect.py).
 
 Threads: a stage task on Ray computes with as many torch intra-op threads as the CPUs it reserves
 (`use_task_threads`), so that tasks running side by side (an evaluation beside the next RL stage) split
@@ -23,10 +23,10 @@ import math
 import os
 from collections.abc import Iterator
 
-from rstar2_core.cluster.ray_init import RUNTIME_RESOURCE, ray_init_kwargs
 from rstar2_core.config import Config
 from rstar2_core.config.runtime_rules import STAGE_TASKS
 from rstar2_core.config.sections import TASK_KINDS
+from rstar2_core.runtime.ray.connect import RUNTIME_RESOURCE, ray_init_kwargs
 
 
 def task_runner(cfg: Config):
@@ -38,7 +38,7 @@ def task_runner(cfg: Config):
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     from prefect_ray import RayTaskRunner
 
-    return RayTaskRunner(address=cfg.cluster.ray_address, init_kwargs=ray_init_kwargs(cfg))
+    return RayTaskRunner(address=cfg.cluster.ray_address, init_kwargs=ray_init_kwargs(cfg.cluster))
 
 
 def resources(cfg: Config, kind: str) -> dict:
@@ -50,7 +50,7 @@ def resources(cfg: Config, kind: str) -> dict:
     if r is not None and r.num_gpus:
         out["num_gpus"] = r.num_gpus
     if cfg.cluster.runtime == "ray" and kind in STAGE_TASKS:
-        out["resources"] = {RUNTIME_RESOURCE: 1}   # one runtime-driving task at a time (cluster/ray_init.py)
+        out["resources"] = {RUNTIME_RESOURCE: 1}   # one runtime-driving task at a time (rstar2_core/runtime/ray/connect.py)
     return out
 
 

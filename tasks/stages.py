@@ -26,7 +26,8 @@ from prefect.cache_policies import NO_CACHE
 
 from rstar2_core.config import Config
 from rstar2_core.data.curate import curate
-from rstar2_core.eval.run import EvalReport, evaluate
+from rstar2_core.eval.metrics import EvalReport
+from rstar2_core.eval.run import evaluate
 from rstar2_core.eval.sampler import label_check_sampler
 from rstar2_core.models import prepare_base_model
 from rstar2_core.results import DatasetRef, StageResult
@@ -46,15 +47,15 @@ def _stage_task(**kw):
                 cache_policy=NO_CACHE, persist_result=False, task_run_name="{label}", **kw)
 
 
-def _run_tracked(ctx: RecipeContext, kind: str, key: str, params: dict[str, Any],
+def _run_tracked(ctx: RecipeContext, cfg: Config, kind: str, key: str, params: dict[str, Any],
                  compute: Callable[[Config, Callable, str], Any],
                  inputs: tuple[tuple[str, DatasetRef], ...] = ()) -> Any:
     """Return stage `key`'s stored result, or compute it inside its (re)opened nested MLflow run with the
     torch threads of its task `kind` (tasks/runners.py). Metrics reach the run live; a retry does not log
     again the steps an earlier attempt wrote (tasks/tracking.py, `MetricsLogger`): a resumed stage re-runs
-    the steps after its last checkpoint."""
+    the steps after its last checkpoint. `cfg` is the task's config, parsed from the run's snapshot once
+    per task (`ctx.config()`); `compute` gets the same object."""
     log = get_run_logger()
-    cfg = ctx.config()
     use_task_threads(cfg, kind)
     store = ctx.store(cfg)
     done = store.load(key)
@@ -97,27 +98,33 @@ def _run_tracked(ctx: RecipeContext, kind: str, key: str, params: dict[str, Any]
 
 @_stage_task(name="curate")
 def curate_data(ctx: RecipeContext, label: str = "curate") -> DatasetRef:
+    cfg = ctx.config()
+
     def compute(cfg, log_metrics, _):
         with label_check_sampler(cfg) as sampler:
             return curate(cfg, ctx.store(cfg).url("data", "curated"), log_metrics=log_metrics, sampler=sampler)
 
-    return _run_tracked(ctx, "curate", "curate", {"sources": len(ctx.config().data.sources)}, compute)
+    return _run_tracked(ctx, cfg, "curate", "curate", {"sources": len(cfg.data.sources)}, compute)
 
 
 @_stage_task(name="build-sft-data")
 def build_sft_data(ctx: RecipeContext, label: str = "sft-data") -> DatasetRef:
+    cfg = ctx.config()
+
     def compute(cfg, _log, _run):
         return build_sft_dataset(cfg, ctx.store(cfg).url("data", "sft"))
 
-    return _run_tracked(ctx, "sft_data", "sft-data", {}, compute)
+    return _run_tracked(ctx, cfg, "sft_data", "sft-data", {}, compute)
 
 
 @_stage_task(name="base-model")
 def base_model(ctx: RecipeContext, label: str = "base-model") -> dict:
+    cfg = ctx.config()
+
     def compute(cfg, _log, _run):
         return {"checkpoint_url": prepare_base_model(cfg, ctx.store(cfg).url("checkpoints", "base"))}
 
-    return _run_tracked(ctx, "base_model", "base-model", {"model.kind": ctx.config().model.kind}, compute)
+    return _run_tracked(ctx, cfg, "base_model", "base-model", {"model.kind": cfg.model.kind}, compute)
 
 
 @_stage_task(name="sft")
@@ -128,7 +135,7 @@ def sft(ctx: RecipeContext, base_model: dict, sft_data: DatasetRef, label: str =
 
     cfg = ctx.config()
     params = {**tracking.flatten(cfg.sft.model_dump(mode="json"), "sft."), "base_model_url": base_model["checkpoint_url"]}
-    return _run_tracked(ctx, "sft", "sft", params, compute, inputs=(("sft-data", sft_data),))
+    return _run_tracked(ctx, cfg, "sft", "sft", params, compute, inputs=(("sft-data", sft_data),))
 
 
 @_stage_task(name="rl-stage")
@@ -142,7 +149,7 @@ def rl_stage(ctx: RecipeContext, stage_index: int, init: StageResult, data: Data
                             resume=True, tracking_run_id=run_id)
 
     params = {**tracking.flatten(st.model_dump(mode="json"), "stage."), "init_checkpoint_url": init.checkpoint_url}
-    return _run_tracked(ctx, "rl", st.name, params, compute, inputs=((f"{st.name}-data", data),))
+    return _run_tracked(ctx, cfg, "rl", st.name, params, compute, inputs=((f"{st.name}-data", data),))
 
 
 @_stage_task(name="hard-subset")
@@ -156,7 +163,7 @@ def hard_subset(ctx: RecipeContext, stage_index: int, policy: StageResult, data:
         return select_hard_subset(cfg, stage_index, checkpoint_url=policy.checkpoint_url, data_url=data.url,
                                   out_url=ctx.store(cfg).url("data", key))
 
-    return _run_tracked(ctx, "hard_subset", key, {"k": st.hard_subset_k, "policy": policy.checkpoint_url}, compute,
+    return _run_tracked(ctx, cfg, "hard_subset", key, {"k": st.hard_subset_k, "policy": policy.checkpoint_url}, compute,
                         inputs=(("pool", data),))
 
 
@@ -165,6 +172,7 @@ def evaluate_checkpoint(ctx: RecipeContext, stage: str, checkpoint: StageResult 
                         benchmarks: list[str] | None = None, k: int | None = None, label: str = "") -> EvalReport:
     """The core's `EvalReport` of `checkpoint` (a stage's result or {"checkpoint_url": ...}); its summary
     PNGs, report URL and benchmark digests also go on the stage's MLflow run."""
+    cfg = ctx.config()
     url = checkpoint.checkpoint_url if isinstance(checkpoint, StageResult) else checkpoint["checkpoint_url"]
     key = f"eval-{stage}"
 
@@ -180,4 +188,4 @@ def evaluate_checkpoint(ctx: RecipeContext, stage: str, checkpoint: StageResult 
             c.set_tag(run_id, f"benchmark.{bench}.digest", str(digest))
         return report
 
-    return _run_tracked(ctx, "eval", key, {"checkpoint_url": url, "benchmarks": benchmarks, "k": k}, compute)
+    return _run_tracked(ctx, cfg, "eval", key, {"checkpoint_url": url, "benchmarks": benchmarks, "k": k}, compute)

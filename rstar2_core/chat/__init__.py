@@ -8,8 +8,9 @@ import the sandbox and config modules. See docs/chat-and-grading.md.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from rstar2_core.lazy_exports import lazy_exports
 
 _WHERE = {
     "count_answer_blocks": "answer", "count_assistant_turns": "answer", "extract_answer": "answer",
@@ -38,9 +39,4 @@ if TYPE_CHECKING:
     from rstar2_core.chat.tool_result import middle_truncate, render_tool_result
 
 
-def __getattr__(name: str):
-    if name not in _WHERE:
-        raise AttributeError(f"module 'rstar2_core.chat' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"rstar2_core.chat.{_WHERE[name]}"), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_exports(__name__, _WHERE)

@@ -10,8 +10,8 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from rstar2_core.config import Config, resolve_storage_root  # defined before the package imports this module
 from rstar2_core.config.base import REPO_ROOT, ConfigError
+from rstar2_core.config.root import Config, resolve_storage_root
 from rstar2_core.config.sections import StorageConfig
 
 

@@ -283,7 +283,7 @@ class RolloutConfig(_Section):
     release_memory_during_training: bool = False
     """vLLM sleep mode in the colocated layout: after each step's rollout the engines `sleep(level=1)`
     (KV cache dropped, weights offloaded to host memory) while the trainer steps, then the weight sync
-    wakes the weights, transfers, and wakes the KV cache (cluster/weight_sync.py), so the trainer gets
+    wakes the weights, transfers, and wakes the KV cache (rstar2_core/runtime/ray/weight_sync.py), so the trainer gets
     the whole GPU for activations. Costs a host round trip of the weights per step, and
     vLLM's sleep mode is unreliable on ROCm (PEERS.md); off = engines keep
     rollout.gpu_memory_utilization of the GPU throughout and the trainer lives in the rest."""
@@ -473,7 +473,7 @@ class ClusterConfig(_Section):
     """GPUs for trainer shards (layout = separate); colocated uses every GPU."""
     cpus_per_gpu: int = Field(2, ge=1)
     """CPU cores reserved beside each GPU (trainer shard + engine processes); the rest of a node, less
-    the RL driver's CPUs, goes to the sandbox actors (rstar2_core/cluster/layout.py). The trainer shard
+    the RL driver's CPUs, goes to the sandbox actors (rstar2_core/runtime/ray/layout.py). The trainer shard
     and the engine actor each ask 1 of their GPU bundle, so the colocated layout needs >= 2 (refused
     below, by the layout), the separate layout >= 1."""
     image: str | None = None
@@ -496,7 +496,7 @@ class ClusterConfig(_Section):
     """Where a stage's engines, trainer and sandbox run (rstar2_core/runtime/). `local`: in the stage's
     own process (engines as threads, one trainer, the sandbox forked from it): the embedded default, no
     cluster needed. `ray`: engine actors, DeepSpeed trainer-shard actors and the sandbox actor pool on
-    the layout's placement groups (rstar2_core/cluster/): what a multi-GPU cluster needs; costs actor
+    the layout's placement groups (rstar2_core/runtime/ray/): what a multi-GPU cluster needs; costs actor
     start-up (seconds) and a weight sync through Ray or NCCL every step."""
     trainer_ranks: int = Field(0, ge=0)
     """Data-parallel trainer ranks (DeepSpeed ZeRO shards) of the Ray runtime. 0 = from the layout: one

@@ -23,9 +23,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from rstar2_core.config import Config
 from rstar2_core.config.base import ConfigError
 from rstar2_core.config.loading import _format_validation_error
+from rstar2_core.config.root import Config
 
 
 class SnapshotError(ConfigError):

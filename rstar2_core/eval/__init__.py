@@ -2,7 +2,7 @@
 `rstar2_core.data.benchmarks`, metrics (avg@k, unbiased pass@k, length, tool use), reports, paired
 comparisons of two reports and the promotion rule.
 
-    from rstar2_core.eval.run import evaluate, EvalReport
+    from rstar2_core.eval.run import evaluate                              # -> eval.metrics.EvalReport
     from rstar2_core.eval.report import diff_markdown, plot_history        # markdown diff, plots
     from rstar2_core.eval.compare import compare_benchmark, rank_checkpoints
     from rstar2_core.eval.promotion import decide_promotion

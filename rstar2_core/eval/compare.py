@@ -33,7 +33,7 @@ from typing import Literal
 import numpy as np
 
 from rstar2_core.config import EvalConfig
-from rstar2_core.eval.run import EvalReport
+from rstar2_core.eval.metrics import EvalReport
 
 RESAMPLES = 10_000
 """Bootstrap draws per interval: the Monte-Carlo error of its endpoints is then ~1% of their width."""

@@ -12,17 +12,19 @@
   like a wrong answer, so they can only lower pass@1, by at most their share (`infra_failed_share`);
   `evaluate` refuses a benchmark whose share passes `eval.max_infra_failure_share`.
 
-`ProblemRow` is one row of the per-problem table; `BenchmarkMetrics` the aggregate. Both are frozen
-and JSON-able (`asdict`).
+`ProblemRow` is one row of the per-problem table; `BenchmarkMetrics` the aggregate; `EvalReport` both
+for every benchmark of one checkpoint (what `eval.run.evaluate` returns, report.json reloads, and
+`eval.compare` and `eval.promotion` read). All are frozen and JSON-able.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from rstar2_core import storage
 from rstar2_core.reward.grade import GRADER_FAILURES
 
 
@@ -127,3 +129,48 @@ def aggregate(name: str, rows: Sequence[ProblemRow], trajs: Sequence[Sequence[An
         grader_timeouts=reasons["grader_timeout"],
         infra_failures=sum(r.infra_failed for r in rows),
     )
+
+
+@dataclass(frozen=True)
+class EvalReport:
+    """Per-benchmark metrics and per-problem rows of one checkpoint, and where the report files are.
+    JSON form (`to_json`, report.json): {"benchmarks": {name: BenchmarkMetrics fields}, "rows": {name:
+    [ProblemRow fields]}, "protocol", "checkpoint_url", "benchmark_digests", report URLs}."""
+
+    checkpoint_url: str
+    metrics: dict[str, BenchmarkMetrics]
+    rows: dict[str, tuple[ProblemRow, ...]]
+    protocol: dict
+    out_url: str | None = None
+    report_url: str | None = None
+    json_url: str | None = None
+    plot_urls: tuple[str, ...] = ()
+    benchmark_digests: dict = field(default_factory=dict)
+
+    def pass1(self) -> dict[str, float]:
+        """{benchmark: mean pass@1 (avg@k)}."""
+        return {name: m.pass1 for name, m in self.metrics.items()}
+
+    def to_json(self) -> dict:
+        return {"checkpoint_url": self.checkpoint_url, "protocol": self.protocol, "out_url": self.out_url,
+                "report_url": self.report_url, "json_url": self.json_url, "plot_urls": list(self.plot_urls),
+                "benchmark_digests": self.benchmark_digests,
+                "benchmarks": {k: asdict(v) for k, v in self.metrics.items()},
+                "rows": {k: [asdict(r) for r in v] for k, v in self.rows.items()}}
+
+    @classmethod
+    def from_json(cls, d: dict) -> EvalReport:
+        return cls(checkpoint_url=d["checkpoint_url"], protocol=d["protocol"], out_url=d.get("out_url"),
+                   report_url=d.get("report_url"), json_url=d.get("json_url"),
+                   plot_urls=tuple(d.get("plot_urls", ())), benchmark_digests=d.get("benchmark_digests", {}),
+                   metrics={k: BenchmarkMetrics(**v) for k, v in d["benchmarks"].items()},
+                   rows={k: tuple(ProblemRow(**r) for r in v) for k, v in d["rows"].items()})
+
+    @classmethod
+    def load(cls, url: str) -> EvalReport:
+        """Load `report.json` (or the folder holding it)."""
+        if not url.endswith(".json"):
+            url = storage.join(url, "report.json")
+        if not storage.exists(url):
+            raise FileNotFoundError(f"{url}: no evaluation report here; pass the out folder of `rstar2 eval`")
+        return cls.from_json(storage.read_json(url))

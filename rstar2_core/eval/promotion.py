@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from rstar2_core.eval.compare import Comparison, compare_benchmark
-from rstar2_core.eval.run import EvalReport
+from rstar2_core.eval.metrics import EvalReport
 
 SFT_STAGE = "sft"
 

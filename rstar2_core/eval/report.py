@@ -18,10 +18,10 @@ import io
 import json
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
 
 from rstar2_core import storage
-from rstar2_core.eval.metrics import BenchmarkMetrics, ProblemRow
+from rstar2_core.eval.compare import measurement_differences
+from rstar2_core.eval.metrics import BenchmarkMetrics, EvalReport, ProblemRow
 
 COLUMNS = (("pass1", "pass@1 (avg@k)", "{:.3f}"), ("pass_k", "pass@k", "{:.3f}"),
            ("mean_response_tokens", "resp. tokens", "{:.0f}"), ("tool_calls_per_traj", "tool calls/traj", "{:.2f}"),
@@ -52,7 +52,7 @@ def problems_table(rows: Sequence[ProblemRow]) -> str:
     return "\n".join(lines)
 
 
-def render_markdown(report: Any) -> str:
+def render_markdown(report: EvalReport) -> str:
     p = report.protocol
     out = [f"# Evaluation of `{report.checkpoint_url}`", "",
            (f"Protocol: k={p['k']}, temperature {p['temperature']}, top_p {p['top_p']}, max turns "
@@ -95,7 +95,7 @@ def summary_png(metrics: dict[str, BenchmarkMetrics]) -> bytes:
     return _png(fig)
 
 
-def write_report(report: Any, out_url: str) -> Any:
+def write_report(report: EvalReport, out_url: str) -> EvalReport:
     """Write report.md, summary.png and report.json (last) under out_url; return the updated report."""
     md_url, json_url, png_url = (storage.join(out_url, n) for n in ("report.md", "report.json", "summary.png"))
     report = replace(report, out_url=out_url, report_url=md_url, json_url=json_url, plot_urls=(png_url,))
@@ -131,13 +131,11 @@ class ReportsNotComparable(ValueError):
     """Two reports measured differently (`compare.measurement_differences`) given to `diff_markdown`."""
 
 
-def diff_markdown(a: Any, b: Any, labels: tuple[str, str] = ("A", "B"), *, allow_mismatch: bool = False) -> str:
+def diff_markdown(a: EvalReport, b: EvalReport, labels: tuple[str, str] = ("A", "B"), *, allow_mismatch: bool = False) -> str:
     """Markdown comparison of two EvalReports on their common benchmarks, with a per-problem diff.
     ValueError when they share no benchmark; `ReportsNotComparable` when a common benchmark was measured
     differently (another k, temperature, turn or token limit, or benchmark content) and `allow_mismatch` is False:
     such pass@1s differ by the protocol as much as by the model."""
-    from rstar2_core.eval.compare import measurement_differences
-
     la, lb = labels
     out = [f"# Comparison: {la} = `{a.checkpoint_url}` vs {lb} = `{b.checkpoint_url}`", ""]
     common = [n for n in a.metrics if n in b.metrics]

@@ -10,7 +10,7 @@ loaded (and a missing file reported) before the model is loaded. Answers are gra
 `reward.GraderPool` (math) or by letter (GPQA); metrics are in `eval.metrics`.
 
 Writes under `out_url`: `report.md` (tables), `report.json` (everything, reloadable with
-`EvalReport.load`), `summary.png`, and `samples/<benchmark>.jsonl` (every sampled response with its
+`eval.metrics.EvalReport.load`), `summary.png`, and `samples/<benchmark>.jsonl` (every sampled response with its
 grade). How to run: `rstar2 eval --model <checkpoint or models:/rstar2-agent@champion> --bench aime24`.
 
 Departure: the paper does not say how it seeded sampling; here problem chunk i of a benchmark uses
@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from rstar2_core import storage
@@ -30,56 +29,11 @@ from rstar2_core.config import Config
 from rstar2_core.data.benchmarks import Benchmark, load_benchmark, resolve_benchmarks
 from rstar2_core.errors import InfraFailureShareExceeded
 from rstar2_core.eval.grading import grade_all
-from rstar2_core.eval.metrics import BenchmarkMetrics, ProblemRow, aggregate, problem_row
+from rstar2_core.eval.metrics import BenchmarkMetrics, EvalReport, ProblemRow, aggregate, problem_row
 from rstar2_core.progress import progress_bar
 
 CHUNK = 32  # problems per rollout call (progress granularity; fixed so that seeds are reproducible)
 LogMetrics = Callable[[dict[str, float], int], None]
-
-
-@dataclass(frozen=True)
-class EvalReport:
-    """Per-benchmark metrics and per-problem rows of one checkpoint, and where the report files are.
-    JSON form (`to_json`, report.json): {"benchmarks": {name: BenchmarkMetrics fields}, "rows": {name:
-    [ProblemRow fields]}, "protocol", "checkpoint_url", "benchmark_digests", report URLs}."""
-
-    checkpoint_url: str
-    metrics: dict[str, BenchmarkMetrics]
-    rows: dict[str, tuple[ProblemRow, ...]]
-    protocol: dict
-    out_url: str | None = None
-    report_url: str | None = None
-    json_url: str | None = None
-    plot_urls: tuple[str, ...] = ()
-    benchmark_digests: dict = field(default_factory=dict)
-
-    def pass1(self) -> dict[str, float]:
-        """{benchmark: mean pass@1 (avg@k)}."""
-        return {name: m.pass1 for name, m in self.metrics.items()}
-
-    def to_json(self) -> dict:
-        return {"checkpoint_url": self.checkpoint_url, "protocol": self.protocol, "out_url": self.out_url,
-                "report_url": self.report_url, "json_url": self.json_url, "plot_urls": list(self.plot_urls),
-                "benchmark_digests": self.benchmark_digests,
-                "benchmarks": {k: asdict(v) for k, v in self.metrics.items()},
-                "rows": {k: [asdict(r) for r in v] for k, v in self.rows.items()}}
-
-    @classmethod
-    def from_json(cls, d: dict) -> EvalReport:
-        return cls(checkpoint_url=d["checkpoint_url"], protocol=d["protocol"], out_url=d.get("out_url"),
-                   report_url=d.get("report_url"), json_url=d.get("json_url"),
-                   plot_urls=tuple(d.get("plot_urls", ())), benchmark_digests=d.get("benchmark_digests", {}),
-                   metrics={k: BenchmarkMetrics(**v) for k, v in d["benchmarks"].items()},
-                   rows={k: tuple(ProblemRow(**r) for r in v) for k, v in d["rows"].items()})
-
-    @classmethod
-    def load(cls, url: str) -> EvalReport:
-        """Load `report.json` (or the folder holding it)."""
-        if not url.endswith(".json"):
-            url = storage.join(url, "report.json")
-        if not storage.exists(url):
-            raise FileNotFoundError(f"{url}: no evaluation report here; pass the out folder of `rstar2 eval`")
-        return cls.from_json(storage.read_json(url))
 
 
 def protocol_of(cfg: Config, k: int | None = None) -> dict:

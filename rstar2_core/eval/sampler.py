@@ -46,7 +46,7 @@ class PolicySampler:
     def open(cls, cfg: Config, checkpoint_url: str, max_model_len: int | None = None) -> PolicySampler:
         """A sampler on the runtime of `cfg.cluster.runtime` for `checkpoint_url` (engines + sandbox)."""
         from rstar2_core.chat import ChatFormat
-        from rstar2_core.cluster import open_runtime
+        from rstar2_core.runtime import open_runtime
 
         loop = asyncio.new_event_loop()
         try:

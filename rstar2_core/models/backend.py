@@ -31,6 +31,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from rstar2_core.models.activation_checkpointing import enable_activation_checkpointing
 from rstar2_core.models.schedules import SCHEDULES, lr_factor
 from rstar2_core.models.token_logprobs import set_head_kernel
 
@@ -58,20 +59,6 @@ def bf16_autocast_supported(model: nn.Module) -> bool:
     p = next(model.parameters(), None)
     return (p is not None and p.device.type == "cuda" and p.dtype == torch.float32
             and torch.cuda.is_bf16_supported())
-
-
-def enable_activation_checkpointing(model: nn.Module) -> None:
-    """`cfg.model.gradient_checkpointing`: HF's non-reentrant activation checkpointing, under the name the
-    installed transformers has (`activation_checkpointing_enable` in newer releases, where
-    `gradient_checkpointing_enable` is a deprecated alias; only the latter in older ones, e.g. 5.17). A
-    model with neither is refused rather than trained without it."""
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    elif hasattr(model, "gradient_checkpointing_enable"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        raise ValueError(f"model.gradient_checkpointing = true, but {type(model).__name__} has no activation "
-                         "checkpointing (not a transformers model?); set model.gradient_checkpointing = false")
 
 
 class TorchBackend:

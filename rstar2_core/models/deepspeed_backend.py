@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rstar2_core.models.backend import enable_activation_checkpointing
+from rstar2_core.models.activation_checkpointing import enable_activation_checkpointing
 from rstar2_core.models.schedules import SCHEDULES, lr_factor
 from rstar2_core.models.token_logprobs import set_head_kernel
 

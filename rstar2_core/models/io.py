@@ -3,8 +3,10 @@
 A checkpoint is a normal HF folder (config.json, model.safetensors, tokenizer files) plus optional
 extra files (trainer state, RNG) and a `_COMPLETE` marker written last (its JSON body holds `meta`).
 Readers ignore folders without the marker, so a crash mid-write leaves the previous checkpoint the
-latest complete one. Remote URLs (s3://) are staged in a local temp folder and uploaded file by file
-with the marker last; reads of remote checkpoints are cached under $RSTAR2_HOME/cache/checkpoints.
+latest complete one. `publish_checkpoint` is the one writer of that layout: `save_checkpoint` (a model
+in this process) and `runtime.checkpoint.publish_policy_checkpoint` (a runtime's trainer, one process or
+many ranks) both go through it. Remote URLs (s3://) are written in place with the marker last; reads of
+remote checkpoints are cached under $RSTAR2_HOME/cache/checkpoints.
 
     save_checkpoint(model, tok, "file:///tmp/run/step-000050", extra={"trainer.pt": b"..."}, meta={"step": 50})
     url = latest_complete("file:///tmp/run")       # -> ".../step-000050" or None
@@ -99,24 +101,55 @@ def read_meta(checkpoint_url: str) -> dict:
     return storage.read_json(storage.join(checkpoint_url, storage.COMPLETE_MARKER))
 
 
+def publish_checkpoint(out_url: str, write_weights, tokenizer=None, extra: dict[str, bytes] | None = None,
+                       meta: dict | None = None) -> str:
+    """The one checkpoint publisher: `write_weights(staging_url)` writes the weights (one process, or every
+    trainer rank its share), then the tokenizer and `extra` files are added and the `_COMPLETE` marker
+    (with `meta`) is written last (`storage.begin_dir` / `commit_dir`). A failure drops the staging folder
+    and leaves the previous checkpoint at `out_url`, if any, the latest complete one. Returns `out_url`."""
+    for name in extra or {}:
+        if "/" in name or name.startswith(".") or name == storage.COMPLETE_MARKER:
+            raise ValueError(f"extra file name {name!r} must be a plain file name")
+    staging = storage.begin_dir(out_url)
+    try:
+        write_weights(staging)
+        with storage.staging_dir() as d:
+            if tokenizer is not None:
+                tokenizer.save_pretrained(str(d))
+            for name, data in (extra or {}).items():
+                (d / name).write_bytes(data)
+            storage.upload_dir(d, staging)
+        storage.commit_dir(staging, out_url, meta)
+    except BaseException:
+        storage.abort_dir(staging, out_url)
+        raise
+    return out_url
+
+
+def write_hf_folder(save, url: str) -> None:
+    """Run `save(local_dir)` (an HF `save_pretrained`-style writer) so its files land at `url`: straight
+    into a local folder, or through a local staging folder uploaded to a remote one."""
+    local = storage.to_local_path(url)
+    if local is not None:
+        local.mkdir(parents=True, exist_ok=True)
+        save(local)
+        return
+    with storage.staging_dir() as d:
+        save(d)
+        storage.upload_dir(d, url)
+
+
 def save_checkpoint(model, tokenizer, out_url: str, extra: dict[str, bytes] | None = None,
                     meta: dict | None = None) -> str:
-    """Publish model (+ tokenizer, + extra files) at `out_url` atomically; returns `out_url`.
+    """Publish model (+ tokenizer, + extra files) at `out_url` through `publish_checkpoint`; returns `out_url`.
 
     `model` may be an nn.Module with `save_pretrained` or a `TrainBackend` (its `save_hf` is used)."""
-    with storage.staging_dir() as d:
-        if hasattr(model, "save_hf"):
-            model.save_hf(d)
-        else:
+    if hasattr(model, "save_hf"):
+        save = model.save_hf
+    else:
+        def save(d):
             model.save_pretrained(str(d), safe_serialization=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(d))
-        for name, data in (extra or {}).items():
-            if "/" in name or name.startswith(".") or name == storage.COMPLETE_MARKER:
-                raise ValueError(f"extra file name {name!r} must be a plain file name")
-            (d / name).write_bytes(data)
-        storage.write_dir_atomic(d, out_url, meta=meta)
-    return out_url
+    return publish_checkpoint(out_url, lambda staging: write_hf_folder(save, staging), tokenizer, extra, meta)
 
 
 _NUM = re.compile(r"(\d+)$")

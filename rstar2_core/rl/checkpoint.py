@@ -1,5 +1,5 @@
 """RL checkpoints: an HF model folder, every trainer rank's optimizer/scheduler state
-(`trainer/rank-NNNNN.pt`, runtime/trainer_state.py) and the driver's `rl_state.pt` (step, data cursor,
+(`trainer/rank-NNNNN.pt`, rstar2_core/runtime/checkpoint.py) and the driver's `rl_state.pt` (step, data cursor,
 RNG states, tracking run id, the last step's metrics, usage totals, world size), published atomically
 through `runtime.checkpoint.publish_policy_checkpoint`.
 

@@ -26,7 +26,6 @@ import io
 import sys
 
 from rstar2_core import storage
-from rstar2_core.cluster import open_runtime
 from rstar2_core.config import Config
 from rstar2_core.errors import InfraFailureShareExceeded
 from rstar2_core.models.io import load_tokenizer
@@ -36,6 +35,7 @@ from rstar2_core.rl.data import load_problems, read_rows
 from rstar2_core.rl.stage import engine_seq_len, step_seed
 from rstar2_core.rl.step import grade_groups, infra_failures
 from rstar2_core.rollout.types import RolloutLimits
+from rstar2_core.runtime import open_runtime
 
 
 def _parquet_bytes(rows: list[dict]) -> bytes:

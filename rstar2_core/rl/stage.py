@@ -44,7 +44,6 @@ from collections.abc import Callable
 import torch
 
 from rstar2_core import storage
-from rstar2_core.cluster import open_runtime
 from rstar2_core.config import Config
 from rstar2_core.errors import CorruptCheckpoint, StageTrainedNothing
 from rstar2_core.faults import maybe_inject_fault
@@ -66,7 +65,7 @@ from rstar2_core.rl.step import rl_step
 from rstar2_core.rl.trainer import RL_STEP
 from rstar2_core.rollout.admission import LengthModel
 from rstar2_core.rollout.types import RolloutLimits
-from rstar2_core.runtime import TrainerSpec
+from rstar2_core.runtime import TrainerSpec, open_runtime
 from rstar2_core.runtime.checkpoint import publish_policy_checkpoint
 from rstar2_core.runtime.usage import accumulate
 
@@ -104,6 +103,15 @@ def run_rl_stage(cfg: Config, stage_index: int, *, init_checkpoint_url: str, dat
                            {"tracking_run_id": meta.get("tracking_run_id"), "resumed": True})
     return asyncio.run(_run(cfg, stage_index, init_checkpoint_url, data_url, out_url, log_metrics, resume,
                             tracking_run_id))
+
+
+def rl_state(stage: str, step: int, cursor: int, run_id: str | None, metrics: dict, totals: dict,
+             world_size: int) -> dict:
+    """The driver's state a checkpoint carries (`rl_state.pt`, with the RNG added by `_state_bytes`): the
+    last step taken, the data cursor after it, the tracking run id, that step's metrics, the stage's
+    running totals and the trainer's world size. What a resume reads back (`read_rl_state`)."""
+    return {"step": step, "cursor": cursor, "tracking_run_id": run_id, "metrics": metrics, "stage": stage,
+            "totals": totals, "world_size": world_size}
 
 
 def _state_bytes(state: dict) -> bytes:
@@ -167,16 +175,16 @@ async def _run(cfg: Config, stage_index: int, init_url: str, data_url: str, out_
                         return None
                     metrics = {**metrics, "rollout/step": float(step), "data/cursor": float(next_cursor)}
                     url = step_url(out_url, step)
-                    state = {"step": step, "cursor": next_cursor, "tracking_run_id": run_id, "metrics": metrics,
-                             "stage": stage.name, "totals": accumulate(totals, metrics),
-                             "world_size": rt.trainer.world_size}
+                    state = rl_state(stage.name, step, next_cursor, run_id, metrics, accumulate(totals, metrics),
+                                     rt.trainer.world_size)
                     publish_policy_checkpoint(url, rt.trainer, tok, extra={STATE_FILE: _state_bytes(state)},
                                               meta={"stage": stage.name, "step": step, "global_step": gstep,
                                                     "tracking_run_id": run_id})
                     prune_step_checkpoints(out_url, rl.keep_checkpoints)
                     return url
 
-                outcome = await rl_step(rt, chat, batch, cfg=cfg, limits=limits, seed=step_seed(rl.seed, gstep),
+                outcome = await rl_step(rt, chat, batch, rl=rl, rollout=cfg.rollout, limits=limits,
+                                        seed=step_seed(rl.seed, gstep),
                                         pad_id=pad_id, publish=publish, lengths=lengths)
                 cursor = next_cursor
                 metrics = {**outcome.metrics, "rollout/step": float(step), "data/cursor": float(cursor),
@@ -192,8 +200,7 @@ async def _run(cfg: Config, stage_index: int, init_url: str, data_url: str, out_
         finally:
             bar.close()
         _refuse_untrained(stage.name, stage.steps, totals, rl.require_update)
-        state = {"step": stage.steps, "cursor": cursor, "tracking_run_id": run_id, "metrics": last_metrics,
-                 "stage": stage.name, "totals": totals, "world_size": rt.trainer.world_size}
+        state = rl_state(stage.name, stage.steps, cursor, run_id, last_metrics, totals, rt.trainer.world_size)
         final = publish_policy_checkpoint(final_url(out_url), rt.trainer, tok, extra={STATE_FILE: _state_bytes(state)},
                                           meta={"stage": stage.name, "steps": stage.steps,
                                                 "global_step": offset + stage.steps, "tracking_run_id": run_id,

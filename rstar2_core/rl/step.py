@@ -1,6 +1,6 @@
 """One RL step on any runtime: rollout -> grade -> build_step_batch -> update -> (publish) -> weight sync.
 
-    outcome = await rl_step(rt, chat, batch, cfg=cfg, limits=limits, seed=seed, pad_id=pad)
+    outcome = await rl_step(rt, chat, batch, rl=cfg.rl, rollout=cfg.rollout, limits=limits, seed=seed, pad_id=pad)
 
 `rt` is a `StageRuntime` (rstar2_core/runtime/): its engines roll out `oversample x group_size`
 trajectories per prompt through `rollout.rollout_groups` (KV-aware admission across the engines, tool
@@ -37,11 +37,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rstar2_core.chat import ChatFormat
+from rstar2_core.config.rl import RLConfig
+from rstar2_core.config.sections import RolloutConfig
 from rstar2_core.errors import InfraFailureShareExceeded, StaleEngineWeights
 from rstar2_core.reward.grade import GRADER_FAILURES
 from rstar2_core.rl.data import RLProblem
 from rstar2_core.rl.groups import build_step_batch
+from rstar2_core.rollout.admission import LengthModel
 from rstar2_core.rollout.types import RolloutLimits, Trajectory
+from rstar2_core.runtime.protocol import StageRuntime
 from rstar2_core.runtime.usage import step_usage_metrics
 
 
@@ -104,21 +109,23 @@ def infra_failures(groups: Sequence[Sequence[Trajectory]], grades: Grades) -> di
             "infra/failed": float(failed), "infra/failed_share": failed / max(1, total)}
 
 
-async def rl_step(rt: Any, chat: Any, batch: Sequence[RLProblem], *, cfg: Any, limits: RolloutLimits, seed: int,
-                  pad_id: int, publish: Callable[[dict[str, float]], str | None] | None = None,
-                  lengths: Any = None) -> StepOutcome:
-    """One GRPO-RoC step on runtime `rt` (see the module docstring). `lengths`: the stage's
+async def rl_step(rt: StageRuntime, chat: ChatFormat, batch: Sequence[RLProblem], *, rl: RLConfig,
+                  rollout: RolloutConfig, limits: RolloutLimits, seed: int, pad_id: int,
+                  publish: Callable[[dict[str, float]], str | None] | None = None,
+                  lengths: LengthModel | None = None) -> StepOutcome:
+    """One GRPO-RoC step on runtime `rt` (see the module docstring): `rl` holds the algorithm's settings
+    (GRPO-RoC, micro-batch, failure thresholds), `rollout` the scheduler's. `lengths`: the stage's
     `rollout.LengthModel` (KV-aware admission learns response lengths from the earlier steps; None starts
     every step from the max-length rule)."""
     from rstar2_core.rollout import rollout_groups
 
-    rl, grpo = cfg.rl, cfg.rl.grpo
+    grpo = rl.grpo
     t0 = time.perf_counter()
     before = rt.usage()
     groups = await rollout_groups(rt.engines, rt.sandbox, chat, [p.problem for p in batch],
                                   grpo.group_size * grpo.oversample, limits, seed=seed,
-                                  scheduler=cfg.rollout.scheduler, lengths=lengths,
-                                  group_affinity=cfg.rollout.group_affinity)
+                                  scheduler=rollout.scheduler, lengths=lengths,
+                                  group_affinity=rollout.group_affinity)
     t1 = time.perf_counter()
     after_rollout = rt.usage()
     grades = grade_groups(rt.grader, groups, [p.answer for p in batch])

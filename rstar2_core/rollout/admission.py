@@ -1,6 +1,6 @@
 """Where and when trajectories run: the pure admission/routing policies behind `rollout_groups`.
 
-`rollout_groups` (real engines) and `bench/scheduler.py` (through `simulation.py`, a model of engines)
+`rollout_groups` (real engines) and `bench/scheduler.py` (through bench/engine_sim.py, a model of engines)
 drive the same policy objects through the same calls, which carry only what a scheduler sees from
 outside an engine, the length of a trajectory's sequence at its turn boundaries:
 

@@ -23,7 +23,7 @@ transformers (5.x) passes forward kwargs down to the attention function, so the 
 decode forward under `ATTENTION` (set on the model's config for that one call) with
 `shared_prefix=SharedPrefix(...)`; calls without it run plain SDPA. Decode only (one query per row).
 The switch lives on the model's config while the engine's forward runs, so the engine must own its
-model (`runtime.engines.build_engine` loads its own copy): another thread's forward on the same model
+model (`runtime.engine_builder.build_engine` loads its own copy): another thread's forward on the same model
 object at that moment would run under it, without its mask.
 """
 

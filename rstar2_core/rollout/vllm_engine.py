@@ -28,7 +28,7 @@ Weights reach the engine one of two ways, chosen by `rollout.weight_sync`:
   q/k/v and gate/up fused and resharded for TP, kernel layouts rebuilt), then the prefix cache is reset
   (its KV was computed with the old weights). A state dict is a host copy per worker (~2 bytes x
   parameters, ~28 GB for 14B in bf16): right for small models and CPU, not for 14B on GPUs.
-- vLLM's weight-transfer engines (`nccl`, `ipc`; GPU only; cluster/weight_sync.py drives them):
+- vLLM's weight-transfer engines (`nccl`, `ipc`; GPU only; rstar2_core/runtime/ray/weight_sync.py drives them):
   `init_weight_transfer(init_info)` once, then per push `start_weight_update()`, one or more
   `receive_weight_chunk(update_info)`, `finish_weight_update()`: the pinned protocol (the worker refuses an
   update without a start; the update info is a dataclass that refuses unknown keys; wire settings such as

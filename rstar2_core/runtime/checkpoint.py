@@ -1,38 +1,90 @@
-"""Publishing a policy checkpoint that a runtime's trainer (one process or many ranks) writes.
+"""A policy checkpoint as a runtime's trainer writes it: HF weights, one optimizer-state file per rank.
 
     url = publish_policy_checkpoint(url, rt.trainer, rt.tokenizer, extra={"rl_state.pt": b"..."}, meta={...})
 
-The folder is filled through `storage.begin_dir` (a hidden sibling for local targets, the target
-itself for object stores): the trainer writes the HF weights and each rank its own optimizer state
-(`runtime/trainer_state.py`), the driver adds the tokenizer and its own extra files, and the
-`_COMPLETE` marker is written last (`storage.commit_dir`). A crash before the marker leaves the previous
-checkpoint the latest complete one.
+`publish_policy_checkpoint` hands the trainer (one process, or every Ray trainer shard) the staging
+folder of the one checkpoint publisher (`models.io.publish_checkpoint`): rank 0 writes the HF weights and
+each rank its own optimizer partition, LR-scheduler state and step (`trainer/rank-00000.pt`, with the
+world size it was written under); the driver adds the tokenizer and its extra files; `_COMPLETE` is
+written last, so a crash before it leaves the previous checkpoint the latest complete one.
+
+A rank writes straight to the checkpoint's storage (fsspec: a shared file system or s3://), so nothing
+the size of the optimizer passes through the driver (64 ranks x ~2.6 GB for 14B under ZeRO-3).
+`read_rank_state` refuses a checkpoint written by another world size: the partitions do not map onto a
+different rank count, so resume needs the same `cluster.trainer_ranks` / layout and ZeRO stage.
+Checkpoints from before this layout kept a single-process backend state under the key `backend` of
+`rl_state.pt` / `trainer_state.pt`; `read_rank_state` still reads those for world size 1.
 """
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
+import torch
+
 from rstar2_core import storage
+from rstar2_core.models.io import publish_checkpoint
 
 
 def publish_policy_checkpoint(url: str, trainer: Any, tokenizer: Any, extra: dict[str, bytes] | None = None,
                               meta: dict | None = None, optimizer: bool = True) -> str:
-    """Publish the trainer's weights (+ optimizer state per rank unless `optimizer=False`), the
+    """Publish the trainer's weights (+ each rank's optimizer state unless `optimizer=False`), the
     tokenizer and `extra` files at `url`; returns `url`."""
-    staging = storage.begin_dir(url)
-    try:
-        trainer.save(staging, optimizer=optimizer)
-        with storage.staging_dir() as d:
-            if tokenizer is not None:
-                tokenizer.save_pretrained(str(d))
-            for name, data in (extra or {}).items():
-                if "/" in name or name.startswith(".") or name == storage.COMPLETE_MARKER:
-                    raise ValueError(f"extra file name {name!r} must be a plain file name")
-                (d / name).write_bytes(data)
-            storage.upload_dir(d, staging)
-        storage.commit_dir(staging, url, meta)
-    except BaseException:
-        storage.abort_dir(staging, url)
-        raise
-    return url
+    return publish_checkpoint(url, lambda staging: trainer.save(staging, optimizer=optimizer), tokenizer,
+                              extra, meta)
+
+
+DIR = "trainer"
+LEGACY_FILES = ("rl_state.pt", "trainer_state.pt")
+
+
+def rank_file(checkpoint_url: str, rank: int) -> str:
+    return storage.join(checkpoint_url, DIR, f"rank-{rank:05d}.pt")
+
+
+def write_rank_state(staging_url: str, rank: int, world: int, backend_state: dict) -> int:
+    """Write one rank's state (torch.save) into a checkpoint being published; returns its bytes."""
+    buf = io.BytesIO()
+    torch.save({"rank": rank, "world_size": world, "backend": backend_state}, buf)
+    data = buf.getvalue()
+    storage.write_bytes_atomic(rank_file(staging_url, rank), data)
+    return len(data)
+
+
+def saved_world_size(checkpoint_url: str) -> int | None:
+    """How many ranks wrote trainer state into this checkpoint (None: no per-rank state)."""
+    files = [u for u in _list(storage.join(checkpoint_url, DIR)) if u.rsplit("/", 1)[-1].startswith("rank-")]
+    return len(files) or None
+
+
+def _list(url: str) -> list[str]:
+    fs, path = storage.fs_for(url)
+    if not fs.exists(path):
+        return []
+    return sorted(str(p) for p in fs.ls(path, detail=False))
+
+
+def read_rank_state(checkpoint_url: str, rank: int, world: int) -> dict[str, Any] | None:
+    """The backend state rank `rank` of `world` saved in `checkpoint_url`, or None when the checkpoint
+    has no trainer state (e.g. an SFT-free base model). Raises when it was written by another world size."""
+    saved = saved_world_size(checkpoint_url)
+    if saved is None:
+        if world == 1:
+            for name in LEGACY_FILES:
+                legacy = storage.join(checkpoint_url, name)
+                if storage.exists(legacy):
+                    state = torch.load(io.BytesIO(storage.read_bytes(legacy)), weights_only=False)
+                    if isinstance(state, dict) and "backend" in state:
+                        return state["backend"]
+        return None
+    if saved != world:
+        raise ValueError(f"{checkpoint_url} holds trainer state of {saved} rank(s) but this runtime has {world}: "
+                         "ZeRO partitions the optimizer per rank, so a resume needs the same world size "
+                         "(cluster.trainer_ranks / the layout) and ZeRO stage as the run that wrote it; to go on "
+                         "with another size, start the stage again from its init checkpoint (delete its steps/)")
+    state = torch.load(io.BytesIO(storage.read_bytes(rank_file(checkpoint_url, rank))), weights_only=False)
+    if int(state.get("world_size", world)) != world or int(state.get("rank", rank)) != rank:
+        raise ValueError(f"{rank_file(checkpoint_url, rank)} was written by rank {state.get('rank')} of "
+                         f"{state.get('world_size')}, expected rank {rank} of {world}")
+    return state["backend"]

@@ -7,12 +7,13 @@
             metrics = rt.trainer.step(list(zip(kept, advantages)), micro_batch_size=8, pad_id=pad, ...)
             report = rt.sync_weights()
 
-Two implementations, chosen by `cluster.runtime` (`rstar2_core.cluster.open_runtime`): `LocalRuntime`
-(runtime/local.py: everything in the stage's process) and `RayRuntime` (rstar2_core/cluster/runtime.py:
-engine actors, DeepSpeed trainer-shard actors and the sandbox pool on the layout's placement groups).
-The stage hands the runtime the body of its optimizer step (`TrainerSpec.step`, a `TrainerStep`), so
-this package and cluster/ sit below the stages in the import layers and never import them. Stage code (rl/step.py, rl/stage.py, rl/hard_subset.py, sft/train.py,
-eval/sampler.py, data/label_check.py) only sees this protocol, so the same step runs on one CPU or 64 GPUs.
+Two backends, chosen by `cluster.runtime` (`runtime.open_runtime`, which builds them from a
+`RuntimeSpec`): `LocalRuntime` (runtime/local/: everything in the stage's process) and `RayRuntime`
+(runtime/ray/: engine actors, DeepSpeed trainer-shard actors and the sandbox pool on the layout's
+placement groups). The stage hands the runtime the body of its optimizer step (`TrainerSpec.step`, a
+`TrainerStep`), so the runtime sits below the stages in the import layers and never imports them.
+Stage code (rl/step.py, rl/stage.py, rl/hard_subset.py, sft/train.py, eval/sampler.py,
+data/label_check.py) only sees this protocol, so the same step runs on one CPU or 64 GPUs.
 
 A runtime opened without a `TrainerSpec` has no trainer (evaluation, hard subset, label check); one
 opened with `engines=False` has no engines (SFT).
@@ -87,10 +88,10 @@ class OwnedGrader:
     def __init__(self) -> None:
         self.pool: Any = None
 
-    def open(self, cfg: Any) -> Any:
+    def open(self, timeout_s: float) -> Any:
         from rstar2_core.reward import GraderPool
 
-        self.pool = GraderPool(timeout_s=cfg.eval.grader_timeout_s).__enter__()
+        self.pool = GraderPool(timeout_s=timeout_s).__enter__()
         return self.pool
 
     def close(self) -> bool:

@@ -24,11 +24,9 @@ import collections
 import json
 import math
 import os
-import pickle
 import re
 import selectors
 import shutil
-import struct
 import subprocess
 import sys
 import tempfile
@@ -39,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rstar2_core.config import SandboxConfig
+from rstar2_core.sandbox.confined.sbx_frames import frame, unframe
 from rstar2_core.sandbox.properties import missing, properties
 from rstar2_core.sandbox.rootfs import plan_root
 from rstar2_core.sandbox.syscalls import compile_filter
@@ -209,9 +208,8 @@ class Dispatcher:
             self._send(t, msg)
 
     def _send(self, t: _Template, msg) -> None:
-        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         had = bool(t.outbuf)
-        t.outbuf += struct.pack(">I", len(data)) + data
+        t.outbuf += frame(msg)
         if not had:
             self._flush(t)
 
@@ -243,12 +241,7 @@ class Dispatcher:
                 t.inbuf += data
         except BlockingIOError:
             pass
-        while len(t.inbuf) >= 4:
-            (n,) = struct.unpack(">I", t.inbuf[:4])
-            if len(t.inbuf) < 4 + n:
-                break
-            msg = pickle.loads(bytes(t.inbuf[4:4 + n]))
-            del t.inbuf[:4 + n]
+        for msg in unframe(t.inbuf):
             if msg.get("hello"):
                 refusal = self._isolation_refusal(msg["features"])
                 if refusal:   # fail closed: no call runs with less isolation than allowed

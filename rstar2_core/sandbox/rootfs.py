@@ -1,5 +1,5 @@
 """What the calls' minimal root holds: the host paths a template bind-mounts (or copies), read-only,
-into the root it pivots into (runtime/sbx_rootfs.py does the mounting).
+into the root it pivots into (confined/sbx_rootfs.py does the mounting).
 
 The plan is computed once per service and handed to every template:
 - the interpreter: the executable the templates run (`sys.executable`, a venv's symlink included, with

@@ -11,8 +11,8 @@ to `clone`, whose flags the filter can see (clone3 passes them in memory it cann
 of another ABI (i386 through int 0x80, x32) kill the process: their numbers would bypass the list.
 Names this libseccomp does not know are skipped and reported.
 
-Four system calls of a call's set-up (the zygote's unshare, setns and clone, runtime/sbx_zygote.py;
-the child's mount and setns before it drops its capabilities, runtime/sbx_child.py) are refused only
+Four system calls of a call's set-up (the zygote's unshare, setns and clone, confined/sbx_zygote.py;
+the child's mount and setns before it drops its capabilities, confined/sbx_child.py) are refused only
 in their other forms (`CONDITIONAL`): `mount` with the exact flags of a call's /tmp and /proc,
 `unshare` and `setns` of a mount or network namespace, and `clone` into a new PID namespace (with or
 without a new IPC namespace) pass the filter. Each of them needs CAP_SYS_ADMIN, which a call never

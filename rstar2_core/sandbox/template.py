@@ -5,11 +5,11 @@ Run only by `rstar2_core.sandbox.service` as `python -I template.py '<json setti
 no PYTHON* variables, no script directory on sys.path, so this package's `types.py` cannot shadow the
 standard library inside the user's program). Standard library only; never import `rstar2_core` here,
 so the user's program does not find the trainer's modules already loaded. Its helpers live in
-`runtime/` (`sbx_isolation.py`: namespaces, capabilities, seccomp, host probing; `sbx_rootfs.py`:
+`confined/` (`sbx_isolation.py`: namespaces, capabilities, seccomp, host probing; `sbx_rootfs.py`:
 the minimal root; `sbx_zygote.py`: the process that clones the children; `sbx_child.py`: the child
 side of a call) and are imported from there by file location.
 
-At start (runtime/sbx_isolation.py, sbx_rootfs.py): a network namespace, a mount namespace whose root
+At start (confined/sbx_isolation.py, sbx_rootfs.py): a network namespace, a mount namespace whose root
 is the minimal read-only root of the service's plan (pivot_root), a reaper process that tears down
 the calls' mount namespaces, an empty capability bounding set, the seccomp filter (on the template
 itself: calls inherit it), one probe child that finds out which per-call steps this host allows;
@@ -17,7 +17,7 @@ then the preloads, imported inside that root; then the zygote, forked before any
 
 The template holds the requests' code and stdin and the calls' output, so once it has read a request
 it forks nothing that runs a program (only, without PID namespaces, `_kill_uid`'s helper): every
-call's child is cloned by the zygote (runtime/sbx_zygote.py), which holds none of them, with
+call's child is cloned by the zygote (confined/sbx_zygote.py), which holds none of them, with
 CLONE_PARENT so that it is this template's child all the same (wait4, rusage, kill). The template
 sends the zygote the call's slot, uid and limits with the call's pipe fds, and writes the code into
 a pipe the child reads after the clone. A call's child thus cannot find another call's code or
@@ -44,7 +44,7 @@ Per call (see docs/sandbox.md for what is and is not isolated):
 - stdout/stderr read incrementally: the first bytes are kept, the rest counted and thrown away;
   a flood beyond `drain_bytes` gets the tree killed (status output_limit).
 
-Protocol (both ways: 4-byte big-endian length + pickle): the service sends request dicts
+Protocol (both ways: confined/sbx_frames.py, a 4-byte big-endian length + a pickle): the service sends request dicts
 {cid, code, stdin, timeout_s, cpu_s, memory_mb, nproc, fsize_mb, max_chars, mode, drain_bytes}, or None
 to stop; the template first sends a hello dict, then one result dict per request:
 {cid, status, stdout, stderr, exit_code, duration_s, truncated}.
@@ -59,21 +59,20 @@ import gc
 import importlib
 import json
 import os
-import pickle
 import selectors
 import shutil
 import signal
-import struct
 import sys
 import time
 
-_RUNTIME = os.path.join(os.path.dirname(os.path.abspath(__file__)), "runtime")
-sys.path.insert(0, _RUNTIME)   # only while importing our helpers (names no program would use)
+_CONFINED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "confined")
+sys.path.insert(0, _CONFINED)   # only while importing our helpers (names no program would use)
 import sbx_child as child
+import sbx_frames as frames
 import sbx_isolation as iso
 import sbx_zygote as zygote
 
-sys.path.remove(_RUNTIME)
+sys.path.remove(_CONFINED)
 
 READ_CHUNK = 65536
 MAX_DEAD_NS = 1024   # finished calls' mount namespaces (their /tmp in RAM) waiting for the reaper
@@ -196,9 +195,8 @@ class Template:
 
     # -- messages
     def _send(self, msg: dict) -> None:
-        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         had = bool(self.outbuf)
-        self.outbuf += struct.pack(">I", len(data)) + data
+        self.outbuf += frames.frame(msg)
         if not had:
             self._flush_out()
 
@@ -226,12 +224,7 @@ class Template:
                 self.sel.unregister(self.ctrl_in)
                 return
             self.inbuf += data
-        while len(self.inbuf) >= 4:
-            (n,) = struct.unpack(">I", self.inbuf[:4])
-            if len(self.inbuf) < 4 + n:
-                break
-            msg = pickle.loads(bytes(self.inbuf[4:4 + n]))
-            del self.inbuf[:4 + n]
+        for msg in frames.unframe(self.inbuf):
             if msg is None:
                 self.stopping = True
             else:

@@ -3,7 +3,7 @@
 The local trainer calls it on the whole batch; each Ray trainer shard calls it on its share, with the
 batch's label-token count (`total_tokens`) so that the loss is the token mean over the whole
 batch, the micro-batch count every rank runs (`num_micro_batches`, zero-weight `padding_row` passes
-fill up: every rank must issue the same collectives, runtime/sharding.py) and `loss_scale` = the world
+fill up: every rank must issue the same collectives, rstar2_core/runtime/ray/sharding.py) and `loss_scale` = the world
 size (DeepSpeed averages gradients over ranks).
 
 Loss: token-level cross-entropy on assistant tokens (labels != IGNORE), summed per micro-batch and

@@ -41,14 +41,13 @@ from collections.abc import Callable
 import torch
 
 from rstar2_core import storage
-from rstar2_core.cluster import open_runtime
 from rstar2_core.config import Config
 from rstar2_core.errors import CorruptCheckpoint, SFTNotConverged
 from rstar2_core.faults import maybe_inject_fault
 from rstar2_core.models.io import latest_complete, load_tokenizer, read_extra, read_meta
 from rstar2_core.progress import progress_bar
 from rstar2_core.results import StageResult
-from rstar2_core.runtime import TrainerSpec
+from rstar2_core.runtime import TrainerSpec, open_runtime
 from rstar2_core.runtime.checkpoint import publish_policy_checkpoint
 from rstar2_core.sft.data import read_sft_rows
 from rstar2_core.sft.packing import PackedRow, encode_conversations, epoch_rows

@@ -21,8 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from rstar2_core import storage
-from rstar2_core.eval.metrics import BenchmarkMetrics, ProblemRow
-from rstar2_core.eval.run import EvalReport
+from rstar2_core.eval.metrics import BenchmarkMetrics, EvalReport, ProblemRow
 from rstar2_core.faults import maybe_inject_fault
 from rstar2_core.results import DatasetRef, StageResult
 

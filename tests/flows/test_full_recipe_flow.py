@@ -12,7 +12,7 @@ import pytest
 import stage_doubles
 
 from rstar2_core.config import ConfigError, config_dir, load_config
-from rstar2_core.eval.run import EvalReport
+from rstar2_core.eval.metrics import EvalReport
 from tasks import tracking
 from tasks.run_store import RunStore
 

@@ -13,9 +13,9 @@ import ray.exceptions as rex
 from prefect import flow, task
 
 from flows.full_recipe import _first_failure_or
-from rstar2_core.cluster.errors import ActorFailure
 from rstar2_core.config import load_config
 from rstar2_core.errors import InfraFailureShareExceeded, StageTrainedNothing, StaleEngineWeights
+from rstar2_core.runtime.ray.errors import ActorFailure
 from tasks.retry import is_infrastructure_error
 from tasks.runners import placement, ray_init_kwargs, task_runner, use_task_threads
 from tasks.stages import _stage_task
@@ -35,7 +35,7 @@ def flow_ray(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RSTAR2_HOME", str(home))
         mp.setenv("RSTAR2_RAY_TMP", f"/tmp/rstar2-ray-test-{os.getpid()}")
-        ray.init(**ray_init_kwargs(load_config("tiny", RAY)))
+        ray.init(**ray_init_kwargs(load_config("tiny", RAY).cluster))
         try:
             yield home
         finally:

@@ -19,8 +19,8 @@ from tasks.tracking import flatten, metric_key
 def test_retry_rule_retries_infrastructure_only():
     import ray.exceptions as rex
 
-    from rstar2_core.cluster.errors import ActorFailure
     from rstar2_core.errors import CorruptCheckpoint, InfraFailureShareExceeded, StaleEngineWeights
+    from rstar2_core.runtime.ray.errors import ActorFailure
 
     assert is_infrastructure_error(InjectedFault("x"))
     assert is_infrastructure_error(ActorFailure("trainer-1", "killed"))
@@ -84,9 +84,9 @@ def test_resources_and_ray_settings():
     assert task_threads(load_config("tiny", ["cluster.use_ray=false", "cluster.resources={}"]), "rl") is None
     with pytest.raises(ValueError, match="unknown task kind"):
         resources(cfg, "nope")
-    kw = ray_init_kwargs(cfg)
+    kw = ray_init_kwargs(cfg.cluster)
     assert kw["include_dashboard"] is False and kw["num_cpus"] == 2 and len(kw["_temp_dir"]) < 60
-    remote = ray_init_kwargs(load_config("tiny", ["cluster.ray_address=ray://head:10001"]))
+    remote = ray_init_kwargs(load_config("tiny", ["cluster.ray_address=ray://head:10001"]).cluster)
     assert "_temp_dir" not in remote and "env_vars" in remote["runtime_env"]
     from prefect_ray.context import RemoteOptionsContext
 
@@ -120,7 +120,7 @@ def test_eval_report_round_trips_through_the_run_store_and_pickle(tmp_path):
 
     import stage_doubles
 
-    from rstar2_core.eval.run import EvalReport
+    from rstar2_core.eval.metrics import EvalReport
 
     store = RunStore.for_run(tmp_path.as_uri(), "r1")
     rep = stage_doubles.fixed_report("file:///ckpt", 0.35, ["synthetic", "aime24"], store.url("eval", "sft"))
@@ -221,8 +221,8 @@ def _pipeline_keys_in_code() -> tuple[set[str], set[str]]:
                 elif attr == "url":
                     for a in node.args[1:]:
                         add(a)
-                elif attr == "_run_tracked" and len(node.args) > 2:
-                    add(node.args[2])
+                elif attr == "_run_tracked" and len(node.args) > 3:
+                    add(node.args[3])        # _run_tracked(ctx, cfg, kind, key, ...)
                 elif "evaluate_checkpoint" in ast.unparse(f) and len(node.args) > 1:
                     add(node.args[1])
                 elif attr == "submit" and len(node.args) > 2 and ast.unparse(node.args[1]) == "'evaluate'":

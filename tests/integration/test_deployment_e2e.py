@@ -132,7 +132,7 @@ def test_fault_retry_resume_through_the_deployment(services, monkeypatch, ui, en
     # the retry ran the frozen config: every RL stage's optimizer ran at the first attempt's peak lr (its
     # LR scheduler's base lr, saved in the stage's final checkpoint; stage 3 resets its optimizer, so it
     # rebuilds it from the config it is given), params = the snapshot, the drift logged
-    from rstar2_core.runtime.trainer_state import read_rank_state
+    from rstar2_core.runtime.checkpoint import read_rank_state
 
     for stage in ("rl-stage-1", "rl-stage-2", "rl-stage-3"):
         sched = read_rank_state(store.load(stage).checkpoint_url, 0, 1)["scheduler"]

@@ -18,20 +18,20 @@ from pathlib import Path
 import ray.cloudpickle
 import ray.exceptions as rex
 
-from rstar2_core.cluster.errors import ActorFailure
+from rstar2_core.runtime.ray.errors import ActorFailure
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("rstar2_core", "tasks", "flows", "rstar2_cli")
 # stdlib-only scripts the sandbox loads by path into its own processes (their folder on sys.path), never
 # imported as package modules: `test_sandbox_scripts_define_no_exception` reads their source instead
-SCRIPTS = "rstar2_core.sandbox.runtime."
+SCRIPTS = "rstar2_core.sandbox.confined."
 
 # Constructor arguments of the classes whose __init__ needs more than a message (the rest get one).
 SAMPLE_ARGS: dict[str, tuple] = {
-    "rstar2_core.cluster.errors.ActorFailure": ("engine-0", rex.ActorDiedError()),
-    "rstar2_core.cluster.errors.ActorStartTimeout": (
+    "rstar2_core.runtime.ray.errors.ActorFailure": ("engine-0", rex.ActorDiedError()),
+    "rstar2_core.runtime.ray.errors.ActorStartTimeout": (
         ["engine-0", "trainer-1"], "actors engine-0, trainer-1 not ready within 60 s"),
-    "rstar2_core.cluster.errors.ActorConfigError": ("trainer-0", "ValueError: bf16 needs a GPU"),
+    "rstar2_core.runtime.ray.errors.ActorConfigError": ("trainer-0", "ValueError: bf16 needs a GPU"),
     "rstar2_core.data.sources.Reject": ("missing_field:answer",),
     "rstar2_core.errors.SFTNotConverged": ("SFT did not converge: ...", 0.23, 0.1, 1993, 0),
 }
@@ -70,7 +70,7 @@ def _same(a, b) -> bool:
 
 def test_every_project_exception_round_trips_through_pickle():
     classes = project_exceptions()
-    assert {"rstar2_core.cluster.errors.ActorFailure", "rstar2_core.errors.InfraFailureShareExceeded",
+    assert {"rstar2_core.runtime.ray.errors.ActorFailure", "rstar2_core.errors.InfraFailureShareExceeded",
             "rstar2_core.errors.StaleEngineWeights", "rstar2_core.errors.StageTrainedNothing",
             "tasks.modelref.ModelRefError", "flows.evaluate.RegressionError"} <= set(classes)
     missing = sorted(n for n, c in classes.items() if needs_arguments(c) and n not in SAMPLE_ARGS)

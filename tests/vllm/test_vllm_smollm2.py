@@ -21,7 +21,7 @@ def test_smollm2_greedy_tokens_are_the_same_on_vllm_and_the_hf_engine(tmp_path):
     from rstar2_core.config import load_config
     from rstar2_core.models.io import load_tokenizer
     from rstar2_core.models.prepare import prepare_base_model
-    from rstar2_core.runtime.engines import EngineSpec, build_engine
+    from rstar2_core.runtime.engine_builder import EngineSpec, build_engine
 
     cfg = load_config("smol")
     url = prepare_base_model(cfg, (tmp_path / "smol").as_uri())

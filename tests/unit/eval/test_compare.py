@@ -17,9 +17,8 @@ from rstar2_core.eval.compare import (
     primary_benchmark,
     rank_checkpoints,
 )
-from rstar2_core.eval.metrics import BenchmarkMetrics, ProblemRow
+from rstar2_core.eval.metrics import BenchmarkMetrics, EvalReport, ProblemRow
 from rstar2_core.eval.promotion import decide_promotion
-from rstar2_core.eval.run import EvalReport
 
 K = 4
 

@@ -7,8 +7,9 @@ from eval_fakes import ScriptedSampler, exact_grader
 from rstar2_core import storage
 from rstar2_core.config import load_config
 from rstar2_core.data.benchmarks import benchmark_from_url, load_benchmark
+from rstar2_core.eval.metrics import EvalReport
 from rstar2_core.eval.report import diff_markdown, plot_history
-from rstar2_core.eval.run import EvalReport, evaluate
+from rstar2_core.eval.run import evaluate
 
 FIX = Path(__file__).resolve().parents[2] / "fixtures"
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -62,7 +62,7 @@ def test_interrupted_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise KeyboardInterrupt("killed mid-write")
 
-    monkeypatch.setattr(shutil, "copytree", boom)
+    monkeypatch.setattr(storage, "upload_dir", boom)   # after the weights, before the tokenizer and marker
     with pytest.raises(KeyboardInterrupt):
         save_checkpoint(m, None, (tmp_path / "run" / "step-000002").as_uri(), meta={"step": 2})
     with pytest.raises(KeyboardInterrupt):                  # overwriting the complete one fails too

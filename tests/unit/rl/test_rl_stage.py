@@ -11,7 +11,7 @@ from rstar2_core.config import load_config
 from rstar2_core.models.io import load_model_and_tokenizer, read_meta
 from rstar2_core.rl.checkpoint import read_rl_state
 from rstar2_core.rl.stage import run_rl_stage
-from rstar2_core.runtime.trainer_state import read_rank_state
+from rstar2_core.runtime.checkpoint import read_rank_state
 
 pytestmark = pytest.mark.slow
 

@@ -90,9 +90,9 @@ def test_missing_logprobs_and_missing_vllm_are_clear_errors(fake_vllm, monkeypat
 def test_weight_transfer_groups_and_buckets_of_the_production_layout():
     from types import SimpleNamespace
 
-    from rstar2_core.cluster.layout import compute_layout
-    from rstar2_core.cluster.weight_sync import IPCSync, buckets, nccl_group
     from rstar2_core.config import load_config
+    from rstar2_core.runtime.ray.layout import compute_layout
+    from rstar2_core.runtime.ray.weight_sync import IPCSync, buckets, nccl_group
 
     assert nccl_group([2, 2, 2]) == (7, [1, 3, 5])
     assert buckets([4, 4, 9, 1, 1], 8) == [[0, 1], [2], [3, 4]]
@@ -109,8 +109,8 @@ def test_weight_transfer_groups_and_buckets_of_the_production_layout():
 def test_an_engine_actor_with_tp_over_ray_drops_the_visible_devices_ray_set():
     """TP > 1: the actor holds no GPU (its workers do, through vLLM's Ray executor); Ray gave it empty
     CUDA/HIP/ROCR_VISIBLE_DEVICES, which would hide every GPU from vLLM's planning there."""
-    from rstar2_core.cluster.engines import clear_visible_devices
-    from rstar2_core.runtime.engines import EngineSpec
+    from rstar2_core.runtime.engine_builder import EngineSpec
+    from rstar2_core.runtime.ray.engine_actors import clear_visible_devices
 
     spec = EngineSpec("vllm", "file:///ckpt", 1024, tensor_parallel_size=2)
     env = {"CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": "", "ROCR_VISIBLE_DEVICES": "", "PATH": "/bin"}

@@ -1,16 +1,32 @@
-"""The engine simulation behind bench/scheduler.py: its engine model, its workloads, and that it drives
-the core's policies the way `rollout_groups` does."""
+"""The engine simulation behind bench/scheduler.py (bench/engine_sim.py: a benchmark's model, not part of
+the package): its engine model, its workloads, and that it drives the core's policies the way
+`rollout_groups` does."""
 
 from __future__ import annotations
 
+import importlib.util
 import statistics
+import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from rstar2_core.rollout.admission import KVAdmission, LengthModel, StaticAdmission, static_assignment
-from rstar2_core.rollout.simulation import Cost, SimTrajectory, simulate, workload
+
+
+def _engine_sim():
+    path = Path(__file__).resolve().parents[3] / "bench" / "engine_sim.py"
+    spec = importlib.util.spec_from_file_location("engine_sim", path)
+    mod = sys.modules.setdefault("engine_sim", importlib.util.module_from_spec(spec))
+    if not hasattr(mod, "simulate"):
+        spec.loader.exec_module(mod)
+    return mod
+
+
+_sim = _engine_sim()
+Cost, SimTrajectory, simulate, workload = _sim.Cost, _sim.SimTrajectory, _sim.simulate, _sim.workload
 
 COST = Cost(a=0.01, b=0.001, c=2e-6, p=5e-4)
 

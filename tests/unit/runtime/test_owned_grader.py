@@ -1,13 +1,12 @@
 """The grader pool a runtime opens is the one it closes, whatever a caller puts in `runtime.grader`."""
 
-from types import SimpleNamespace
 
 from rstar2_core.runtime.protocol import OwnedGrader
 
 
 def test_the_runtime_closes_the_pool_it_opened_and_only_once():
     owned = OwnedGrader()
-    pool = owned.open(SimpleNamespace(eval=SimpleNamespace(grader_timeout_s=7.5)))
+    pool = owned.open(7.5)
     try:
         assert pool.timeout_s == 7.5
         assert pool.grade_many([("<answer>\\boxed{4}</answer>", "4")])[0].reward == 1.0

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rstar2_core import storage
-from rstar2_core.runtime.trainer_state import read_rank_state, saved_world_size, write_rank_state
+from rstar2_core.runtime.checkpoint import read_rank_state, saved_world_size, write_rank_state
 
 
 def test_each_rank_reads_back_its_own_state(tmp_path):

@@ -34,7 +34,7 @@ def pool():
                 if attempt or "timed out during startup" not in str(e):
                     raise
         started = True
-    from rstar2_core.cluster.sandbox_pool import RaySandboxPool
+    from rstar2_core.runtime.ray.sandbox_pool import RaySandboxPool
 
     p = RaySandboxPool(small_cfg(preload=["math"], backend="ray"), max_inflight_per_actor=3, chunk=2)
     yield p
@@ -81,7 +81,7 @@ def test_pool_on_a_placement_group_bundle(pool):
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    from rstar2_core.cluster.sandbox_pool import RaySandboxPool
+    from rstar2_core.runtime.ray.sandbox_pool import RaySandboxPool
 
     pg = placement_group([{"CPU": 1}], strategy="STRICT_PACK")
     ray.get(pg.ready(), timeout=60)

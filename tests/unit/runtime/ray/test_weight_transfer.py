@@ -1,4 +1,4 @@
-"""vLLM weight transfer on the Ray runtime (cluster/weight_sync.py), driven end to end in one process: the
+"""vLLM weight transfer on the Ray runtime (runtime/ray/weight_sync.py), driven end to end in one process: the
 real `NCCLSync` / `IPCSync` drivers, the real per-rank steps (`_nccl_trainer_init`, `_nccl_send`,
 `_ipc_bucket`, `_ipc_release`, `_param_meta`) run through the real `TrainerShardActor.call`, and the real
 `EngineActor` + `VLLMEngine` over the strict fake `vllm` of tests/vllm_fake.py (it refuses what vLLM 0.32
@@ -66,7 +66,7 @@ class _Trainer:
     """TrainerGroup's surface that the syncs use (`group.get`, `actor(r)`, `names`, `world`)."""
 
     def __init__(self, world: int, zero_stage: int = 2):
-        from rstar2_core.cluster.trainer import TrainerShardActor
+        from rstar2_core.runtime.ray.trainer_shards import TrainerShardActor
 
         self.world, self.names, self.group = world, [f"trainer-{r}" for r in range(world)], self
         self.shards = []
@@ -83,8 +83,8 @@ class _Trainer:
 
 
 def _engines(n: int, tp: int, transfer: str, tmp_path):
-    from rstar2_core.cluster.engines import EngineActor
     from rstar2_core.rollout.vllm_engine import VLLMEngine
+    from rstar2_core.runtime.ray.engine_actors import EngineActor
 
     ckpt = fake_checkpoint(tmp_path)
     actors = [EngineActor(None, factory=lambda: VLLMEngine(ckpt, tensor_parallel_size=tp, weight_transfer=transfer))
@@ -112,13 +112,11 @@ def _kinds(fake) -> list:
 
 def test_nccl_joins_one_group_at_rank_offsets_and_rank_0_sends_every_parameter(monkeypatch, tmp_path):
     install_fake_vllm(monkeypatch)
-    from rstar2_core.cluster.weight_sync import NCCLSync, _param_meta
+    from rstar2_core.runtime.ray.weight_sync import NCCLSync, _param_meta
 
-    cfg = load_config("qwen3-14b-mi300x", ["cluster.nodes=1", 'cluster.layout="separate"', "cluster.trainer_gpus=2",
-                                           "rollout.num_engines=3", 'rollout.weight_sync="nccl"'])
     trainer, engines = _Trainer(2), _engines(3, 2, "nccl", tmp_path)
     assert _param_meta(trainer.shards[0]) == META
-    sync = NCCLSync(SimpleNamespace(cfg=cfg, engines=engines, trainer=trainer))
+    sync = NCCLSync(SimpleNamespace(engines=engines, trainer=trainer))
     update = {"names": META[0], "dtype_names": META[1], "shapes": META[2]}     # no wire settings per update
     for push in range(2):
         rep = sync.push()
@@ -159,7 +157,7 @@ def test_zero3_every_rank_gathers_each_parameter_and_meta_uses_the_full_shapes(m
     time on every rank (a collective), rank 0 sending what was gathered."""
     deepspeed = pytest.importorskip("deepspeed")
     install_fake_vllm(monkeypatch)
-    from rstar2_core.cluster.weight_sync import NCCLSync, _param_meta
+    from rstar2_core.runtime.ray.weight_sync import NCCLSync, _param_meta
 
     trainer = _Trainer(2, zero_stage=3)
     full = {r: {n: p.data.clone() for n, p in s.backend.engine.module.named_parameters()}
@@ -182,10 +180,8 @@ def test_zero3_every_rank_gathers_each_parameter_and_meta_uses_the_full_shapes(m
 
     monkeypatch.setattr(deepspeed.zero, "GatheredParameters", gathered)
     assert _param_meta(trainer.shards[0]) == META and gathers == []
-    cfg = load_config("qwen3-14b-mi300x", ["cluster.nodes=1", 'cluster.layout="separate"', "cluster.trainer_gpus=2",
-                                           "rollout.num_engines=3", 'rollout.weight_sync="nccl"'])
     engines = _engines(3, 2, "nccl", tmp_path)
-    NCCLSync(SimpleNamespace(cfg=cfg, engines=engines, trainer=trainer)).push()
+    NCCLSync(SimpleNamespace(engines=engines, trainer=trainer)).push()
     assert sorted(gathers) == sorted((r, n) for r in range(2) for n in META[0])
     (sent, _), = FakeNCCLTrainerEngine.sent
     assert [n for n, _ in sent] == META[0]
@@ -199,8 +195,8 @@ def test_ipc_buckets_carry_the_colocated_ranks_handles_by_gpu_uuid_and_are_relea
     install_fake_vllm(monkeypatch)
     from torch.multiprocessing import reductions
 
-    from rstar2_core.cluster import weight_sync
-    from rstar2_core.cluster.layout import compute_layout
+    from rstar2_core.runtime.ray import weight_sync
+    from rstar2_core.runtime.ray.layout import compute_layout
 
     shared: list[tuple] = []     # what each handle points at: (GPU uuid, tensor)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: _RANK["current"])
@@ -211,7 +207,7 @@ def test_ipc_buckets_carry_the_colocated_ranks_handles_by_gpu_uuid_and_are_relea
     cfg = load_config("qwen3-14b-mi300x", ["cluster.nodes=1", "rollout.num_engines=4"])
     layout = compute_layout(cfg)
     trainer, engines = _Trainer(8), _engines(4, 2, "ipc", tmp_path)
-    sync = weight_sync.IPCSync(SimpleNamespace(cfg=cfg, engines=engines, trainer=trainer, layout=layout))
+    sync = weight_sync.IPCSync(SimpleNamespace(engines=engines, trainer=trainer, layout=layout))
     rep = sync.push()
     assert rep.mode == "ipc" and rep.bytes == 80
     buckets = [(["lin.weight", "lin.bias"], ["float32", "float32"], [[3, 4], [3]]),
@@ -240,8 +236,8 @@ def test_ipc_holds_each_bucket_until_the_engines_loaded_it(monkeypatch, tmp_path
     install_fake_vllm(monkeypatch)
     from torch.multiprocessing import reductions
 
-    from rstar2_core.cluster import weight_sync
-    from rstar2_core.cluster.layout import compute_layout
+    from rstar2_core.runtime.ray import weight_sync
+    from rstar2_core.runtime.ray.layout import compute_layout
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: _RANK["current"])
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(uuid=f"GPU-{i}"))
@@ -256,7 +252,7 @@ def test_ipc_holds_each_bucket_until_the_engines_loaded_it(monkeypatch, tmp_path
         await update(self, request)
 
     monkeypatch.setattr(FakeAsyncLLM, "update_weights", recording)
-    weight_sync.IPCSync(SimpleNamespace(cfg=cfg, engines=engines, trainer=trainer, layout=compute_layout(cfg))).push()
+    weight_sync.IPCSync(SimpleNamespace(engines=engines, trainer=trainer, layout=compute_layout(cfg))).push()
     assert held_at_load == [8 * 3] * 4          # one bucket (1 GiB default): all 3 tensors held on 8 ranks
     assert all("ipc_held" not in s.extras for s in trainer.shards)
     _close(engines)
@@ -344,12 +340,12 @@ def test_an_engine_failing_its_side_of_the_nccl_sync_fails_the_sync_instead_of_h
     Real: NCCLSync, ActorGroup, RemoteEngine, TrainerShardActor, EngineActor + VLLMEngine over the fake
     vllm; faked: Ray's processes (`_ThreadedActor`), the collective (a barrier of rank 0 and the engines)."""
     install_fake_vllm(monkeypatch)
-    from rstar2_core.cluster.engines import EngineActor, RemoteEngine
-    from rstar2_core.cluster.errors import ActorFailure
-    from rstar2_core.cluster.placement import ActorGroup
-    from rstar2_core.cluster.trainer import TrainerShardActor
-    from rstar2_core.cluster.weight_sync import NCCLSync
     from rstar2_core.rollout.vllm_engine import VLLMEngine
+    from rstar2_core.runtime.ray.engine_actors import EngineActor, RemoteEngine
+    from rstar2_core.runtime.ray.errors import ActorFailure
+    from rstar2_core.runtime.ray.placement import ActorGroup
+    from rstar2_core.runtime.ray.trainer_shards import TrainerShardActor
+    from rstar2_core.runtime.ray.weight_sync import NCCLSync
 
     collective = threading.Barrier(1 + 3)      # trainer rank 0 + 3 engines (one party each here)
     _fake_ray(monkeypatch, collective.abort)
@@ -398,10 +394,7 @@ def test_an_engine_failing_its_side_of_the_nccl_sync_fails_the_sync_instead_of_h
     setattr(fakes[1], vllm_method, fails)
     trainer = SimpleNamespace(group=group, names=["trainer-0", "trainer-1"], world=world,
                               actor=lambda r: group.actors[f"trainer-{r}"])
-    cfg = load_config("qwen3-14b-mi300x", ["cluster.nodes=1", 'cluster.layout="separate"', "cluster.trainer_gpus=2",
-                                           "rollout.num_engines=3", "rollout.tensor_parallel_size=1",
-                                           'rollout.weight_sync="nccl"'])
-    sync = NCCLSync(SimpleNamespace(cfg=cfg, engines=engines, trainer=trainer))
+    sync = NCCLSync(SimpleNamespace(engines=engines, trainer=trainer))
     seen: dict = {}
 
     def push():

@@ -10,16 +10,16 @@ of the layout, behind the `PolicyTrainer` protocol (rstar2_core/runtime/protocol
   placed (`ready_timeout_s`: `ActorStartTimeout` naming the shards still pending), initialises them
   together (the rendezvous blocks until every rank has joined), and runs each optimizer step on all
   ranks with the stage's step body (`TrainerStep`: rl.trainer.RL_STEP, sft.step.SFT_STEP): the step's
-  items ((trajectory, advantage) pairs or packed rows) are split by token count (runtime/sharding.py),
+  items ((trajectory, advantage) pairs or packed rows) are split by token count (rstar2_core/runtime/ray/sharding.py),
   every rank runs the same number of micro-batches (zero-weight padding passes where it has fewer), each
   rank's loss is the global token mean's share times the world size (DeepSpeed averages gradients over
   ranks), so the step's gradient is exactly that of the whole batch's token mean.
 
 Checkpoints: `save(staging_url)` has every rank take part (ZeRO-3 gathers the 16-bit weights to rank
 0, which writes the HF folder) and each rank write its own optimizer partition
-(`trainer/rank-NNNNN.pt`, runtime/trainer_state.py) straight to storage; `load_state(url)` reads them
+(`trainer/rank-NNNNN.pt`, rstar2_core/runtime/checkpoint.py) straight to storage; `load_state(url)` reads them
 back and refuses another world size. Weight sync: `weights_ref()` (object store) and the vLLM
-transfer calls in cluster/weight_sync.py.
+transfer calls in rstar2_core/runtime/ray/weight_sync.py.
 
     trainers = TrainerGroup(group, layout, model_factory, backend_options(cfg.rl, cfg.model, ...), RL_STEP)
     metrics = trainers.step(list(zip(trajectories, advantages)), micro_batch_size=8, pad_id=pad_id, ...)
@@ -35,10 +35,10 @@ from typing import Any
 
 import ray
 
-from rstar2_core.cluster.layout import TRAINER_SHARD_CPUS, ClusterLayout, TrainerShard
-from rstar2_core.cluster.placement import ActorGroup, bundle_strategy
 from rstar2_core.runtime.protocol import TrainerStep
-from rstar2_core.runtime.sharding import micro_batches_per_rank, split_by_weight
+from rstar2_core.runtime.ray.layout import TRAINER_SHARD_CPUS, ClusterLayout, TrainerShard
+from rstar2_core.runtime.ray.placement import ActorGroup, bundle_strategy
+from rstar2_core.runtime.ray.sharding import micro_batches_per_rank, split_by_weight
 
 
 class TrainerShardActor:
@@ -64,8 +64,8 @@ class TrainerShardActor:
                           WORLD_SIZE=str(self.world), LOCAL_RANK="0")
         import torch
 
-        from rstar2_core.cluster.engines import set_torch_threads
         from rstar2_core.models.deepspeed_backend import DeepSpeedBackend, deepspeed_config
+        from rstar2_core.runtime.ray.engine_actors import set_torch_threads
 
         set_torch_threads(self.threads)
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -110,7 +110,7 @@ class TrainerShardActor:
 
     def save(self, staging_url: str, optimizer: bool = True) -> None:
         from rstar2_core import storage
-        from rstar2_core.runtime.trainer_state import write_rank_state
+        from rstar2_core.runtime.checkpoint import write_rank_state
 
         with storage.staging_dir() as d:
             self.backend.save_hf(d)                  # collective under ZeRO-3; rank 0 writes
@@ -120,7 +120,7 @@ class TrainerShardActor:
             write_rank_state(staging_url, self.rank, self.world, self.backend.state_dict())
 
     def load_state(self, checkpoint_url: str) -> bool:
-        from rstar2_core.runtime.trainer_state import read_rank_state
+        from rstar2_core.runtime.checkpoint import read_rank_state
 
         state = read_rank_state(checkpoint_url, self.rank, self.world)
         if state is None:
@@ -129,7 +129,7 @@ class TrainerShardActor:
         return True
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run `fn(self, *args)` on this rank (the weight-transfer steps of cluster/weight_sync.py, which
+        """Run `fn(self, *args)` on this rank (the weight-transfer steps of rstar2_core/runtime/ray/weight_sync.py, which
         keep their per-rank state in `self.extras`)."""
         if not hasattr(self, "extras"):
             self.extras: dict[str, Any] = {}

@@ -37,8 +37,8 @@ class _Trainer:
 @pytest.fixture
 def engines(monkeypatch, tmp_path):
     install_fake_vllm(monkeypatch)
-    from rstar2_core.cluster.engines import EngineActor
     from rstar2_core.rollout.vllm_engine import VLLMEngine
+    from rstar2_core.runtime.ray.engine_actors import EngineActor
 
     ckpt = fake_checkpoint(tmp_path)
     actors = [EngineActor(None, factory=lambda: VLLMEngine(ckpt, sleep_mode=True)) for _ in range(2)]
@@ -51,15 +51,16 @@ def engines(monkeypatch, tmp_path):
 
 
 def _sync(cfg, engines, log):
-    from rstar2_core.cluster.weight_sync import make_weight_sync
+    from rstar2_core.runtime.ray.weight_sync import make_weight_sync
 
-    return make_weight_sync("object_store", SimpleNamespace(cfg=cfg, engines=engines, trainer=_Trainer(log)))
+    spec = SimpleNamespace(release_memory_during_training=cfg.rollout.release_memory_during_training)
+    return make_weight_sync("object_store", SimpleNamespace(spec=spec, engines=engines, trainer=_Trainer(log)))
 
 
 def test_engines_sleep_through_the_trainer_step_and_wake_around_the_transfer(engines):
     engines, log = engines
     sync = _sync(load_config("qwen3-14b-mi300x", SLEEP_CFG), engines, log)
-    from rstar2_core.cluster.runtime import RayRuntime
+    from rstar2_core.runtime.ray.ray_runtime import RayRuntime
 
     rt = SimpleNamespace(weight_sync=sync)
     for _ in range(2):                          # two steps: the second sleeps again
@@ -145,6 +146,6 @@ def test_rl_step_trains_and_syncs_inside_training_after_the_rollout(monkeypatch)
     monkeypatch.setattr(rollout, "rollout_groups", fake_rollout)
     rt = _StepRuntime(log, group)
     out = asyncio.run(rl_step(rt, SimpleNamespace(shared_prompt_len=0), [SimpleNamespace(problem="p", answer="1")],
-                              cfg=cfg, limits=None, seed=0, pad_id=0))
+                              rl=cfg.rl, rollout=cfg.rollout, limits=None, seed=0, pad_id=0))
     assert out.stepped
     assert log == ["rollout", "grade", "training:enter", "trainer.step", "sync_weights", "training:exit"]

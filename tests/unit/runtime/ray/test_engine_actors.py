@@ -10,10 +10,10 @@ import asyncio
 import pytest
 import torch
 
-from rstar2_core.cluster.errors import ActorFailure
-from rstar2_core.cluster.layout import compute_layout
 from rstar2_core.config import load_config
 from rstar2_core.rollout.types import GenerationOutput, SamplingParams
+from rstar2_core.runtime.ray.errors import ActorFailure
+from rstar2_core.runtime.ray.layout import compute_layout
 
 
 class FakeEngine:
@@ -82,9 +82,9 @@ class _Trainer:
 def test_remote_engines_generate_and_sync_weights(ray_here):
     from types import SimpleNamespace
 
-    from rstar2_core.cluster.engines import start_engines
-    from rstar2_core.cluster.placement import ActorGroup
-    from rstar2_core.cluster.weight_sync import make_weight_sync
+    from rstar2_core.runtime.ray.engine_actors import start_engines
+    from rstar2_core.runtime.ray.placement import ActorGroup
+    from rstar2_core.runtime.ray.weight_sync import make_weight_sync
 
     layout = _cpu_layout(2)
     with ActorGroup(None) as group:
@@ -119,8 +119,8 @@ def test_remote_engines_generate_and_sync_weights(ray_here):
 def test_dead_engine_raises_actor_failure(ray_here, kill_and_wait):
     import ray
 
-    from rstar2_core.cluster.engines import start_engines
-    from rstar2_core.cluster.placement import ActorGroup
+    from rstar2_core.runtime.ray.engine_actors import start_engines
+    from rstar2_core.runtime.ray.placement import ActorGroup
 
     with ActorGroup(None) as group:
         engines = start_engines(group, _cpu_layout(2), factory=_fake_factory)
@@ -133,8 +133,8 @@ def test_dead_engine_raises_actor_failure(ray_here, kill_and_wait):
 
 
 def test_production_engine_options_pin_tp_workers():
-    from rstar2_core.cluster.engines import engine_actor_options
-    from rstar2_core.runtime.engines import EngineSpec
+    from rstar2_core.runtime.ray.engine_actors import engine_actor_options
+    from rstar2_core.runtime.specs import engine_spec
 
     cfg = load_config("qwen3-14b-mi300x")
     layout = compute_layout(cfg)
@@ -144,7 +144,7 @@ def test_production_engine_options_pin_tp_workers():
     tp1 = compute_layout(load_config("qwen3-14b-mi300x", ["rollout.tensor_parallel_size=1",
                                                           "rollout.num_engines=64"]))
     assert engine_actor_options(tp1.engines[9], None) == {"num_cpus": 1, "num_gpus": 0.5}
-    spec = EngineSpec.from_config(cfg, "s3://rstar2-artifacts/runs/x/sft", 12288 + 2048, "cuda")
+    spec = engine_spec(cfg, "s3://rstar2-artifacts/runs/x/sft", 12288 + 2048, "cuda")
     assert (spec.kind, spec.tensor_parallel_size, spec.dtype, spec.weight_transfer) == ("vllm", 2, "bfloat16", "ipc")
     actor = spec.for_actor("cuda", tp_over_ray=True)
     assert actor.distributed_executor_backend == "ray" and actor.max_model_len == 12288 + 2048
@@ -192,14 +192,15 @@ def _env(opts: dict) -> dict:
 def test_ipc_engines_and_only_they_allow_vllms_pickle_fallback(overrides, ipc):
     """IPC update infos hold reduce_tensor handles, which vLLM's msgpack encoder refuses unless
     VLLM_ALLOW_INSECURE_SERIALIZATION=1; every other engine keeps vLLM's safe default."""
-    from rstar2_core.cluster.engines import start_engines
-    from rstar2_core.runtime.engines import EngineSpec
+    from rstar2_core.runtime import RuntimeSpec
+    from rstar2_core.runtime.ray.engine_actors import start_engines
 
     cfg = load_config("qwen3-14b-mi300x", overrides)
-    spec = EngineSpec.from_config(cfg, "s3://rstar2-artifacts/runs/x/sft", 12288, "cuda")
-    assert spec.weight_transfer == ("ipc" if ipc else "nccl")
+    spec = RuntimeSpec.from_config(cfg, policy_url="s3://rstar2-artifacts/runs/x/sft", max_model_len=12288)
+    assert {e.weight_transfer for e in spec.engines} == {"ipc" if ipc else "nccl"}
+    assert [e.seed for e in spec.engines] == [cfg.rl.seed + i for i in range(cfg.rollout.num_engines)]
     group = _RecordingGroup()
-    engines = start_engines(group, compute_layout(cfg), spec)
+    engines = start_engines(group, spec.layout, spec.engines)
     assert len(engines) == len(group.options) == cfg.rollout.num_engines
     for opts in group.options.values():
         env = _env(opts)

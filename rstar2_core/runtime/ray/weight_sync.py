@@ -27,7 +27,7 @@ RL steps, and vLLM engines additionally pause generation and reset their prefix 
   merges, per engine, the handles of the ranks colocated with its workers and the engine loads them
   (vLLM's unpacked IPC update info), then the ranks drop the bucket; the engines close the update. No
   copy leaves the GPU. The engine actors run with `VLLM_ALLOW_INSECURE_SERIALIZATION=1`
-  (cluster/engines.py `engine_actor_options`: vLLM's msgpack encoder refuses the handles without its
+  (rstar2_core/runtime/ray/engine_actors.py `engine_actor_options`: vLLM's msgpack encoder refuses the handles without its
   pickle fallback).
 
 Sleep mode (`rollout.release_memory_during_training`, vLLM engines in the colocated layout): the RL
@@ -42,13 +42,13 @@ GPU only: `nccl` and `ipc` are written against vLLM 0.32's weight-transfer API a
 in this project. What runs for real on CPU (tests/vllm/): the engine side of the protocol against vLLM's
 CPU build (an update without a start, unknown update keys and a finish without a start are refused the
 way the fake of the GPU-only paths refuses them). What is tested in one process
-(tests/unit/cluster/test_weight_transfer.py): the `NCCLSync` and `IPCSync` drivers, the per-rank steps
+(tests/unit/runtime/ray/test_weight_transfer.py): the `NCCLSync` and `IPCSync` drivers, the per-rank steps
 through the real `TrainerShardActor.call`, and the real `EngineActor` + `VLLMEngine` over a strict fake
 `vllm` (tests/vllm_fake.py): what each engine is told per push or bucket, the NCCL rank offsets, which
 ranks' handles (by GPU UUID) reach which engine, what rank 0 sends, that every rank joins each ZeRO-3
 gather, that IPC buckets stay alive until loaded, and that an engine raising or dying in its side of the
 NCCL rendezvous or broadcast fails the sync (after the group shut down) instead of leaving it waiting.
-Not tested: real NCCL, CUDA IPC, vLLM on GPUs. Sleep mode: tests/unit/cluster/test_sleep_mode.py.
+Not tested: real NCCL, CUDA IPC, vLLM on GPUs. Sleep mode: tests/unit/runtime/ray/test_sleep_mode.py.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ class _Sync:
     def training(self) -> Iterator[None]:
         """Around the optimizer step and its push: with `rollout.release_memory_during_training` the
         engines sleep on entry; the push wakes them, or, without one, a normal exit does (module docstring)."""
-        if self.rt.cfg.rollout.release_memory_during_training and not self.asleep:
+        if self.rt.spec.release_memory_during_training and not self.asleep:
             self._call_engines("sleep", 1)
             self.asleep = True
         yield

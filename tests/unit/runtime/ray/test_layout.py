@@ -7,8 +7,8 @@ from collections import Counter
 
 import pytest
 
-from rstar2_core.cluster.layout import LayoutError, compute_layout, driver_conflicts
 from rstar2_core.config import ConfigError, load_config
+from rstar2_core.runtime.ray.layout import LayoutError, compute_layout, driver_conflicts
 
 
 def test_production_layout_uses_64_gpus_colocated():
@@ -99,8 +99,8 @@ def test_cpu_only_layout_runs_engines_in_the_driver():
 ])
 def test_every_bundle_holds_the_cpus_its_actors_ask(overrides):
     """The CPUs the real option builders ask of each GPU bundle fit it (else Ray leaves one pending)."""
-    from rstar2_core.cluster.engines import engine_actor_options
-    from rstar2_core.cluster.trainer import trainer_shard_options
+    from rstar2_core.runtime.ray.engine_actors import engine_actor_options
+    from rstar2_core.runtime.ray.trainer_shards import trainer_shard_options
 
     lay = compute_layout(load_config("qwen3-14b-mi300x", overrides))
     demand = Counter()

@@ -1,9 +1,9 @@
 """Inference engines as Ray actors: `EngineActor` (one engine built inside the actor) and `RemoteEngine`.
 
 - `EngineActor(spec, threads)`: an async Ray actor (many `generate` calls in flight) holding one engine
-  built inside it by `rstar2_core.runtime.engines.build_engine(spec)` (the same builder as the local
+  built inside it by `rstar2_core.runtime.engine_builder.build_engine(spec)` (the same builder as the local
   runtime), so GPU state never crosses processes. It also answers the weight-sync calls of
-  cluster/weight_sync.py and the rehearsal faults (`fail_requests`).
+  rstar2_core/runtime/ray/weight_sync.py and the rehearsal faults (`fail_requests`).
 - `RemoteEngine(handle, name, tp, on_failure)`: the driver-side proxy; it implements the `Engine` protocol
   (rollout/types.py), so `rollout_groups(engines=[RemoteEngine, ...])` schedules over the cluster
   unchanged. An actor death noticed by any of its calls (`generate` included) surfaces as `ActorFailure`
@@ -27,16 +27,16 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
 
-from rstar2_core.cluster.errors import ActorFailure
-from rstar2_core.cluster.layout import ENGINE_ACTOR_CPUS, ClusterLayout, EngineSlot
-from rstar2_core.cluster.placement import _ACTOR_DEATHS, ActorGroup, bundle_strategy
 from rstar2_core.rollout.types import GenerationOutput, SamplingParams
-from rstar2_core.runtime.engines import EngineFault, EngineSpec, build_engine, engine_busy_seconds
+from rstar2_core.runtime.engine_builder import EngineFault, EngineSpec, build_engine, engine_busy_seconds
+from rstar2_core.runtime.ray.errors import ActorFailure
+from rstar2_core.runtime.ray.layout import ENGINE_ACTOR_CPUS, ClusterLayout, EngineSlot
+from rstar2_core.runtime.ray.placement import _ACTOR_DEATHS, ActorGroup, bundle_strategy
 
 VISIBLE_DEVICE_VARS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
 """What an actor with `num_gpus: 0` inherits from Ray that would hide the GPUs from vLLM's Ray executor."""
@@ -193,14 +193,16 @@ def engine_actor_options(slot: EngineSlot, pg: Any | None, weight_transfer: str 
     return opts
 
 
-def start_engines(group: ActorGroup, layout: ClusterLayout, spec: EngineSpec | None = None, *, threads: int = 0,
-                  factory: Callable[[int], Callable[[], Any]] | None = None,
+def start_engines(group: ActorGroup, layout: ClusterLayout, specs: Sequence[EngineSpec] | None = None, *,
+                  threads: int = 0, factory: Callable[[int], Callable[[], Any]] | None = None,
                   ready_timeout_s: float | None = None) -> list[RemoteEngine]:
-    """One `EngineActor` per engine slot of `layout`, in `group`; waits until every engine is built, at
-    most `ready_timeout_s` (then `ActorStartTimeout` naming the engines still pending, retryable).
-    `factory(i)` overrides how engine i is built (tests use a fake engine)."""
-    if (spec is None) == (factory is None):
-        raise ValueError("start_engines needs exactly one of spec= or factory=")
+    """One `EngineActor` per engine slot of `layout` (slot i builds `specs[i]`), in `group`; waits until
+    every engine is built, at most `ready_timeout_s` (then `ActorStartTimeout` naming the engines still
+    pending, retryable). `factory(i)` overrides how engine i is built (tests use a fake engine)."""
+    if (specs is None) == (factory is None):
+        raise ValueError("start_engines needs exactly one of specs= or factory=")
+    if specs is not None and len(specs) != len(layout.engines):
+        raise ValueError(f"{len(specs)} engine specs for the layout's {len(layout.engines)} engine slots")
     names, out = [], []
     for slot in layout.engines:
         name = f"engine-{slot.index}"
@@ -208,11 +210,8 @@ def start_engines(group: ActorGroup, layout: ClusterLayout, spec: EngineSpec | N
             args = (None, threads, factory(slot.index))
         else:
             device = "cuda" if layout.gpus_per_node else "cpu"
-            from dataclasses import replace
-
-            s = replace(spec, seed=spec.seed + slot.index).for_actor(device, tp_over_ray=slot.tp > 1)
-            args = (s, threads)
-        opts = engine_actor_options(slot, group.pg(slot.node), spec.weight_transfer if spec is not None else None)
+            args = (specs[slot.index].for_actor(device, tp_over_ray=slot.tp > 1), threads)
+        opts = engine_actor_options(slot, group.pg(slot.node), specs[0].weight_transfer if specs else None)
         handle = group.spawn(name, EngineActor, *args, **opts)
         names.append(name)
         out.append(RemoteEngine(handle, name, slot.tp, on_failure=group.shutdown))

@@ -13,11 +13,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from rstar2_core import storage
 from rstar2_core.models.backend import make_backend
-from rstar2_core.models.io import load_model_and_tokenizer
-from rstar2_core.runtime.protocol import TrainerSpec
-from rstar2_core.runtime.trainer_state import read_rank_state, write_rank_state
+from rstar2_core.models.io import load_model_and_tokenizer, write_hf_folder
+from rstar2_core.runtime.checkpoint import read_rank_state, write_rank_state
+from rstar2_core.runtime.specs import TrainerSetup
 
 
 def ensure_single_process_env() -> None:
@@ -36,15 +35,15 @@ class LocalTrainer:
 
     world_size = 1
 
-    def __init__(self, cfg: Any, policy_url: str, spec: TrainerSpec, device: str):
-        section = getattr(cfg, spec.section)
-        if cfg.model.dtype != "float32" and device == "cpu" and section.backend == "deepspeed":
-            raise ValueError(f"{spec.section}.backend = \"deepspeed\" trains model.dtype = \"{cfg.model.dtype}\" on GPUs "
+    def __init__(self, setup: TrainerSetup, policy_url: str, device: str):
+        spec, optim, dtype = setup.spec, setup.optim, setup.model.dtype
+        if dtype != "float32" and device == "cpu" and optim.backend == "deepspeed":
+            raise ValueError(f"{spec.section}.backend = \"deepspeed\" trains model.dtype = \"{dtype}\" on GPUs "
                              "only and this process has none: set model.dtype = \"float32\" or run on a GPU node")
-        model, _ = load_model_and_tokenizer(policy_url, dtype=cfg.model.dtype, device=device)
-        if section.backend == "deepspeed":
+        model, _ = load_model_and_tokenizer(policy_url, dtype=dtype, device=device)
+        if optim.backend == "deepspeed":
             ensure_single_process_env()
-        self.backend = make_backend(model, section, spec.total_steps, spec.warmup_steps, spec.schedule, cfg.model)
+        self.backend = make_backend(model, optim, spec.total_steps, spec.warmup_steps, spec.schedule, setup.model)
         self.spec = spec
         self.busy_s = 0.0
 
@@ -76,13 +75,7 @@ class LocalTrainer:
         return True
 
     def save(self, staging_url: str, optimizer: bool = True) -> None:
-        local = storage.to_local_path(staging_url)
-        if local is not None:
-            self.backend.save_hf(local)
-        else:
-            with storage.staging_dir() as d:
-                self.backend.save_hf(d)
-                storage.upload_dir(d, staging_url)
+        write_hf_folder(self.backend.save_hf, staging_url)
         if optimizer:
             write_rank_state(staging_url, 0, 1, self.backend.state_dict())
 

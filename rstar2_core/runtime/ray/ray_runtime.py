@@ -1,10 +1,11 @@
-"""`RayRuntime`: the `StageRuntime` (rstar2_core/runtime/protocol.py) on a Ray cluster.
+"""`RayRuntime`: the `StageRuntime` (runtime/protocol.py) on a Ray cluster, built from a
+`RuntimeSpec` (runtime/specs.py).
 
 Start order: Ray (connected, or started locally from `cluster.*`) -> one placement group per node
 (layout.py) -> trainer shards (they briefly hold the model on their device before ZeRO partitions it,
 so they go before the engines reserve KV-cache memory; under ZeRO-3 the model is built partitioned)
--> inference engines (`runtime.engines.build_engine` inside each actor) -> the sandbox pool on the
-layout's sandbox bundles (cluster/sandbox_pool.py) -> the grader pool in this driver process. If any
+-> inference engines (`runtime.engine_builder.build_engine` inside each actor) -> the sandbox pool on the
+layout's sandbox bundles (rstar2_core/runtime/ray/sandbox_pool.py) -> the grader pool in this driver process. If any
 start fails, whatever started is stopped before the error propagates. An actor death later raises
 `ActorFailure` (retryable) from the call that noticed it, after the whole group was shut down; leaving
 the `async with` block stops every actor and removes the placement groups in any case (each cleanup
@@ -12,19 +13,19 @@ step runs even when one before it fails; a cleanup error never replaces the erro
 
 One runtime per process at a time (`_OPEN`: a second one, e.g. an evaluation running in a thread beside
 the next RL stage, waits for the first to close), and one runtime-driving pipeline task per cluster at
-a time (the `rstar2_runtime` resource, cluster/ray_init.py): a runtime's layout takes the cluster. A
+a time (the `rstar2_runtime` resource, rstar2_core/runtime/ray/connect.py): a runtime's layout takes the cluster. A
 constructor that fails anywhere after taking `_OPEN` (e.g. an S3 error reading the tokenizer, Ray, the
 placement groups, an actor) releases it, so the Prefect retry of the task in the same process can open
 the next runtime.
 
-Weight sync (`rollout.weight_sync`, cluster/weight_sync.py): `object_store` (rank 0's state dict, one
+Weight sync (`rollout.weight_sync`, rstar2_core/runtime/ray/weight_sync.py): `object_store` (rank 0's state dict, one
 `ray.put`, every engine loads the same object), `checkpoint` (engines reload the published step),
 `nccl` / `ipc` (vLLM's weight transfer, GPU only). Faults (`inject_fault`): `kill-engine` SIGKILLs
 engine actor 0, `kill-trainer` trainer rank 1 (rank 0 with one rank), `engine-errors` makes engine
 actor 0 fail every request.
 
-    async with RayRuntime(cfg, policy_url=url, max_model_len=n, trainer=TrainerSpec("rl", 510, 20, "constant",
-                                                                                   RL_STEP)) as rt:
+    spec = RuntimeSpec.from_config(cfg, policy_url=url, max_model_len=n, trainer=TrainerSpec(...))
+    async with RayRuntime(spec) as rt:      # what open_runtime(cfg, ...) does for cluster.runtime = "ray"
         ...
 """
 
@@ -38,14 +39,14 @@ from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 from typing import Any, Self
 
-from rstar2_core.cluster.engines import RemoteEngine, start_engines
-from rstar2_core.cluster.layout import ClusterLayout, compute_layout
-from rstar2_core.cluster.placement import ActorGroup, kill_and_wait
-from rstar2_core.cluster.ray_init import ensure_ray
-from rstar2_core.cluster.trainer import TrainerGroup
-from rstar2_core.cluster.weight_sync import make_weight_sync
-from rstar2_core.runtime.engines import EngineSpec
-from rstar2_core.runtime.protocol import OwnedGrader, RuntimeUsage, TrainerSpec, WeightSyncReport
+from rstar2_core.config.sections import ClusterConfig, SandboxConfig
+from rstar2_core.runtime.protocol import OwnedGrader, RuntimeUsage, WeightSyncReport
+from rstar2_core.runtime.ray.connect import ensure_ray
+from rstar2_core.runtime.ray.engine_actors import RemoteEngine, start_engines
+from rstar2_core.runtime.ray.placement import ActorGroup, kill_and_wait
+from rstar2_core.runtime.ray.trainer_shards import TrainerGroup
+from rstar2_core.runtime.ray.weight_sync import make_weight_sync
+from rstar2_core.runtime.specs import RuntimeSpec
 
 _OPEN = threading.Lock()
 log = logging.getLogger(__name__)
@@ -58,38 +59,37 @@ def load_policy(checkpoint_url: str, dtype: str):
     return load_model_and_tokenizer(checkpoint_url, dtype=dtype, device="cpu")[0]
 
 
-def actor_threads(cfg: Any) -> int:
+def actor_threads(cluster: ClusterConfig) -> int:
     """torch threads per engine/trainer actor (`cluster.actor_torch_threads`; 0 = 1 on CPU-only clusters)."""
-    if cfg.cluster.actor_torch_threads:
-        return cfg.cluster.actor_torch_threads
-    return 0 if cfg.cluster.gpus_per_node else 1
+    if cluster.actor_torch_threads:
+        return cluster.actor_torch_threads
+    return 0 if cluster.gpus_per_node else 1
 
 
 class RayRuntime:
     """Trainer shards, engines, sandbox pool and grader of one stage on Ray (see the module docstring).
 
-    `layout`, `model_factory`, `engine_factory` (index -> zero-argument engine builder),
-    `sandbox_factory` ((sandbox config, [(placement group, bundle, CPUs)]) -> pool) and `tokenizer`
-    replace the production builders (tests pass fakes)."""
+    `model_factory`, `engine_factory` (index -> zero-argument engine builder), `sandbox_factory`
+    ((sandbox config, [(placement group, bundle, CPUs)]) -> pool) and `tokenizer` replace the production
+    builders (tests pass fakes)."""
 
     kind = "ray"
 
-    def __init__(self, cfg: Any, *, policy_url: str, max_model_len: int | None = None,
-                 trainer: TrainerSpec | None = None, engines: bool = True, sandbox: bool = True, grader: bool = True,
-                 layout: ClusterLayout | None = None, model_factory: Any = None, engine_factory: Any = None,
+    def __init__(self, spec: RuntimeSpec, *, model_factory: Any = None, engine_factory: Any = None,
                  sandbox_factory: Any = None, tokenizer: Any = None):
-        from rstar2_core.config.runtime_rules import resolved_weight_sync
         from rstar2_core.models.backend import backend_options
         from rstar2_core.models.io import load_tokenizer
 
-        self.cfg, self.policy_url = cfg, policy_url
+        if spec.layout is None:
+            raise ValueError("RayRuntime needs a RuntimeSpec with its layout (RuntimeSpec.from_config with "
+                             "cluster.runtime = \"ray\")")
+        self.spec, self.policy_url = spec, spec.policy_url
         self.engines: list[RemoteEngine] = []
         self.trainer: TrainerGroup | None = None
         self.sandbox = None
         self.grader = None
         self._grader = OwnedGrader()
         self.group: ActorGroup | None = None
-        self._want_grader = grader
         self._holds_lock = False
         if not _OPEN.acquire(blocking=False):
             log.info("another stage's RayRuntime is open in this process; waiting for it to close (a runtime's "
@@ -97,29 +97,28 @@ class RayRuntime:
             _OPEN.acquire()
         self._holds_lock = True
         try:   # from here on every failure releases _OPEN (through _shutdown), or a retry here would wait forever
-            self.weight_sync_mode = resolved_weight_sync(cfg)
-            self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(policy_url)
-            ensure_ray(cfg)
-            self.layout = layout or compute_layout(cfg)
-            self.group = ActorGroup(self.layout, timeout_s=cfg.cluster.placement_timeout_s,
-                                    prefix=f"rt-{uuid.uuid4().hex[:6]}-")
-            threads = actor_threads(cfg)
-            if trainer is not None:
-                section = getattr(cfg, trainer.section)
-                opts = backend_options(section, cfg.model, total_steps=trainer.total_steps,
-                                       warmup_steps=trainer.warmup_steps, schedule=trainer.schedule)
+            cluster, timeout = spec.cluster, spec.cluster.placement_timeout_s
+            self.weight_sync_mode = spec.weight_sync
+            self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(spec.policy_url)
+            ensure_ray(cluster)
+            self.layout = spec.layout
+            self.group = ActorGroup(self.layout, timeout_s=timeout, prefix=f"rt-{uuid.uuid4().hex[:6]}-")
+            threads = actor_threads(cluster)
+            if spec.trainer is not None:
+                t = spec.trainer
+                opts = backend_options(t.optim, t.model, total_steps=t.spec.total_steps,
+                                       warmup_steps=t.spec.warmup_steps, schedule=t.spec.schedule)
                 self.trainer = TrainerGroup(self.group, self.layout,
-                                            model_factory or partial(load_policy, policy_url, cfg.model.dtype),
-                                            opts, trainer.step, threads=threads,
-                                            ready_timeout_s=cfg.cluster.placement_timeout_s)
-            if engines:
-                spec = None if engine_factory else EngineSpec.from_config(cfg, policy_url, max_model_len, "cpu")
-                self.engines = start_engines(self.group, self.layout, spec, threads=threads, factory=engine_factory,
-                                             ready_timeout_s=cfg.cluster.placement_timeout_s)
-            if sandbox:
+                                            model_factory or partial(load_policy, spec.policy_url, t.model.dtype),
+                                            opts, t.spec.step, threads=threads, ready_timeout_s=timeout)
+            if spec.engines:
+                self.engines = start_engines(self.group, self.layout, None if engine_factory else spec.engines,
+                                             threads=threads, factory=engine_factory, ready_timeout_s=timeout)
+            if spec.sandbox is not None:
                 placements = [(self.group.pg(s.node), s.bundle_index, s.cpus) for s in self.layout.sandbox_actors]
-                self.sandbox = (sandbox_factory or _ray_sandbox)(cfg.sandbox, placements)
-            self.weight_sync = make_weight_sync(self.weight_sync_mode, self) if (trainer and engines) else None
+                self.sandbox = (sandbox_factory or _ray_sandbox)(spec.sandbox, placements)
+            self.weight_sync = (make_weight_sync(self.weight_sync_mode, self)
+                                if spec.trainer is not None and spec.engines else None)
         except BaseException as e:
             self._shutdown(e)
             raise
@@ -128,8 +127,8 @@ class RayRuntime:
         try:
             if self.sandbox is not None and hasattr(self.sandbox, "health"):
                 await self.sandbox.health()
-            if self._want_grader:
-                self.grader = self._grader.open(self.cfg)
+            if self.spec.grader_timeout_s is not None:
+                self.grader = self._grader.open(self.spec.grader_timeout_s)
         except BaseException as e:
             await self._aclose(e)
             raise
@@ -141,7 +140,7 @@ class RayRuntime:
     # --------------------------------------------------------------------------------------- steps
     def training(self) -> AbstractContextManager[None]:
         """Around an optimizer step and its weight sync: colocated vLLM engines sleep while the trainer
-        steps (`rollout.release_memory_during_training`; cluster/weight_sync.py), a no-op otherwise."""
+        steps (`rollout.release_memory_during_training`; rstar2_core/runtime/ray/weight_sync.py), a no-op otherwise."""
         return self.weight_sync.training() if self.weight_sync is not None else nullcontext()
 
     def sync_weights(self, checkpoint_url: str | None = None) -> WeightSyncReport:
@@ -172,7 +171,7 @@ class RayRuntime:
         busy: tuple[float, ...] = ()
         if self.engines:
             busy = tuple(self.engines[0].get([e.handle.busy_seconds.remote() for e in self.engines]))
-        return RuntimeUsage(busy, max(1, self.cfg.rollout.tensor_parallel_size) if self.layout.gpus_per_node else 1,
+        return RuntimeUsage(busy, max(1, self.spec.tensor_parallel_size) if self.layout.gpus_per_node else 1,
                             tuple(self.trainer.busy) if self.trainer is not None else ())
 
     # ------------------------------------------------------------------------------------ closing
@@ -224,7 +223,7 @@ class RayRuntime:
                     type(first).__name__, first)
 
 
-def _ray_sandbox(sandbox_cfg: Any, placements: list[tuple]):
-    from rstar2_core.cluster.sandbox_pool import RaySandboxPool
+def _ray_sandbox(sandbox_cfg: SandboxConfig, placements: list[tuple]):
+    from rstar2_core.runtime.ray.sandbox_pool import RaySandboxPool
 
     return RaySandboxPool(sandbox_cfg, placements=placements)

@@ -32,17 +32,16 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rstar2_core.cluster.errors import ActorConfigError, ActorFailure, ActorStartTimeout, PlacementTimeout
-from rstar2_core.cluster.layout import ClusterLayout
+from rstar2_core.runtime.ray.errors import (
+    ActorConfigError,
+    ActorFailure,
+    ActorStartTimeout,
+    PlacementTimeout,
+    ray_actor_deaths,
+)
+from rstar2_core.runtime.ray.layout import ClusterLayout
 
-# Ray's errors for an actor or its process gone. tasks/retry.py `_ray_infra_errors` keeps its own list
-# (rstar2_core must not import tasks): every name here must be there too, or such a death reaching a task
-# as Ray raised it (not wrapped in ActorFailure) would not be retried (tests/unit/cluster/test_placement.py
-# checks it).
-_ACTOR_DEATHS = tuple(getattr(ray.exceptions, n) for n in
-                      ("RayActorError", "ActorDiedError", "ActorUnavailableError", "WorkerCrashedError",
-                       "NodeDiedError", "OwnerDiedError", "LocalRayletDiedError")
-                      if hasattr(ray.exceptions, n))
+_ACTOR_DEATHS = ray_actor_deaths()   # the one list: runtime/ray/errors.py
 
 
 _UNAVAILABLE = tuple(getattr(ray.exceptions, n) for n in ("ActorUnavailableError",) if hasattr(ray.exceptions, n))

@@ -14,9 +14,9 @@ import time
 import psutil
 import pytest
 
-from rstar2_core.cluster.errors import ActorConfigError, ActorFailure, ActorStartTimeout, PlacementTimeout
-from rstar2_core.cluster.layout import LayoutError, compute_layout
 from rstar2_core.config import load_config
+from rstar2_core.runtime.ray.errors import ActorConfigError, ActorFailure, ActorStartTimeout, PlacementTimeout
+from rstar2_core.runtime.ray.layout import LayoutError, compute_layout
 
 pytestmark = pytest.mark.slow
 
@@ -52,7 +52,7 @@ def _pg_states(ray, pgs) -> set[str]:
 
 def test_killed_actor_fails_the_group_cleanly(ray_here):
     ray = ray_here
-    from rstar2_core.cluster.placement import ActorGroup, bundle_strategy
+    from rstar2_core.runtime.ray.placement import ActorGroup, bundle_strategy
 
     layout = compute_layout(load_config("tiny"))  # one CPU bundle (2 CPUs - 1 for the driver)
     group = ActorGroup(layout, timeout_s=60, prefix="t-kill-")
@@ -84,15 +84,19 @@ def test_pipeline_retry_rule_retries_actor_failures():
     assert retry.is_infrastructure_error(PlacementTimeout("no GPUs"))
 
 
-def test_every_actor_death_of_the_cluster_layer_is_retried_by_the_pipeline():
-    """placement._ACTOR_DEATHS and tasks/retry.py's Ray errors are two hand-written lists (rstar2_core may not
-    import tasks): a death the cluster layer knows must be retried when it reaches a task unwrapped."""
-    retry = pytest.importorskip("tasks.retry")
-    from rstar2_core.cluster.placement import _ACTOR_DEATHS
+def test_every_actor_death_of_the_ray_backend_is_retried_by_the_pipeline():
+    """One list of Ray's errors (runtime/ray/errors.py): what placement treats as an actor death is what the
+    retry rule retries when such a death reaches a task unwrapped, with Ray's current class names."""
+    import ray.exceptions as rex
 
-    deaths = {c.__name__ for c in _ACTOR_DEATHS}
-    assert "RayActorError" in deaths
-    assert deaths <= {c.__name__ for c in retry._ray_infra_errors()}
+    from rstar2_core.runtime.ray import placement
+    from rstar2_core.runtime.ray.errors import ray_actor_deaths, ray_infra_errors
+    from tasks import retry
+
+    assert placement._ACTOR_DEATHS == ray_actor_deaths() and rex.RayActorError in ray_actor_deaths()
+    assert set(ray_actor_deaths()) < set(ray_infra_errors())
+    for cls in ray_infra_errors():
+        assert retry.is_infrastructure_error(cls.__new__(cls)), cls
 
 
 def test_a_class_named_by_a_remote_traceback_is_never_imported(tmp_path, monkeypatch):
@@ -102,7 +106,7 @@ def test_a_class_named_by_a_remote_traceback_is_never_imported(tmp_path, monkeyp
     import sys
     from types import SimpleNamespace
 
-    from rstar2_core.cluster.placement import creation_config_error
+    from rstar2_core.runtime.ray.placement import creation_config_error
 
     (tmp_path / "rstar2_remote_only.py").write_text(
         "import os\nos.environ['RSTAR2_REMOTE_ONLY_RAN'] = '1'\nraise RuntimeError('no GPU driver here')\n"
@@ -118,13 +122,13 @@ def test_a_class_named_by_a_remote_traceback_is_never_imported(tmp_path, monkeyp
     assert "rstar2_remote_only" not in sys.modules and "RSTAR2_REMOTE_ONLY_RAN" not in os.environ
     assert creation_config_error(death("no_such_pkg.Error: x")) is None
     assert creation_config_error(death("ValueError: bad")) == "ValueError: bad"
-    layout_error = "rstar2_core.cluster.layout.LayoutError: set rollout.num_engines = 32"
+    layout_error = "rstar2_core.runtime.ray.layout.LayoutError: set rollout.num_engines = 32"
     assert creation_config_error(death(layout_error)) == layout_error
 
 
 def test_unsatisfiable_layout_times_out_and_frees_what_it_made(local_ray):
     ray = local_ray
-    from rstar2_core.cluster.placement import create_placement_groups
+    from rstar2_core.runtime.ray.placement import create_placement_groups
 
     layout = compute_layout(load_config("tiny", ["cluster.cpus_per_node=64"]))  # 63 CPUs on a 2-CPU Ray
     before = {k for k, v in ray.util.placement_group_table().items() if v["state"] != "REMOVED"}
@@ -152,7 +156,7 @@ class _FailsToStart:
 ])
 def test_constructor_config_errors_are_not_retried(ray_here, exc, config):
     retry = pytest.importorskip("tasks.retry")
-    from rstar2_core.cluster.placement import ActorGroup
+    from rstar2_core.runtime.ray.placement import ActorGroup
 
     group = ActorGroup(None)
     group.spawn("engine-0", Worker, num_cpus=0)
@@ -184,9 +188,9 @@ def test_engines_not_ready_in_time_raise_a_retryable_error_naming_them(ray_here)
     its timeout, names the engine and shuts the group down. A second engine still constructing is named
     too; the one that started is not."""
     retry = pytest.importorskip("tasks.retry")
-    from rstar2_core.cluster.engines import start_engines
-    from rstar2_core.cluster.layout import Bundle, ClusterLayout, EngineSlot, PlacementGroupSpec
-    from rstar2_core.cluster.placement import ActorGroup, bundle_strategy
+    from rstar2_core.runtime.ray.engine_actors import start_engines
+    from rstar2_core.runtime.ray.layout import Bundle, ClusterLayout, EngineSlot, PlacementGroupSpec
+    from rstar2_core.runtime.ray.placement import ActorGroup, bundle_strategy
 
     layout = ClusterLayout("colocated", 1, 0, 2, (PlacementGroupSpec("t-ready", 0, (Bundle(0, 1, "gpu"),)),),
                            (EngineSlot(0, 0, (), 1, 0.0), EngineSlot(1, 0, (), 1, 0.0), EngineSlot(2, 0, (0,), 1, 0.0)),
@@ -208,9 +212,9 @@ def test_engines_not_ready_in_time_raise_a_retryable_error_naming_them(ray_here)
 def test_trainer_shards_not_placed_in_time_raise_a_retryable_error(ray_here):
     """A shard Ray cannot place (here: half a GPU on a CPU-only Ray) fails the trainer's start after the
     timeout instead of blocking the rendezvous forever."""
-    from rstar2_core.cluster.layout import ClusterLayout, TrainerShard
-    from rstar2_core.cluster.placement import ActorGroup
-    from rstar2_core.cluster.trainer import TrainerGroup
+    from rstar2_core.runtime.ray.layout import ClusterLayout, TrainerShard
+    from rstar2_core.runtime.ray.placement import ActorGroup
+    from rstar2_core.runtime.ray.trainer_shards import TrainerGroup
 
     layout = ClusterLayout("colocated", 1, 0, 2, (), (), (TrainerShard(0, 0, -1, 0.0), TrainerShard(1, 0, -1, 0.5)),
                            ())
@@ -223,7 +227,7 @@ def test_trainer_shards_not_placed_in_time_raise_a_retryable_error(ray_here):
 def test_a_blocked_live_rank_is_not_blamed_for_its_dead_peer(ray_here, kill_and_wait):
     """Under NCCL the surviving rank sits in the collective its dead peer never joins and cannot answer
     `__ray_ready__`: the failure names the dead rank, not the first busy one."""
-    from rstar2_core.cluster.placement import ActorGroup
+    from rstar2_core.runtime.ray.placement import ActorGroup
 
     group = ActorGroup(None)
     for i in range(2):

@@ -13,6 +13,7 @@ from typing import ClassVar
 import pytest
 
 from rstar2_core.config import load_config
+from rstar2_core.runtime import RuntimeSpec
 
 RAY = ['cluster.runtime="ray"', 'rl.backend="deepspeed"', 'sft.backend="deepspeed"', 'sandbox.backend="ray"']
 
@@ -27,8 +28,8 @@ def _no_ray(cfg):
 
 @pytest.mark.parametrize("where", ["tokenizer", "ensure_ray"])
 def test_failed_constructor_releases_the_open_lock(monkeypatch, where):
-    from rstar2_core.cluster import runtime as rtmod
     from rstar2_core.models import io
+    from rstar2_core.runtime.ray import ray_runtime as rtmod
 
     if where == "tokenizer":
         monkeypatch.setattr(io, "load_tokenizer", _flaky_tokenizer)
@@ -41,8 +42,8 @@ def test_failed_constructor_releases_the_open_lock(monkeypatch, where):
     try:
         for _ in range(2):   # the retry in the same process fails the same way instead of blocking forever
             with pytest.raises(err):
-                rtmod.RayRuntime(cfg, policy_url="s3://bucket/ckpt", engines=False, sandbox=False, grader=False,
-                                 **kwargs)
+                rtmod.RayRuntime(RuntimeSpec.from_config(cfg, policy_url="s3://bucket/ckpt", engines=False,
+                                                         sandbox=False, grader=False), **kwargs)
             assert not rtmod._OPEN.locked(), "the failed constructor left _OPEN held"
     finally:
         if rtmod._OPEN.locked():     # a leak must fail this test, not hang the next runtime test
@@ -82,7 +83,7 @@ class _EngineThatNeverCloses:
 def offline(monkeypatch):
     """(runtime module, config, open(**kwargs) -> RayRuntime) with Ray's parts stood in for; `_OPEN` is
     released at the end if a test left it held (a leak must fail that test, not hang the next one)."""
-    from rstar2_core.cluster import runtime as rtmod
+    from rstar2_core.runtime.ray import ray_runtime as rtmod
 
     monkeypatch.setattr(rtmod, "ensure_ray", lambda cfg: None)
     monkeypatch.setattr(rtmod, "ActorGroup", _Group)
@@ -90,7 +91,8 @@ def offline(monkeypatch):
 
     def open_(**kwargs):
         kwargs = {"engines": False, "grader": False, "tokenizer": object(), **kwargs}
-        return rtmod.RayRuntime(cfg, policy_url="s3://bucket/ckpt", **kwargs)
+        builders = {k: kwargs.pop(k) for k in ("tokenizer", "sandbox_factory", "engine_factory") if k in kwargs}
+        return rtmod.RayRuntime(RuntimeSpec.from_config(cfg, policy_url="s3://bucket/ckpt", **kwargs), **builders)
 
     assert not rtmod._OPEN.locked()
     yield rtmod, open_
@@ -109,8 +111,8 @@ def test_a_failing_sandbox_close_still_shuts_the_actors_down_and_releases_the_lo
 
 
 def test_a_failing_cleanup_does_not_replace_the_error_being_raised(offline, monkeypatch):
-    from rstar2_core.cluster.errors import ActorFailure
     from rstar2_core.runtime.protocol import TrainerSpec
+    from rstar2_core.runtime.ray.errors import ActorFailure
 
     rtmod, open_ = offline
 
@@ -136,8 +138,8 @@ def test_a_failing_cleanup_does_not_replace_the_error_being_raised(offline, monk
 
 
 def test_an_engine_that_never_answers_its_close_does_not_hold_the_teardown(offline, monkeypatch):
-    from rstar2_core.cluster import engines
-    from rstar2_core.cluster.engines import RemoteEngine
+    from rstar2_core.runtime.ray import engine_actors as engines
+    from rstar2_core.runtime.ray.engine_actors import RemoteEngine
 
     rtmod, open_ = offline
     monkeypatch.setattr(engines, "CLOSE_TIMEOUT_S", 0.5)

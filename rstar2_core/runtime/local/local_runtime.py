@@ -1,11 +1,11 @@
 """`LocalRuntime`: the stage's engines, trainer, sandbox and grader in its own process (the embedded default).
 
-- engines: `rollout.num_engines` engines built by `runtime.engines.build_engine` on this process's
-  device (`cuda` when present, else `cpu`); HF engines decode on their own threads, a vLLM engine
-  runs its own workers (tensor parallelism included);
+- engines: one per `spec.engines` (`rollout.num_engines`), built by `engine_builder.build_engine` on this
+  process's device (`cuda` when present, else `cpu`); HF engines decode on their own threads, a vLLM
+  engine runs its own workers (tensor parallelism included);
 - trainer: `LocalTrainer` (torch, or single-process DeepSpeed);
-- sandbox: `LocalSandbox` (forked templates on this host), or what `sandbox_factory` opens (with
-  `sandbox.backend = "ray"`, `cluster.open_runtime` passes the Ray actor pool across the nodes);
+- sandbox: `LocalSandbox` (forked templates on this host), or with `sandbox.backend = "ray"` the Ray
+  actor pool across the cluster's nodes (runtime/ray/sandbox_pool.py);
 - grader: a `GraderPool` of worker processes;
 - weight sync: `state_dict` (engines load the trainer's tensors in process) or `checkpoint` (engines
   reload the checkpoint the step just published).
@@ -18,18 +18,12 @@ to kill) with the message to use the Ray runtime.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Self
 
-from rstar2_core.runtime.engines import EngineSpec, FailingEngine, build_engine, engine_busy_seconds
-from rstar2_core.runtime.protocol import OwnedGrader, RuntimeUsage, TrainerSpec, WeightSyncReport
-
-
-def local_device() -> str:
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
+from rstar2_core.runtime.engine_builder import FailingEngine, build_engine, engine_busy_seconds
+from rstar2_core.runtime.protocol import OwnedGrader, RuntimeUsage, WeightSyncReport
+from rstar2_core.runtime.specs import RuntimeSpec, local_device
 
 
 def _nbytes(state: dict[str, Any]) -> int:
@@ -39,42 +33,36 @@ def _nbytes(state: dict[str, Any]) -> int:
 class LocalRuntime:
     kind = "local"
 
-    def __init__(self, cfg: Any, *, policy_url: str, max_model_len: int | None = None,
-                 trainer: TrainerSpec | None = None, engines: bool = True, sandbox: bool = True,
-                 grader: bool = True, sandbox_factory: Callable[[Any], Any] | None = None):
-        from rstar2_core.config.runtime_rules import resolved_weight_sync
+    def __init__(self, spec: RuntimeSpec):
         from rstar2_core.models.io import load_tokenizer
 
-        self.cfg, self.policy_url = cfg, policy_url
-        self.weight_sync_mode = resolved_weight_sync(cfg)
+        self.spec, self.policy_url = spec, spec.policy_url
+        self.weight_sync_mode = spec.weight_sync
         self.device = local_device()
-        self.tokenizer = load_tokenizer(policy_url)
+        self.tokenizer = load_tokenizer(spec.policy_url)
         self.engines: list[Any] = []
         self.trainer = None
         self.sandbox = None
         self.grader = None
         self._grader = OwnedGrader()
-        self._want_sandbox, self._want_grader = sandbox, grader
-        self._sandbox_factory = sandbox_factory or _local_sandbox
+        self._sandbox_factory = _ray_sandbox if spec.sandbox_on_ray else _local_sandbox
         try:
-            if trainer is not None:
-                from rstar2_core.runtime.local_trainer import LocalTrainer
+            if spec.trainer is not None:
+                from rstar2_core.runtime.local.trainer import LocalTrainer
 
-                self.trainer = LocalTrainer(cfg, policy_url, trainer, self.device)
-            if engines:
-                self.engines = [build_engine(EngineSpec.from_config(cfg, policy_url, max_model_len, self.device, i))
-                                for i in range(cfg.rollout.num_engines)]
+                self.trainer = LocalTrainer(spec.trainer, spec.policy_url, self.device)
+            self.engines = [build_engine(e) for e in spec.engines]
         except BaseException:
             self._close_sync()
             raise
 
     async def __aenter__(self) -> Self:
         try:
-            if self._want_sandbox:
-                self.sandbox = self._sandbox_factory(self.cfg.sandbox)
+            if self.spec.sandbox is not None:
+                self.sandbox = self._sandbox_factory(self.spec)
                 await self.sandbox.__aenter__()
-            if self._want_grader:
-                self.grader = self._grader.open(self.cfg)
+            if self.spec.grader_timeout_s is not None:
+                self.grader = self._grader.open(self.spec.grader_timeout_s)
         except BaseException:
             await self.aclose()
             raise
@@ -127,7 +115,7 @@ class LocalRuntime:
 
     def usage(self) -> RuntimeUsage:
         return RuntimeUsage(tuple(engine_busy_seconds(e) for e in self.engines),
-                            self.cfg.rollout.tensor_parallel_size,
+                            self.spec.tensor_parallel_size,
                             (self.trainer.busy_s,) if self.trainer is not None else ())
 
     # ------------------------------------------------------------------------------------ closing
@@ -148,7 +136,16 @@ class LocalRuntime:
             t.close()
 
 
-def _local_sandbox(sandbox_cfg: Any):
+def _local_sandbox(spec: RuntimeSpec):
     from rstar2_core.sandbox import LocalSandbox
 
-    return LocalSandbox(sandbox_cfg)
+    return LocalSandbox(spec.sandbox)
+
+
+def _ray_sandbox(spec: RuntimeSpec):
+    """The sandbox actor pool over every node of the Ray cluster (`sandbox.backend = "ray"`)."""
+    from rstar2_core.runtime.ray.connect import ensure_ray
+    from rstar2_core.runtime.ray.sandbox_pool import RaySandboxPool
+
+    ensure_ray(spec.cluster)
+    return RaySandboxPool(spec.sandbox)

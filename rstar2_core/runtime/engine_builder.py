@@ -1,6 +1,7 @@
-"""The one place that builds inference engines, from the config: `EngineSpec.from_config` + `build_engine`.
+"""The one place that builds inference engines: `build_engine(EngineSpec)`.
 
-Both runtimes call it (the local runtime in its own process, the Ray runtime inside each engine actor),
+`runtime.specs` fills one `EngineSpec` per engine from the config (`engine_spec`); both runtimes build
+from it (the local runtime in its own process, the Ray runtime inside each engine actor),
 so `rollout.engine` (hf | vllm), `rollout.tensor_parallel_size`, `rollout.gpu_memory_utilization`,
 `rollout.max_batch_size` and `rollout.kv_capacity_tokens` mean the same thing everywhere:
 
@@ -21,12 +22,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from rstar2_core.config.runtime_rules import resolved_weight_sync
-
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """What one engine is built from: kind, checkpoint, sizing (from `cfg.rollout`) and its seed."""
+    """What one engine is built from: kind, checkpoint, sizing (from `cfg.rollout`) and its seed
+    (`runtime.specs.engine_spec`)."""
 
     kind: Literal["hf", "vllm"]
     checkpoint_url: str
@@ -41,15 +41,6 @@ class EngineSpec:
     weight_transfer: str | None = None      # vLLM weight-transfer backend: "nccl" | "ipc" | None
     distributed_executor_backend: str | None = None
     sleep_mode: bool = False                 # vLLM sleep mode (rollout.release_memory_during_training)
-
-    @classmethod
-    def from_config(cls, cfg: Any, checkpoint_url: str, max_model_len: int | None, device: str,
-                    index: int = 0) -> EngineSpec:
-        ro = cfg.rollout
-        ws = resolved_weight_sync(cfg)
-        return cls(ro.engine, checkpoint_url, max_model_len, ro.tensor_parallel_size, ro.gpu_memory_utilization,
-                   ro.max_batch_size, ro.kv_capacity_tokens or None, cfg.model.dtype, device, cfg.rl.seed + index,
-                   ws if ws in ("nccl", "ipc") else None, sleep_mode=ro.release_memory_during_training)
 
     def for_actor(self, device: str, tp_over_ray: bool) -> EngineSpec:
         """The spec as built inside a Ray engine actor: its device, and vLLM's Ray executor when its TP

@@ -1,6 +1,6 @@
 """Actor layout of an RL stage on the cluster: which GPUs/CPUs each engine, trainer shard and sandbox
 actor gets, as Ray placement-group bundles. Pure logic (no ray import): `rstar2 plan` prints it without
-a cluster, `cluster/placement.py` turns it into real placement groups.
+a cluster, `rstar2_core/runtime/ray/placement.py` turns it into real placement groups.
 
 One placement group per node, strategy STRICT_PACK (all its bundles on one node), bundles in order:
 
@@ -21,7 +21,7 @@ Layouts (`cluster.layout`):
 An engine with tensor parallelism `tp` spans `tp` consecutive GPU bundles of one node (never across
 nodes: TP all-reduces every layer and needs the intra-node fabric). With tp > 1 the engine actor itself
 takes no GPU: vLLM's Ray executor starts one worker per TP rank on the listed bundles
-(`VLLM_RAY_BUNDLE_INDICES`, `VLLM_RAY_PER_WORKER_GPUS`), see cluster/engines.py.
+(`VLLM_RAY_BUNDLE_INDICES`, `VLLM_RAY_PER_WORKER_GPUS`), see rstar2_core/runtime/ray/engine_actors.py.
 
 CPU-only clusters (`cluster.gpus_per_node = 0`, the tiny profile with `cluster.runtime = "ray"`):
 `rollout.num_engines` engine actors and `cluster.trainer_ranks` (default 1) gloo trainer shards take
@@ -44,8 +44,8 @@ from typing import Any, Literal
 from rstar2_core.config import Config
 
 COLOCATED_GPU_FRACTION = 0.5  # engine share + trainer share of one GPU bundle in the colocated layout
-ENGINE_ACTOR_CPUS = 1         # an engine actor asks this of its (first) GPU bundle (cluster/engines.py)
-TRAINER_SHARD_CPUS = 1        # a trainer shard asks this of its GPU bundle (cluster/trainer.py)
+ENGINE_ACTOR_CPUS = 1         # an engine actor asks this of its (first) GPU bundle (rstar2_core/runtime/ray/engine_actors.py)
+TRAINER_SHARD_CPUS = 1        # a trainer shard asks this of its GPU bundle (rstar2_core/runtime/ray/trainer_shards.py)
 
 
 class LayoutError(ValueError):

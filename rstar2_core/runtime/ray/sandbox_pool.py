@@ -3,7 +3,7 @@ each running a `LocalSandbox` on that node's CPUs, behind the same async API as 
 (`await pool.run(req)`, `await pool.run_batch(reqs)`, `run_sync`, `close()`).
 
 - Placement: by default one actor per node (node affinity); or one per given placement-group bundle
-  (the sandbox bundles of `cluster/layout.py`), holding that bundle's CPUs.
+  (the sandbox bundles of `rstar2_core/runtime/ray/layout.py`), holding that bundle's CPUs.
 - Backpressure: at most `max_inflight_per_actor` requests are outstanding on an actor (default
   4 x its workers); callers beyond that wait, so a burst of 45K tool calls queues in the caller, not in
   the object store.
@@ -82,7 +82,7 @@ class RaySandboxPool:
     def __init__(self, cfg: SandboxConfig, max_inflight_per_actor: int = 0, chunk: int = 16,
                  placements: list[tuple[PlacementGroup, int, int]] | None = None):
         """`placements`: (placement group, bundle index, CPUs) per actor, e.g. from the sandbox slots of
-        `cluster/layout.py`; the actor then holds that bundle's CPUs. Without it: `ray_actors_per_node`
+        `rstar2_core/runtime/ray/layout.py`; the actor then holds that bundle's CPUs. Without it: `ray_actors_per_node`
         actors (default 1) on every alive node with CPUs, pinned by node affinity, reserving no CPU in
         Ray's accounting (they use the node's CPUs outside of Ray tasks)."""
         if not ray.is_initialized():

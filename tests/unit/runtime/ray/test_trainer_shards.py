@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("deepspeed")
 
 from rstar2_core.rollout.types import Trajectory
-from rstar2_core.runtime.sharding import micro_batches_per_rank, split_by_weight
+from rstar2_core.runtime.ray.sharding import micro_batches_per_rank, split_by_weight
 
 
 def tiny_model():
@@ -133,13 +133,13 @@ def test_two_shards_match_one_torch_step_even_or_not_and_sync_to_engines(ray_her
     placement group down with it."""
     import asyncio
 
-    from rstar2_core.cluster.errors import ActorFailure
-    from rstar2_core.cluster.placement import kill_and_wait
-    from rstar2_core.cluster.runtime import RayRuntime
     from rstar2_core.models.backend import TorchBackend
     from rstar2_core.rl.trainer import RL_STEP, rl_update
     from rstar2_core.rollout.types import SamplingParams
-    from rstar2_core.runtime import TrainerSpec
+    from rstar2_core.runtime import RuntimeSpec, TrainerSpec
+    from rstar2_core.runtime.ray.errors import ActorFailure
+    from rstar2_core.runtime.ray.placement import kill_and_wait
+    from rstar2_core.runtime.ray.ray_runtime import RayRuntime
 
     cfg = _ray_cfg(zero)
     trajs, adv = _trajectories(6), [1.0, -1.0, 0.5, -0.5, 1.5, -1.5]
@@ -149,8 +149,9 @@ def test_two_shards_match_one_torch_step_even_or_not_and_sync_to_engines(ray_her
     ref2_m = rl_update(ref, trajs, adv, pad_id=0, micro_batch_size=2)   # the reference's second step
 
     async def run():
-        async with RayRuntime(cfg, policy_url="unused", trainer=TrainerSpec("rl", 10, 0, "constant", RL_STEP), grader=False,
-                              model_factory=tiny_model, engine_factory=lambda i: SumEngine,
+        spec = RuntimeSpec.from_config(cfg, policy_url="unused", trainer=TrainerSpec("rl", 10, 0, "constant", RL_STEP),
+                                       grader=False)
+        async with RayRuntime(spec, model_factory=tiny_model, engine_factory=lambda i: SumEngine,
                               sandbox_factory=FakeSandbox, tokenizer=_Tok()) as rt:
             sandbox = rt.sandbox
             assert [(pg.id, i, c) for pg, i, c in sandbox.placements] == [(rt.group.pgs[0].id, 0, 1)]
@@ -216,9 +217,9 @@ def test_sft_on_two_shards_equals_one_process(ray_here):
 
     import ray
 
-    from rstar2_core.cluster.runtime import RayRuntime
     from rstar2_core.models.backend import TorchBackend, backend_options
-    from rstar2_core.runtime import TrainerSpec
+    from rstar2_core.runtime import RuntimeSpec, TrainerSpec
+    from rstar2_core.runtime.ray.ray_runtime import RayRuntime
     from rstar2_core.sft.step import SFT_STEP, sft_update
 
     cfg = _ray_cfg(2)
@@ -229,8 +230,9 @@ def test_sft_on_two_shards_equals_one_process(ray_here):
     ref_m = sft_update(ref, rows, micro_batch_size=1, pad_id=0)
 
     async def run():
-        async with RayRuntime(cfg, policy_url="unused", trainer=TrainerSpec("sft", 10, 0, "constant", SFT_STEP), engines=False,
-                              sandbox=False, grader=False, model_factory=tiny_model, tokenizer=_Tok()) as rt:
+        spec = RuntimeSpec.from_config(cfg, policy_url="unused", trainer=TrainerSpec("sft", 10, 0, "constant", SFT_STEP),
+                                       engines=False, sandbox=False, grader=False)
+        async with RayRuntime(spec, model_factory=tiny_model, tokenizer=_Tok()) as rt:
             m = rt.trainer.step(rows, micro_batch_size=1, pad_id=0)
             return m, ray.get(rt.trainer.weights_ref()[0])
 

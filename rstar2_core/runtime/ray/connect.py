@@ -1,9 +1,9 @@
 """Connecting to (or starting) Ray for the pipeline and the Ray runtime, with the same settings everywhere.
 
-`ray_init_kwargs(cfg)`: `ray.init` arguments for `cfg.cluster` (a local Ray sized by
+`ray_init_kwargs(cluster)`: `ray.init` arguments for the `cluster` section (a local Ray sized by
 `cluster.cpus_per_node`/`gpus_per_node` with the `RUNTIME_RESOURCE` slot, its temp folder under /tmp
 so that Ray's Unix socket paths stay short; or `cluster.ray_address`), and the environment the
-workers inherit. `ensure_ray(cfg)` initialises Ray in this process when it is not already (a stage
+workers inherit. `ensure_ray(cluster)` initialises Ray in this process when it is not already (a stage
 task dispatched by prefect-ray runs inside a Ray worker, which is).
 
 `RUNTIME_RESOURCE` ("rstar2_runtime", 1 on the head node): every pipeline task that drives a Ray
@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Any
+
+from rstar2_core.config.sections import ClusterConfig
 
 RUNTIME_RESOURCE = "rstar2_runtime"
 WORKER_NICENESS = 0
@@ -30,26 +31,26 @@ INHERITED_ENV = ("RSTAR2_HOME", "RSTAR2_CONFIG_DIR", "RSTAR2_FAULT_INJECT", "HF_
                  "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "RAY_AUTH_MODE")
 
 
-def ray_init_kwargs(cfg: Any) -> dict:
+def ray_init_kwargs(cluster: ClusterConfig) -> dict:
     tmp = os.environ.get("RSTAR2_RAY_TMP") or os.path.join(tempfile.gettempdir(), f"rstar2-ray-{os.getuid()}")
     kwargs: dict = {"include_dashboard": False, "log_to_driver": True, "configure_logging": False}
-    if not cfg.cluster.ray_address:
+    if not cluster.ray_address:
         kwargs["_temp_dir"] = tmp
-        kwargs["num_cpus"] = cfg.cluster.cpus_per_node
+        kwargs["num_cpus"] = cluster.cpus_per_node
         kwargs["resources"] = {RUNTIME_RESOURCE: 1}
         kwargs["_system_config"] = {"worker_niceness": WORKER_NICENESS}
-        if cfg.cluster.gpus_per_node:
-            kwargs["num_gpus"] = cfg.cluster.gpus_per_node
+        if cluster.gpus_per_node:
+            kwargs["num_gpus"] = cluster.gpus_per_node
     env = {k: os.environ[k] for k in INHERITED_ENV if k in os.environ}
-    if cfg.cluster.ray_address:  # a remote cluster does not inherit this process's environment
+    if cluster.ray_address:  # a remote cluster does not inherit this process's environment
         kwargs["runtime_env"] = {"env_vars": env}
     return kwargs
 
 
-def ensure_ray(cfg: Any) -> None:
-    """`ray.init` for `cfg.cluster` unless this process is already connected."""
+def ensure_ray(cluster: ClusterConfig) -> None:
+    """`ray.init` for the `cluster` section unless this process is already connected."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
 
     if not ray.is_initialized():
-        ray.init(address=cfg.cluster.ray_address or None, **ray_init_kwargs(cfg))
+        ray.init(address=cluster.ray_address or None, **ray_init_kwargs(cluster))

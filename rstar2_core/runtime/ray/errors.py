@@ -1,4 +1,11 @@
-"""Typed errors of the cluster layer (no ray import, so callers can catch them without Ray).
+"""The Ray backend's errors: its own typed errors, and the one list of Ray's infrastructure errors.
+
+`ray_actor_deaths()` (an actor or its process gone: what the placement and engine code turn into
+`ActorFailure`) and `ray_infra_errors()` (those, plus lost objects, system errors, OOM kills and get
+timeouts: what the pipeline's retry rule, tasks/retry.py, retries when one reaches a task unwrapped) are
+the only lists of Ray's exception classes in the project; `ray_task_error_cause` unwraps a plain
+`RayTaskError`. Ray is imported inside these functions only, so importing this module (the retry rule
+does) never imports Ray.
 
 `ActorFailure` is what any call into a cluster actor raises when the actor died, was killed, or its
 node went away. It is an `rstar2_core.errors.InfraError` (a `ConnectionError`): the pipeline's retry
@@ -15,7 +22,47 @@ and attributes (a cause that cannot be pickled travels as its "Type: message").
 
 from __future__ import annotations
 
+from functools import cache
+
 from rstar2_core.errors import InfraError, PicklableError
+
+_ACTOR_DEATH_NAMES = ("RayActorError", "ActorDiedError", "ActorUnavailableError", "WorkerCrashedError",
+                      "NodeDiedError", "OwnerDiedError", "LocalRayletDiedError")
+_OTHER_INFRA_NAMES = ("ObjectLostError", "RaySystemError", "OutOfMemoryError", "GetTimeoutError")
+
+
+def _ray_exceptions(names: tuple[str, ...]) -> tuple[type[BaseException], ...]:
+    try:
+        from ray import exceptions as rex
+    except ImportError:  # ray is a dependency, but the retry rule must not need it
+        return ()
+    return tuple(getattr(rex, n) for n in names if hasattr(rex, n))
+
+
+@cache
+def ray_actor_deaths() -> tuple[type[BaseException], ...]:
+    """Ray's errors for an actor or its process gone (names this Ray version lacks are skipped)."""
+    return _ray_exceptions(_ACTOR_DEATH_NAMES)
+
+
+@cache
+def ray_infra_errors() -> tuple[type[BaseException], ...]:
+    """Every Ray error a retry can fix: the actor deaths, lost objects, Ray system errors, OOM kills and
+    get timeouts."""
+    return ray_actor_deaths() + _ray_exceptions(_OTHER_INFRA_NAMES)
+
+
+def ray_task_error_cause(exc: BaseException) -> BaseException | None:
+    """The user exception a plain `RayTaskError` wraps (None for anything else, a dual subclass included:
+    it is already an instance of its cause's class)."""
+    try:
+        from ray.exceptions import RayTaskError
+    except ImportError:
+        return None
+    cause = getattr(exc, "cause", None)
+    if isinstance(exc, RayTaskError) and isinstance(cause, BaseException) and not isinstance(exc, type(cause)):
+        return cause
+    return None
 
 
 class ActorFailure(InfraError):
