@@ -1,7 +1,7 @@
 """Learning-signal benchmark: does GRPO-RoC make the tiny model better at the synthetic tool-use task, and
 does RoC make its successful trajectories cleaner than plain GRPO's?
 
-    .venv/bin/python bench/learning.py [--quick] [--json] [--set rl.lr=2e-4 ...] [--sft-url URL]
+    .venv/bin/python bench/learning.py [--quick] [--json] [--set rl.lr=2e-4 ...] [--sft-url URL] [--async-k K]
 
 On the `tiny` profile, from scratch, in one run: base model -> SFT -> pass@1 on the held-out synthetic
 eval set; then RL stage 1 twice from the same SFT checkpoint and seed: GRPO-RoC (the profile's
@@ -22,6 +22,11 @@ Keys of the JSON object (the last line with `--json`):
   `SFT_CROSSED_LOSS` (0.1) SFT did not cross the copying phase change and a warning says so;
 - `targets`: rl_pass1 >= sft_pass1 + 0.15; roc ratio < grpo ratio with rl_pass1 >= grpo_pass1 - 0.02;
   wall_s < 900.
+
+With `--async-k K` a third RL arm runs GRPO-RoC asynchronously (`rl.max_staleness = K`, `rl.tis_cap = 2`,
+rl/pipelined.py) from the same SFT checkpoint and seed: keys `async_pass1`, `async_pos_tool_error_ratio`,
+`async_mean_staleness`, and the target `async_within_0.03` (|async_pass1 - rl_pass1| <= 0.03 at the same
+number of steps).
 
 A plot (training pass rate and failed-call ratio per step for both arms, among the sampled positives
 and among the positives each arm trains on, and the eval pass@1 bars) is saved under `.rstar2/bench/`
@@ -127,7 +132,7 @@ def plot(streams: dict, evals: dict, path: Path) -> None:
     ax[0].set(title="training rollouts: pass rate", xlabel="RL step")
     ax[1].set(title="failed-call ratio among positives", xlabel="RL step")
     names = list(evals)
-    ax[2].bar(names, [evals[n]["pass1"] for n in names], color=["gray", "tab:blue", "tab:orange"][:len(names)])
+    ax[2].bar(names, [evals[n]["pass1"] for n in names], color=["gray", "tab:blue", "tab:orange", "tab:green"][:len(names)])
     ax[2].set(title="eval pass@1 (same set, same sampling)", ylim=(0, 1))
     for a in ax[:2]:
         a.legend()
@@ -144,6 +149,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="2 RL steps, 20 eval problems: smoke run")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     ap.add_argument("--sft-url", default=None, help="reuse this SFT checkpoint (wall_s then excludes SFT)")
+    ap.add_argument("--async-k", type=int, default=0,
+                    help="also run GRPO-RoC with rl.max_staleness = K (and rl.tis_cap = 2): the asynchronous arm")
     ap.add_argument("--threads", type=int, default=2,
                     help="torch intra-op threads (2: SFT reads ~1.6x more tokens/s on a quiet 2-core machine; use 1 "
                          "when the machine is shared, where a second thread spin-waits)")
@@ -198,6 +205,8 @@ def main(argv=None) -> int:
 
     arms = {"roc": cfg,
             "grpo": load_config(args.profile, overrides + ["rl.grpo.resample=none", "rl.grpo.oversample=1"])}
+    if args.async_k:
+        arms["async"] = load_config(args.profile, overrides + [f"rl.max_staleness={args.async_k}", "rl.tis_cap=2.0"])
     streams: dict[str, list] = {}
     for arm, acfg in arms.items():
         stream: list = []
@@ -226,17 +235,26 @@ def main(argv=None) -> int:
         "rl_steps": cfg.rl.stages[0].steps, "eval_problems": evals["sft"]["n_problems"], "eval_k": evals["sft"]["k"],
         "overrides": overrides, "plot": str(png), "evals": evals,
     }
+    if args.async_k:
+        r.update({"async_k": args.async_k, "async_pass1": evals["async"]["pass1"],
+                  "async_pos_tool_error_ratio": evals["async"]["pos_tool_error_ratio"],
+                  "async_mean_staleness": late_mean(streams["async"], "rollout/staleness")})
     ratio_ok = (r["roc_pos_tool_error_ratio"] is not None and r["grpo_pos_tool_error_ratio"] is not None
                 and r["roc_pos_tool_error_ratio"] < r["grpo_pos_tool_error_ratio"])
     # pass@1 is a multiple of 1/(problems x k): compare rounded differences, or 0.425 - 0.275 reads as < 0.15
     r["targets"] = {"rl_gain_0.15": round(r["rl_pass1"] - r["sft_pass1"], 9) >= 0.15,
                     "roc_cleaner_than_grpo": ratio_ok and round(r["rl_pass1"] - r["grpo_pass1"], 9) >= -0.02,
                     "under_15_min": wall < 900}
+    if args.async_k:
+        r["targets"]["async_within_0.03"] = abs(round(r["async_pass1"] - r["rl_pass1"], 9)) <= 0.03
     print(f"sft pass@1 {r['sft_pass1']:.3f} | RoC pass@1 {r['rl_pass1']:.3f} (gain {r['rl_pass1'] - r['sft_pass1']:+.3f}) "
           f"| GRPO pass@1 {r['grpo_pass1']:.3f}")
     print(f"positive tool-error ratio on eval: RoC {r['roc_pos_tool_error_ratio']} vs GRPO "
           f"{r['grpo_pos_tool_error_ratio']}; in training (late mean): RoC {r['roc_train_pos_tool_error_ratio']} "
           f"vs GRPO {r['grpo_train_pos_tool_error_ratio']}")
+    if args.async_k:
+        print(f"async (max_staleness {args.async_k}) pass@1 {r['async_pass1']:.3f}, positive tool-error ratio on eval "
+              f"{r['async_pos_tool_error_ratio']}")
     print(f"wall {wall:.0f} s; targets {r['targets']}")
     print(f"plot: {png}")
     if args.json:

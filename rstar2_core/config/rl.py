@@ -124,6 +124,14 @@ class RLConfig(_Section):
     paper). verl's default cap is 2. Most useful with old_logprobs = "engine", where the ratio is then taken
     against the trainer's own log-probs; with "recompute" it reweights the same way. The cap trades
     bias (tokens above it are under-corrected) for variance."""
+    max_staleness: int = Field(0, ge=0, le=8)
+    """Asynchronous RL (rl/pipelined.py): 0 = every step rolls out with the weights of the step before and
+    waits for them (the paper). k >= 1: the engines roll the next batches out while the trainer updates,
+    with weights at most k optimizer steps older than the trainer's; weights reach the engines between
+    batches (never inside a trajectory), and a batch is never launched beyond the bound, so none is
+    dropped for age. Stale tokens are reweighted by truncated importance sampling (`tis_cap`, required).
+    Trade-off: the engines and the trainer work at once (peers report 2-2.8x at scale; on a 2-core CPU
+    they compete for the cores), for gradients from data up to k steps off-policy."""
     checkpoint_every: int = Field(1, ge=1)
     """Save a resumable checkpoint (model, optimizer, scheduler, RNG, data cursor, run id) every N steps."""
     keep_checkpoints: int = Field(2, ge=1)
@@ -167,6 +175,10 @@ class RLConfig(_Section):
         names = [s.name for s in self.stages]
         if len(set(names)) != len(names):
             raise ValueError(f"rl.stages names must be unique, got {names}")
+        if self.max_staleness and self.tis_cap is None:
+            raise ValueError(f"rl.max_staleness = {self.max_staleness} trains on tokens sampled by weights up to "
+                             f"{self.max_staleness} steps older than the trainer's: set rl.tis_cap (truncated importance "
+                             "sampling, 2.0 is verl's default) or rl.max_staleness = 0")
         return self
 
 

@@ -55,6 +55,10 @@ def runtime_problems(cfg: Any) -> list[str]:
         if sec.backend == "torch" and sec.zero_stage != type(sec).model_fields["zero_stage"].default:
             p.append(f"{section}.zero_stage = {sec.zero_stage} applies to {section}.backend = \"deepspeed\"; the torch "
                      f"backend has no ZeRO: remove it or set {section}.backend = \"deepspeed\"")
+    if cfg.rl.max_staleness and ro.release_memory_during_training:
+        p.append(f"rl.max_staleness = {cfg.rl.max_staleness} keeps the engines rolling out while the trainer steps, "
+                 "so they cannot release their memory to it: set rollout.release_memory_during_training = false "
+                 "or rl.max_staleness = 0")
     if ws == "checkpoint" and cfg.rl.checkpoint_every != 1:
         p.append(f"rollout.weight_sync = \"checkpoint\" reloads the checkpoint each step publishes, but "
                  f"rl.checkpoint_every = {cfg.rl.checkpoint_every}: set rl.checkpoint_every = 1")

@@ -17,6 +17,9 @@ per step (1-based within the stage; `global_step` continues across stages for wa
    tracking run id, usage totals), keeping the last `keep_checkpoints`;
 4. `log_metrics(metrics, global_step)`: rl_step's metrics plus `total/...` sums over the stage so far.
 
+With `rl.max_staleness` = k >= 1 the same steps run asynchronously (rl/pipelined.py): the engines roll
+the next batches out while the trainer updates, within k optimizer steps of the trainer's weights.
+
 Failures: infrastructure failures (a dead actor, a step over `rl.max_infra_failure_share`, stale engine
 weights, an injected fault) raise an `InfraError` after the runtime has stopped every actor it started;
 Prefect retries the task and the stage resumes from its last complete step checkpoint.
@@ -61,7 +64,8 @@ from rstar2_core.rl.checkpoint import (
     step_url,
 )
 from rstar2_core.rl.data import RLProblem, batch_indices, load_problems
-from rstar2_core.rl.step import rl_step
+from rstar2_core.rl.pipelined import StepPlan, run_pipelined
+from rstar2_core.rl.step import RolledOut, StepOutcome, rl_step, rollout_and_grade, update_from
 from rstar2_core.rl.trainer import RL_STEP
 from rstar2_core.rollout.admission import LengthModel
 from rstar2_core.rollout.types import RolloutLimits
@@ -79,6 +83,18 @@ def stage_offset(cfg: Config, stage_index: int) -> int:
 
 def step_seed(seed: int, global_step: int) -> int:
     return (seed * 7_919 + global_step * 104_729 + 17) % (1 << 62)
+
+
+def plan_steps(problems: list[RLProblem], seed: int, cursor: int, steps: range, prompts_per_step: int
+               ) -> list[StepPlan]:
+    """The batch of every step in `steps`, from the data cursor at the first: step s takes
+    `prompts_per_step` problems from the seeded cursor (`rl.data.batch_indices`) and moves it on."""
+    plans = []
+    for step in steps:
+        batch = tuple(problems[i] for i in batch_indices(len(problems), seed, cursor, prompts_per_step))
+        cursor += len(batch)
+        plans.append(StepPlan(step, batch, cursor))
+    return plans
 
 
 def engine_seq_len(chat, problems: list[RLProblem], max_response_tokens: int) -> int:
@@ -161,44 +177,69 @@ async def _run(cfg: Config, stage_index: int, init_url: str, data_url: str, out_
             if stage.reset_optimizer:
                 rt.trainer.reset_optimizer()
         bar = progress_bar(total=stage.steps, initial=start_step, desc=stage.name, unit="step", file=sys.stderr)
+        done = {"cursor": cursor, "totals": totals, "metrics": last_metrics}    # what the recorded steps left
+
+        def publisher(plan: StepPlan):
+            """The step's checkpoint (when due), written with the totals of the steps recorded before it."""
+            totals_before, gstep = done["totals"], offset + plan.step
+
+            def publish(metrics: dict) -> str | None:
+                if plan.step % rl.checkpoint_every and plan.step != stage.steps:
+                    return None
+                metrics = {**metrics, "rollout/step": float(plan.step), "data/cursor": float(plan.cursor_after)}
+                url = step_url(out_url, plan.step)
+                state = rl_state(stage.name, plan.step, plan.cursor_after, run_id, metrics,
+                                 accumulate(totals_before, metrics), rt.trainer.world_size)
+                publish_policy_checkpoint(url, rt.trainer, tok, extra={STATE_FILE: _state_bytes(state)},
+                                          meta={"stage": stage.name, "step": plan.step, "global_step": gstep,
+                                                "tracking_run_id": run_id})
+                prune_step_checkpoints(out_url, rl.keep_checkpoints)
+                return url
+
+            return publish
+
+        async def before_step(plan: StepPlan) -> None:
+            kind = maybe_inject_fault(stage.name, plan.step, out_url)
+            if kind is not None:
+                await rt.inject_fault(kind)
+
+        def record(plan: StepPlan, outcome: StepOutcome) -> None:
+            metrics = {**outcome.metrics, "rollout/step": float(plan.step), "data/cursor": float(plan.cursor_after),
+                       "data/rejected_rows": float(sum(rejected.values()))}
+            step_totals = accumulate(done["totals"], metrics)
+            metrics.update(step_totals)
+            if log_metrics is not None:
+                log_metrics(metrics, offset + plan.step)
+            done.update(cursor=plan.cursor_after, totals=step_totals, metrics=metrics)
+            bar.update(1)
+            bar.set_postfix(pass_rate=f"{metrics.get('rollout/pass_rate', float('nan')):.3f}",
+                            kept=int(metrics["rollout/groups_kept"]))
+
+        plans = plan_steps(problems, rl.seed, cursor, range(start_step + 1, stage.steps + 1), rl.prompts_per_step)
         try:
-            for step in range(start_step + 1, stage.steps + 1):
-                gstep = offset + step
-                kind = maybe_inject_fault(stage.name, step, out_url)
-                if kind is not None:
-                    await rt.inject_fault(kind)
-                batch = [problems[i] for i in batch_indices(len(problems), rl.seed, cursor, rl.prompts_per_step)]
-                next_cursor = cursor + len(batch)
+            if rl.max_staleness == 0:
+                for plan in plans:
+                    await before_step(plan)
+                    outcome = await rl_step(rt, chat, list(plan.batch), rl=rl, rollout=cfg.rollout, limits=limits,
+                                            seed=step_seed(rl.seed, offset + plan.step), pad_id=pad_id,
+                                            publish=publisher(plan), lengths=lengths)
+                    record(plan, outcome)
+            else:
+                def rollout(plan: StepPlan, version: int):
+                    return rollout_and_grade(rt, chat, plan.batch, rl=rl, rollout=cfg.rollout, limits=limits,
+                                             seed=step_seed(rl.seed, offset + plan.step), lengths=lengths,
+                                             policy_version=version)
 
-                def publish(metrics: dict, step=step, gstep=gstep, next_cursor=next_cursor, totals=totals) -> str | None:
-                    if step % rl.checkpoint_every and step != stage.steps:
-                        return None
-                    metrics = {**metrics, "rollout/step": float(step), "data/cursor": float(next_cursor)}
-                    url = step_url(out_url, step)
-                    state = rl_state(stage.name, step, next_cursor, run_id, metrics, accumulate(totals, metrics),
-                                     rt.trainer.world_size)
-                    publish_policy_checkpoint(url, rt.trainer, tok, extra={STATE_FILE: _state_bytes(state)},
-                                              meta={"stage": stage.name, "step": step, "global_step": gstep,
-                                                    "tracking_run_id": run_id})
-                    prune_step_checkpoints(out_url, rl.keep_checkpoints)
-                    return url
+                def update(plan: StepPlan, rolled: RolledOut, staleness: int) -> StepOutcome:
+                    return update_from(rt, chat, rolled, rl=rl, seed=step_seed(rl.seed, offset + plan.step),
+                                       pad_id=pad_id, publish=publisher(plan), staleness=staleness,
+                                       push_weights=False)
 
-                outcome = await rl_step(rt, chat, batch, rl=rl, rollout=cfg.rollout, limits=limits,
-                                        seed=step_seed(rl.seed, gstep),
-                                        pad_id=pad_id, publish=publish, lengths=lengths)
-                cursor = next_cursor
-                metrics = {**outcome.metrics, "rollout/step": float(step), "data/cursor": float(cursor),
-                           "data/rejected_rows": float(sum(rejected.values()))}
-                totals = accumulate(totals, metrics)
-                metrics.update(totals)
-                if log_metrics is not None:
-                    log_metrics(metrics, gstep)
-                last_metrics = metrics
-                bar.update(1)
-                bar.set_postfix(pass_rate=f"{metrics.get('rollout/pass_rate', float('nan')):.3f}",
-                                kept=int(metrics["rollout/groups_kept"]))
+                await run_pipelined(rt, plans, max_staleness=rl.max_staleness, start_version=start_step,
+                                    rollout=rollout, update=update, before_step=before_step, after_step=record)
         finally:
             bar.close()
+        cursor, totals, last_metrics = done["cursor"], done["totals"], done["metrics"]
         _refuse_untrained(stage.name, stage.steps, totals, rl.require_update)
         state = rl_state(stage.name, stage.steps, cursor, run_id, last_metrics, totals, rt.trainer.world_size)
         final = publish_policy_checkpoint(final_url(out_url), rt.trainer, tok, extra={STATE_FILE: _state_bytes(state)},

@@ -12,7 +12,9 @@ its trainer takes one optimizer step, the trainer's new weights are pushed to ev
 step's complete metrics; with `rollout.weight_sync = "checkpoint"` it runs before the sync, since the
 engines reload what it published. The stage loop (rl/stage.py),
 bench/vs_trl.py, bench/runtime.py and the tests all call this function; there is no other copy of the
-step body.
+step body. It is two halves, `rollout_and_grade` and `update_from`; the asynchronous stage loop
+(rl/pipelined.py, `rl.max_staleness` > 0) calls them on different batches at once and pushes the weights
+itself between its rollouts.
 
 Failures are loud:
 - a step in which more than `rl.max_infra_failure_share` of the trajectories failed for infrastructure
@@ -46,7 +48,7 @@ from rstar2_core.rl.data import RLProblem
 from rstar2_core.rl.groups import build_step_batch
 from rstar2_core.rollout.admission import LengthModel
 from rstar2_core.rollout.types import RolloutLimits, Trajectory
-from rstar2_core.runtime.protocol import StageRuntime
+from rstar2_core.runtime.protocol import RuntimeUsage, StageRuntime
 from rstar2_core.runtime.usage import step_usage_metrics
 
 
@@ -109,14 +111,30 @@ def infra_failures(groups: Sequence[Sequence[Trajectory]], grades: Grades) -> di
             "infra/failed": float(failed), "infra/failed_share": failed / max(1, total)}
 
 
-async def rl_step(rt: StageRuntime, chat: ChatFormat, batch: Sequence[RLProblem], *, rl: RLConfig,
-                  rollout: RolloutConfig, limits: RolloutLimits, seed: int, pad_id: int,
-                  publish: Callable[[dict[str, float]], str | None] | None = None,
-                  lengths: LengthModel | None = None) -> StepOutcome:
-    """One GRPO-RoC step on runtime `rt` (see the module docstring): `rl` holds the algorithm's settings
-    (GRPO-RoC, micro-batch, failure thresholds), `rollout` the scheduler's. `lengths`: the stage's
-    `rollout.LengthModel` (KV-aware admission learns response lengths from the earlier steps; None starts
-    every step from the max-length rule)."""
+@dataclass(frozen=True)
+class RolledOut:
+    """A batch rolled out and graded, ready for its optimizer step: its problems, the groups
+    (`groups[g][j]` of `batch[g]`), their grades and infra counts, the rollout and grading seconds, the runtime's usage counters around the
+    rollout, and `policy_version`: the optimizer steps of this stage the engines' weights had taken when
+    the rollout started (the step's trainer has taken `step - 1`; the difference is the batch's staleness)."""
+
+    batch: tuple[RLProblem, ...]
+    groups: list[list[Trajectory]]
+    grades: Grades
+    infra: dict[str, float]
+    rollout_s: float
+    grade_s: float
+    usage_before: RuntimeUsage
+    usage_after: RuntimeUsage
+    policy_version: int = 0
+
+
+async def rollout_and_grade(rt: StageRuntime, chat: ChatFormat, batch: Sequence[RLProblem], *,
+                            rl: RLConfig, rollout: RolloutConfig, limits: RolloutLimits, seed: int,
+                            lengths: LengthModel | None = None, policy_version: int = 0) -> RolledOut:
+    """The first half of a step: roll `batch` out on the runtime's engines and grade it. Raises
+    `InfraFailureShareExceeded` when more than `rl.max_infra_failure_share` of the trajectories failed for
+    infrastructure reasons (before any update)."""
     from rstar2_core.rollout import rollout_groups
 
     grpo = rl.grpo
@@ -139,6 +157,25 @@ async def rl_step(rt: StageRuntime, chat: ChatFormat, batch: Sequence[RLProblem]
             f"{infra['infra/grader_errors']:.0f}), above rl.max_infra_failure_share = "
             f"{rl.max_infra_failure_share}; no update was taken. A retry resumes from the last checkpoint; if it "
             "repeats, check the engines, the sandbox pool size (sandbox.workers) and eval.grader_timeout_s")
+    return RolledOut(tuple(batch), groups, grades, infra, t1 - t0, t2 - t1, before, after_rollout, policy_version)
+
+
+def update_from(rt: StageRuntime, chat: ChatFormat, rolled: RolledOut, *, rl: RLConfig, seed: int, pad_id: int,
+                publish: Callable[[dict[str, float]], str | None] | None = None, started: float | None = None,
+                staleness: int = 0, push_weights: bool = True) -> StepOutcome:
+    """The second half of a step: `build_step_batch` on the rolled-out groups, one optimizer step, the
+    stale-weights check, `publish(metrics)` and (with `sync`) the weight push to the engines. `started`:
+    the `perf_counter` at which the step began (`timing/step_s`); `staleness`: optimizer steps between
+    the weights that sampled the batch and the trainer's (0 in a synchronous step). The log-prob gap
+    check applies to fresh batches only: a stale batch's engine log-probs come from older weights by
+    design (its tokens are reweighted by `rl.tis_cap`). Without `push_weights` the caller pushes the
+    weights (the asynchronous stage loop, rl/pipelined.py, does it between its rollouts) and the metrics
+    carry `rollout/staleness`."""
+    grpo = rl.grpo
+    t2 = time.perf_counter()
+    t0 = started if started is not None else t2 - rolled.rollout_s - rolled.grade_s
+    before_train = rt.usage()
+    groups, grades, infra = rolled.groups, rolled.grades, rolled.infra
     sb = build_step_batch(groups, grades.rewards, grpo, seed)
     with rt.training():   # the engines may free device memory while the trainer steps; the sync brings them back
         if sb.trajectories:
@@ -150,7 +187,7 @@ async def rl_step(rt: StageRuntime, chat: ChatFormat, batch: Sequence[RLProblem]
             actor = {"actor/skipped": 1.0, "actor/tokens": 0.0}
         stepped = not actor.get("actor/skipped")
         gap = actor.get("actor/engine_logprob_gap")
-        if stepped and gap is not None and gap > rl.max_engine_logprob_gap:
+        if stepped and staleness == 0 and gap is not None and gap > rl.max_engine_logprob_gap:
             raise StaleEngineWeights(
                 f"engine vs trainer log-prob gap {gap:.4f} per sampled token exceeds rl.max_engine_logprob_gap = "
                 f"{rl.max_engine_logprob_gap}: the engines sampled with other weights than the trainer holds (a weight "
@@ -160,19 +197,23 @@ async def rl_step(rt: StageRuntime, chat: ChatFormat, batch: Sequence[RLProblem]
         after_train = rt.usage()
         metrics: dict[str, float] = {**sb.metrics, **actor, **infra, "runtime/engines": float(len(rt.engines)),
                                      "runtime/trainer_ranks": float(rt.trainer.world_size)}
-        phases = {"rollout": t1 - t0, "grade": t2 - t1, "train": t3 - t2}
+        if not push_weights:
+            metrics["rollout/staleness"] = float(staleness)
+        phases = {"rollout": rolled.rollout_s, "grade": rolled.grade_s, "train": t3 - t2}
         url, publish_s = None, 0.0
-        publish_first = rt.weight_sync_mode == "checkpoint" and publish is not None  # engines reload what is published
+        # with checkpoint weight sync the engines reload what is published: publish before the push
+        publish_first = push_weights and rt.weight_sync_mode == "checkpoint" and publish is not None
         if publish_first:
             url = publish(metrics)
             publish_s = time.perf_counter() - t3
         t4 = time.perf_counter()
-        sync = rt.sync_weights(url) if stepped else None
+        report = rt.sync_weights(url) if push_weights and stepped else None
     phases["sync"] = time.perf_counter() - t4     # with the engines' wake-up when no update was pushed
-    if sync is not None:
-        metrics.update(sync.metrics())
-    metrics.update(step_usage_metrics(before, after_rollout, after_train, phases, groups, sb.trajectories,
-                                      n_trainer_ranks=rt.trainer.world_size if rt.trainer else 0))
+    if report is not None:
+        metrics.update(report.metrics())
+    metrics.update(step_usage_metrics(rolled.usage_before, rolled.usage_after, after_train, phases, groups,
+                                      sb.trajectories, n_trainer_ranks=rt.trainer.world_size if rt.trainer else 0,
+                                      train_start=before_train))
     metrics.update({f"timing/{k}_s": v for k, v in phases.items()})
     if publish is not None and not publish_first:
         t5 = time.perf_counter()
@@ -181,3 +222,18 @@ async def rl_step(rt: StageRuntime, chat: ChatFormat, batch: Sequence[RLProblem]
     metrics["timing/publish_s"] = publish_s
     metrics["timing/step_s"] = time.perf_counter() - t0
     return StepOutcome(metrics, stepped, url)
+
+
+async def rl_step(rt: StageRuntime, chat: ChatFormat, batch: Sequence[RLProblem], *, rl: RLConfig,
+                  rollout: RolloutConfig, limits: RolloutLimits, seed: int, pad_id: int,
+                  publish: Callable[[dict[str, float]], str | None] | None = None,
+                  lengths: LengthModel | None = None) -> StepOutcome:
+    """One synchronous GRPO-RoC step on runtime `rt` (see the module docstring): `rollout_and_grade`,
+    then `update_from` with the weight push. `rl` holds the algorithm's settings (GRPO-RoC, micro-batch,
+    failure thresholds), `rollout` the scheduler's. `lengths`: the stage's `rollout.LengthModel`
+    (KV-aware admission learns response lengths from the earlier steps; None starts every step from the
+    max-length rule)."""
+    t0 = time.perf_counter()
+    rolled = await rollout_and_grade(rt, chat, batch, rl=rl, rollout=rollout, limits=limits, seed=seed,
+                                     lengths=lengths)
+    return update_from(rt, chat, rolled, rl=rl, seed=seed, pad_id=pad_id, publish=publish, started=t0)

@@ -42,13 +42,16 @@ def _delta(a: Sequence[float], b: Sequence[float]) -> float:
 
 def step_usage_metrics(before: RuntimeUsage, after_rollout: RuntimeUsage, after_train: RuntimeUsage,
                        phases: dict[str, float], groups: Sequence[Sequence[Any]], kept: Sequence[Any],
-                       n_trainer_ranks: int) -> dict[str, float]:
+                       n_trainer_ranks: int, train_start: RuntimeUsage | None = None) -> dict[str, float]:
+    """`usage/...` of one step (see the module docstring). `train_start`: the counters when the update
+    began (default `after_rollout`; the asynchronous loop rolls a batch out while an earlier one trains,
+    so its two phases have their own snapshots)."""
     dev = max(1, after_rollout.devices_per_engine)
     n_eng = len(after_rollout.engine_busy_s)
     held_e = n_eng * dev * phases["rollout"]
     busy_e = _delta(before.engine_busy_s, after_rollout.engine_busy_s) * dev
     held_t = n_trainer_ranks * phases["train"]
-    busy_t = _delta(after_rollout.trainer_busy_s, after_train.trainer_busy_s)
+    busy_t = _delta((train_start or after_rollout).trainer_busy_s, after_train.trainer_busy_s)
     calls = [c for g in groups for t in g for c in t.tool_calls if c.name is not None]   # those the sandbox ran
     lat = [c.duration_s for c in calls]
     cpu = [getattr(c, "cpu_s", None) for c in calls]

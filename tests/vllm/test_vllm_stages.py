@@ -5,6 +5,7 @@
   `rl.max_engine_logprob_gap`, and the retry resumes and finishes the stage;
 - the RL stage on the Ray runtime: a vLLM engine actor beside two DeepSpeed trainer shards and the sandbox
   pool, weights pushed through the object store;
+- the asynchronous RL stage (`rl.max_staleness = 1`) on the local runtime: weights pushed between batches;
 - `rstar2 eval` greedy (`eval.temperature=0`) answers every problem as the HF engine does.
 """
 
@@ -68,6 +69,21 @@ def test_rl_stage_on_vllm_engine_actors_on_the_ray_runtime(toy_policy, local_ray
     stepped = _gaps_at_float32_noise(stream)
     assert stepped and all(m["sync/bytes"] > 0 for m in stepped)          # object store: one state dict
     assert stream[-1][1]["runtime/trainer_ranks"] == 2 and stream[-1][1]["runtime/engines"] == 1
+
+
+def test_async_rl_stage_on_vllm_pushes_weights_between_batches(toy_policy, tmp_path):
+    """`rl.max_staleness = 1` with the vLLM engine: batch 2 is sampled while step 1 updates; a batch
+    sampled by the trainer's own weights (staleness 0) keeps the gap at float32 noise, so the pushes
+    between batches land whole."""
+    ckpt, data, _ = toy_policy
+    cfg = load_config("tiny", OVERRIDES + ["rl.stages.0.steps=3", "rl.max_staleness=1", "rl.tis_cap=2.0"])
+    stream: list = []
+    res = run_rl_stage(cfg, 0, init_checkpoint_url=ckpt, data_url=data, out_url=(tmp_path / "async").as_uri(),
+                       log_metrics=lambda m, s: stream.append((s, dict(m))))
+    assert [s for s, _ in stream] == [1, 2, 3] and storage.is_complete(res.checkpoint_url)
+    assert [m["rollout/staleness"] for _, m in stream][:2] == [0.0, 1.0]
+    _gaps_at_float32_noise([(s, m) for s, m in stream if m["rollout/staleness"] == 0])
+    assert any(m.get("sync/bytes", 0) > 0 for _, m in stream)
 
 
 def test_eval_greedy_on_vllm_answers_as_the_hf_engine(toy_policy, tmp_path, capsys):

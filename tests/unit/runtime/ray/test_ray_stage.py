@@ -133,3 +133,41 @@ def test_an_engine_that_fails_every_request_stops_the_stage(ray_here, toy, tmp_p
     with pytest.raises(InfraFailureShareExceeded, match="engine errors"):
         _run(cfg, toy, (tmp_path / "errs").as_uri())
     _assert_nothing_left(ray_here)
+
+
+def test_async_steps_resume_after_trainer_and_engine_kills_without_losing_a_prompt(ray_here, toy, tmp_path,
+                                                                                  monkeypatch):
+    """`rl.max_staleness = 1` on the Ray runtime: a trainer shard killed at step 2 and engine actor 0 killed
+    at step 3 (a rollout of batch 3 or 4 is in flight then) each stop the stage; the third attempt
+    finishes, and the updates of the three attempts trained on exactly the planned batches, once each."""
+    from collections import Counter
+
+    from rstar2_core.rl import stage
+    from rstar2_core.rl.checkpoint import read_rl_state
+    from rstar2_core.rl.data import load_problems
+
+    cfg = load_config("tiny", OVERRIDES + RAY + ["rl.zero_stage=2", "rl.stages.0.steps=4", "rl.max_staleness=1",
+                                                 "rl.tis_cap=2.0"])
+    seen: list = []
+    real = stage.update_from
+
+    def recording(rt, chat, rolled, **kw):
+        out = real(rt, chat, rolled, **kw)
+        seen.append(tuple(p.id for p in rolled.batch))
+        return out
+
+    monkeypatch.setattr(stage, "update_from", recording)
+    monkeypatch.setenv("RSTAR2_FAULT_INJECT", "rl-stage-1:step=2:kill-trainer,rl-stage-1:step=3:kill-engine")
+    out = (tmp_path / "async").as_uri()
+    with pytest.raises(InfraError, match="trainer-1"):
+        _run(cfg, toy, out)
+    _assert_nothing_left(ray_here)
+    with pytest.raises(InfraError, match="engine-0"):
+        _run(cfg, toy, out)
+    _assert_nothing_left(ray_here)
+    res, stream = _run(cfg, toy, out)
+    assert stream and stream[-1][0] == 4 and {m["rollout/staleness"] for _, m in stream} <= {0.0, 1.0}
+    problems, _ = load_problems(toy[1])
+    planned = stage.plan_steps(problems, cfg.rl.seed, 0, range(1, 5), cfg.rl.prompts_per_step)
+    assert Counter(i for batch in seen for i in batch) == Counter(p.id for plan in planned for p in plan.batch)
+    assert read_rl_state(res.checkpoint_url)["cursor"] == 4 * cfg.rl.prompts_per_step
