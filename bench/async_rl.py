@@ -230,8 +230,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sim-scale", type=float, default=0.005, help="wall seconds per simulated second")
     ap.add_argument("--skip-ray", action="store_true", help="the simulation only")
     ap.add_argument("--learning", action="store_true",
-                    help="also run bench/learning.py --async-k 1 (SFT, then GRPO-RoC synchronous and with k = 1, "
-                         "~15 min on 2 cores): keys pass1_sync, pass1_k1")
+                    help="also run bench/learning.py --async-k 1 in full (SFT, then RoC synchronous, GRPO and RoC with k = 1; "
+                         "~7 min on 2 cores; --quick does not shorten it): keys pass1_sync, pass1_k1")
     args = ap.parse_args(argv)
     if args.quick:
         args.steps, args.sim_per_engine = 4, 32

@@ -25,7 +25,7 @@ Keys of the JSON object (the last line with `--json`):
 
 With `--async-k K` a third RL arm runs GRPO-RoC asynchronously (`rl.max_staleness = K`, `rl.tis_cap = 2`,
 rl/pipelined.py) from the same SFT checkpoint and seed: keys `async_pass1`, `async_pos_tool_error_ratio`,
-`async_mean_staleness`, and the target `async_within_0.03` (|async_pass1 - rl_pass1| <= 0.03 at the same
+`async_train_pos_tool_error_ratio`, `async_mean_staleness`, and the target `async_within_0.03` (|async_pass1 - rl_pass1| <= 0.03 at the same
 number of steps).
 
 A plot (training pass rate and failed-call ratio per step for both arms, among the sampled positives
@@ -238,6 +238,7 @@ def main(argv=None) -> int:
     if args.async_k:
         r.update({"async_k": args.async_k, "async_pass1": evals["async"]["pass1"],
                   "async_pos_tool_error_ratio": evals["async"]["pos_tool_error_ratio"],
+                  "async_train_pos_tool_error_ratio": late_mean(streams["async"], "rollout/pos_tool_error_ratio"),
                   "async_mean_staleness": late_mean(streams["async"], "rollout/staleness")})
     ratio_ok = (r["roc_pos_tool_error_ratio"] is not None and r["grpo_pos_tool_error_ratio"] is not None
                 and r["roc_pos_tool_error_ratio"] < r["grpo_pos_tool_error_ratio"])
