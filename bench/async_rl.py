@@ -47,12 +47,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-RAY = ['cluster.runtime="ray"', 'rl.backend="deepspeed"', 'sft.backend="deepspeed"', 'sandbox.backend="ray"',
-       "rl.zero_stage=2", "rollout.num_engines=2", "cluster.trainer_ranks=2"]
+from runtime import RAY, ParityGrader, base_checkpoint  # bench/runtime.py (bench/ is on the path above)
 
 
 # ------------------------------------------------------------------------------------------- simulation
@@ -70,22 +70,19 @@ class _SimRuntime:
 
 
 def simulated_phases(args) -> tuple[list[float], list[float]]:
-    """(rollout seconds, generated tokens) per step from the engine model at GPU-like costs."""
+    """(rollout seconds, generated tokens) per step: bench/scheduler.py's workload at GPU-like costs on 8
+    engines, through its KV-aware policy warmed on the previous step."""
     from engine_sim import simulate, workload
-    from scheduler import GPU_LIKE, parse_cost
+    from scheduler import GPU_LIKE, parse_cost, policies
 
-    from rstar2_core.rollout.admission import KVAdmission, LengthModel
-
-    cost, capacity = parse_cost(GPU_LIKE), (24 * (300 + 12288))
-    n = 8 * args.sim_per_engine
+    shape = SimpleNamespace(engines=8, max_len=12288)
+    cost, capacity = parse_cost(GPU_LIKE), int(24 * (300 + shape.max_len))
+    n = shape.engines * args.sim_per_engine
     rollout_s, tokens = [], []
     for step in range(args.steps):
-        prev = workload(n, 5000, 12288, 300, 10_000 + step, 32, 0.25)
-        warm = LengthModel(12288)
-        for t in prev:
-            warm.observe(t.response_tokens, ("previous step", t.group))
-        trajs = workload(n, 5000, 12288, 300, step, 32, 0.25)
-        res = simulate(trajs, KVAdmission([capacity] * 8, max_response_tokens=12288, lengths=warm), 8, capacity, cost)
+        prev = workload(n, 5000, shape.max_len, 300, 10_000 + step, 32, 0.25)
+        trajs = workload(n, 5000, shape.max_len, 300, step, 32, 0.25)
+        res = simulate(trajs, policies(shape, capacity, prev)["kv_aware"], shape.engines, capacity, cost)
         rollout_s.append(res.makespan_s)
         tokens.append(sum(t.response_tokens for t in trajs))
     return rollout_s, tokens
@@ -147,8 +144,9 @@ def simulate_arms(args) -> dict:
 
 
 # ------------------------------------------------------------------------------------------- measured
-class _ParityGraderPool:
-    """`GraderPool` with the timing-only reward (module docstring), for the stage's own grader slot."""
+class _ParityGraderPool(ParityGrader):
+    """bench/runtime.py's timing-only reward as a `GraderPool` (a context manager), for the stage's own
+    grader slot."""
 
     def __init__(self, *args, **kwargs):
         pass
@@ -159,18 +157,13 @@ class _ParityGraderPool:
     def __exit__(self, *exc):
         return None
 
-    def grade_many(self, items):
-        from rstar2_core.reward.grade import GradeResult
-
-        return [GradeResult(1.0, None, "correct") if len(text) % 2 == 0 else GradeResult(0.0, None, "wrong")
-                for text, _gold in items]
-
 
 def ray_arm(k: int, args, url: str, data_url: str, work: Path) -> dict:
     from rstar2_core.config import load_config
     from rstar2_core.rl.stage import run_rl_stage
 
-    overrides = RAY + [f"rl.prompts_per_step={args.prompts}", "rl.grpo.group_size=4", "rl.grpo.oversample=2",
+    overrides = RAY + ["rollout.num_engines=2", "cluster.trainer_ranks=2", f"rl.prompts_per_step={args.prompts}",
+                       "rl.grpo.group_size=4", "rl.grpo.oversample=2",
                        "rl.warmup_steps=0", "rl.lr=1e-3", "rl.micro_batch_size=16", f"rl.stages.0.steps={args.steps}",
                        f"rl.stages.0.max_response_tokens={args.tokens}", "rl.stages.0.max_turns=2",
                        f"rollout.max_batch_size={args.prompts * 8}", "rl.checkpoint_every=1", "rl.keep_checkpoints=1",
@@ -197,15 +190,11 @@ def ray_arm(k: int, args, url: str, data_url: str, work: Path) -> dict:
 
 
 def measure_ray(args) -> dict:
-    from rstar2_core import reward, storage
+    from rstar2_core import reward
     from rstar2_core.config import load_config
     from rstar2_core.data.synthetic import generate_problems
-    from rstar2_core.models import prepare_base_model
 
-    base_cfg = load_config("tiny")
-    url = (Path(os.environ["RSTAR2_HOME"]) / "bench" / "async_rl" / "base").resolve().as_uri()
-    if not storage.is_complete(url):
-        prepare_base_model(base_cfg, url)
+    url = base_checkpoint(load_config("tiny"))
     reward.GraderPool = _ParityGraderPool           # the stage opens its grader through this name
     with tempfile.TemporaryDirectory(prefix="rstar2-async-bench-") as d:
         work = Path(d)
@@ -214,6 +203,9 @@ def measure_ray(args) -> dict:
         (work / "rl.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         data_url = (work / "rl.jsonl").as_uri()
         arms = {name: ray_arm(k, args, url, data_url, work) for name, k in (("sync", 0), ("async1", 1), ("async2", 2))}
+    from rstar2_core.runtime.ray.connect import disconnect_ray
+
+    disconnect_ray()    # flushes the actors' forwarded logs now, so that the JSON line stays the last one
     return arms
 
 

@@ -114,8 +114,8 @@ def infra_failures(groups: Sequence[Sequence[Trajectory]], grades: Grades) -> di
 @dataclass(frozen=True)
 class RolledOut:
     """A batch rolled out and graded, ready for its optimizer step: its problems, the groups
-    (`groups[g][j]` of `batch[g]`), their grades and infra counts, the rollout and grading seconds, the runtime's usage counters around the
-    rollout, and `policy_version`: the optimizer steps of this stage the engines' weights had taken when
+    (`groups[g][j]` of `batch[g]`), their grades and infra counts, the rollout and grading seconds, the
+    runtime's usage counters around the rollout, and `policy_version`: the optimizer steps of this stage the engines' weights had taken when
     the rollout started (the step's trainer has taken `step - 1`; the difference is the batch's staleness)."""
 
     batch: tuple[RLProblem, ...]
@@ -161,11 +161,11 @@ async def rollout_and_grade(rt: StageRuntime, chat: ChatFormat, batch: Sequence[
 
 
 def update_from(rt: StageRuntime, chat: ChatFormat, rolled: RolledOut, *, rl: RLConfig, seed: int, pad_id: int,
-                publish: Callable[[dict[str, float]], str | None] | None = None, started: float | None = None,
-                staleness: int = 0, push_weights: bool = True) -> StepOutcome:
+                publish: Callable[[dict[str, float]], str | None] | None = None, staleness: int = 0,
+                push_weights: bool = True) -> StepOutcome:
     """The second half of a step: `build_step_batch` on the rolled-out groups, one optimizer step, the
-    stale-weights check, `publish(metrics)` and (with `sync`) the weight push to the engines. `started`:
-    the `perf_counter` at which the step began (`timing/step_s`); `staleness`: optimizer steps between
+    stale-weights check, `publish(metrics)` and (with `push_weights`) the weight push to the engines.
+    `timing/step_s` is the batch's rollout and grading plus this half; `staleness`: optimizer steps between
     the weights that sampled the batch and the trainer's (0 in a synchronous step). The log-prob gap
     check applies to fresh batches only: a stale batch's engine log-probs come from older weights by
     design (its tokens are reweighted by `rl.tis_cap`). Without `push_weights` the caller pushes the
@@ -173,7 +173,7 @@ def update_from(rt: StageRuntime, chat: ChatFormat, rolled: RolledOut, *, rl: RL
     carry `rollout/staleness`."""
     grpo = rl.grpo
     t2 = time.perf_counter()
-    t0 = started if started is not None else t2 - rolled.rollout_s - rolled.grade_s
+    t0 = t2 - rolled.rollout_s - rolled.grade_s      # when the batch's rollout began
     before_train = rt.usage()
     groups, grades, infra = rolled.groups, rolled.grades, rolled.infra
     sb = build_step_batch(groups, grades.rewards, grpo, seed)
@@ -233,7 +233,6 @@ async def rl_step(rt: StageRuntime, chat: ChatFormat, batch: Sequence[RLProblem]
     failure thresholds), `rollout` the scheduler's. `lengths`: the stage's `rollout.LengthModel`
     (KV-aware admission learns response lengths from the earlier steps; None starts every step from the
     max-length rule)."""
-    t0 = time.perf_counter()
     rolled = await rollout_and_grade(rt, chat, batch, rl=rl, rollout=rollout, limits=limits, seed=seed,
                                      lengths=lengths)
-    return update_from(rt, chat, rolled, rl=rl, seed=seed, pad_id=pad_id, publish=publish, started=t0)
+    return update_from(rt, chat, rolled, rl=rl, seed=seed, pad_id=pad_id, publish=publish)

@@ -4,7 +4,7 @@
 `cluster.cpus_per_node`/`gpus_per_node` with the `RUNTIME_RESOURCE` slot, its temp folder under /tmp
 so that Ray's Unix socket paths stay short; or `cluster.ray_address`), and the environment the
 workers inherit. `ensure_ray(cluster)` initialises Ray in this process when it is not already (a stage
-task dispatched by prefect-ray runs inside a Ray worker, which is).
+task dispatched by prefect-ray runs inside a Ray worker, which is); `disconnect_ray()` ends it.
 
 `RUNTIME_RESOURCE` ("rstar2_runtime", 1 on the head node): every pipeline task that drives a Ray
 runtime (sft, rl, hard_subset, eval) asks for one unit of it (tasks/runners.py), so they run one at a
@@ -54,3 +54,12 @@ def ensure_ray(cluster: ClusterConfig) -> None:
 
     if not ray.is_initialized():
         ray.init(address=cluster.ray_address or None, **ray_init_kwargs(cluster))
+
+
+def disconnect_ray() -> None:
+    """End this process's Ray connection (and the local Ray it started), if any: the workers' forwarded
+    logs are flushed before it returns."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()

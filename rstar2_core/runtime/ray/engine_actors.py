@@ -18,7 +18,7 @@
   With the `ipc` weight sync it also sets `VLLM_ALLOW_INSECURE_SERIALIZATION=1` (IPC handles need vLLM's
   pickle fallback; trade-off in `engine_actor_options`).
 
-    engines = start_engines(group, layout, spec)
+    engines = start_engines(group, layout, runtime_spec.engines)     # one EngineSpec per engine slot
     groups = await rollout_groups(engines, sandbox, chat, problems, n=32, limits=limits)
 """
 
