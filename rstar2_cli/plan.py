@@ -9,6 +9,7 @@ stages' actor layout (rstar2_core/runtime/ray/layout.py).
     rstar2 plan --profile qwen3-14b-mi300x            # human-readable; exit 0 when no problem
     rstar2 plan --profile tiny --json                 # one JSON object
     rstar2 plan --profile qwen3-14b-mi300x --strict   # exit 1 when a problem is found
+    rstar2 plan --address 127.0.0.1:6379 ...          # and whether the layout fits that live cluster
 
 A config that does not validate (or a layout that cannot fit) exits 2 with the field to change.
 The DAG mirrors flows/full_recipe.py (same task kinds and run names).
@@ -197,8 +198,38 @@ def _runtime_slot_problems(cfg: Any, rc: dict, up: dict) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------- output
-def build_plan(cfg: Any) -> dict:
-    """Everything `rstar2 plan` prints, as a JSON-able dict. Raises ConfigError when the layout cannot fit."""
+def cluster_fit(cfg: Any, layout: Any, nodes: list) -> tuple[list[str], list[str]]:
+    """(lines, problems) of the layout against a live cluster's nodes: whether its placement groups fit the
+    nodes' resources (and fit what is free now), and, for the Ray runtime, whether a node offers the
+    `rstar2_runtime` unit with the CPUs of the task that drives the RL stage."""
+    from rstar2_core.runtime.ray.connect import RUNTIME_RESOURCE
+    from rstar2_core.runtime.ray.layout import describe_nodes, fit_layout
+
+    fit, now = fit_layout(layout, nodes), fit_layout(layout, nodes, free_only=True)
+    lines = [f"live cluster: {len(nodes)} node(s)"] + [f"  {x}" for x in describe_nodes(nodes)]
+    problems = list(fit.problems)
+    if fit.fits:
+        lines.append("  the layout fits: " + ", ".join(f"{k} -> {v}" for k, v in fit.placement.items()))
+        lines.append("  and fits what is free now" if now.fits else
+                     "  but not what is free now (another job holds resources): " + " ".join(now.problems))
+    else:
+        lines.append("  the layout does NOT fit this cluster")
+    if cfg.cluster.runtime == "ray":
+        driver = cfg.cluster.resources.get("rl")
+        cpus = float(driver.num_cpus) if driver is not None else 1.0
+        slot = [n for n in nodes if n.total.get(RUNTIME_RESOURCE, 0) >= 1]
+        if not slot:
+            problems.append(f"no live node offers the {RUNTIME_RESOURCE} resource the stage tasks ask for: start the "
+                            f"head with --resources='{{\"{RUNTIME_RESOURCE}\": 1}}'")
+        elif not any(n.total.get("CPU", 0) >= cpus for n in slot):
+            problems.append(f"the node with {RUNTIME_RESOURCE} has fewer than the {cpus:g} CPUs of the RL task "
+                            "(cluster.resources.rl.num_cpus)")
+    return lines, problems
+
+
+def build_plan(cfg: Any, nodes: list | None = None) -> dict:
+    """Everything `rstar2 plan` prints, as a JSON-able dict; `nodes`: a live cluster's nodes to fit the
+    layout to (`--address`). Raises ConfigError when the layout cannot fit the config's cluster."""
     from rstar2_core.config import ConfigError
     from rstar2_core.runtime.ray.layout import LayoutError, compute_layout, driver_conflicts
 
@@ -209,10 +240,14 @@ def build_plan(cfg: Any) -> dict:
     problems = driver_conflicts(layout, cfg.cluster.resources.get("rl")) if cfg.cluster.runtime == "ray" else []
     if cfg.cluster.image:
         problems += infra_problems(cfg)
+    live: list[str] = []
+    if nodes is not None:
+        live, more = cluster_fit(cfg, layout, nodes)
+        problems += more
     return {"profile": cfg.profile, "image": cfg.cluster.image, "ray_address": cfg.cluster.ray_address,
             "tracking_uri": cfg.resolved_tracking_uri(), "storage_root": cfg.resolved_storage_root(),
             "dag": [asdict(t) for t in recipe_dag(cfg)], "layout": layout.to_json(),
-            "layout_summary": layout.describe(), "problems": problems}
+            "layout_summary": layout.describe(), "live_cluster": live, "problems": problems}
 
 
 def _fmt_res(t: dict) -> str:
@@ -239,6 +274,8 @@ def render(plan: dict, cfg: Any) -> str:
     if cfg.cluster.runtime == "local":
         lines.append("  (runtime local: every stage runs in its task's process; the layout above is what "
                      "cluster.runtime = \"ray\" would place)")
+    if plan.get("live_cluster"):
+        lines += [""] + plan["live_cluster"]
     lines.append("")
     if plan["problems"]:
         lines.append(f"problems ({len(plan['problems'])}):")
@@ -250,7 +287,12 @@ def render(plan: dict, cfg: Any) -> str:
 
 def _plan(args: argparse.Namespace) -> int:
     cfg = load(args)
-    plan = build_plan(cfg)
+    nodes = None
+    if args.address:
+        from rstar2_core.runtime.ray.connect import probe_cluster
+
+        nodes = probe_cluster(args.address)
+    plan = build_plan(cfg, nodes)
     print(json.dumps(plan, indent=1) if args.json else render(plan, cfg))
     return 1 if args.strict and plan["problems"] else 0
 
@@ -260,4 +302,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_profile_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--strict", action="store_true", help="exit 1 when a problem is found")
+    p.add_argument("--address", default=None,
+                   help="a live Ray cluster (host:port): also say whether the layout fits its nodes")
     p.set_defaults(func=_plan)

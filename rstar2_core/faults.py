@@ -9,6 +9,10 @@ Kinds (`FAULT_KINDS`):
 - `kill-engine`: engine 0 is killed (Ray runtime: its actor process gets SIGKILL; the local runtime's
   in-process engine is closed), so the step's next call to it fails as a dead actor would;
 - `kill-trainer`: trainer rank 1 is killed (Ray runtime only; rank 0 on a single-rank runtime);
+- `kill-node`: the Ray node that holds trainer rank 1 loses its raylet (SIGKILL): every actor on it dies
+  and Ray declares the node dead, as when a machine of the cluster goes away (Ray runtime on a local
+  multi-node cluster only, `rstar2 cluster up`: the raylet must be a process of this machine; the stage
+  stops with `NodeLost` naming the node and its actors);
 - `engine-errors`: engine 0 fails every request from that step on (the engine stays up; the step's
   infrastructure-failure share then decides whether the stage stops);
 - `stale-weights`: engine 0 is loaded with other weights than the trainer holds (the policy's, every
@@ -27,7 +31,7 @@ import os
 from rstar2_core import storage
 from rstar2_core.errors import InfraError
 
-FAULT_KINDS = ("raise", "kill-engine", "kill-trainer", "engine-errors", "stale-weights")
+FAULT_KINDS = ("raise", "kill-engine", "kill-trainer", "kill-node", "engine-errors", "stale-weights")
 STALE_NOISE = 0.5
 """Noise of the `stale-weights` fault, as a share of each tensor's own standard deviation."""
 

@@ -25,11 +25,20 @@ _S3_OPTIONS: dict[str, Any] = {}
 
 
 def configure_s3(endpoint_url: str | None = None, region: str | None = None) -> None:
-    """Set s3fs client options for every s3:// URL opened afterwards (from StorageConfig)."""
+    """Set s3fs client options for every s3:// URL this process opens afterwards (from StorageConfig).
+    Process-wide: a Ray actor that reads or writes the store gets the driver's settings
+    (`s3_settings()`) as a constructor argument and calls this first."""
     _S3_OPTIONS.clear()
     if endpoint_url or region:
         _S3_OPTIONS["client_kwargs"] = {k: v for k, v in
                                         (("endpoint_url", endpoint_url), ("region_name", region)) if v}
+
+
+def s3_settings() -> dict[str, str]:
+    """The arguments `configure_s3` was last given in this process ({} for none): what an actor on another
+    node needs to reach the same S3 endpoint."""
+    kw = _S3_OPTIONS.get("client_kwargs", {})
+    return {k: v for k, v in (("endpoint_url", kw.get("endpoint_url")), ("region", kw.get("region_name"))) if v}
 
 
 def fs_for(url: str) -> tuple[fsspec.AbstractFileSystem, str]:

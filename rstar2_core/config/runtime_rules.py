@@ -13,6 +13,11 @@ STAGE_TASKS = ("sft", "rl", "hard_subset", "eval")
 """Pipeline tasks that drive a stage through a runtime (their actors hold the GPUs)."""
 
 
+def computes_on_gpu(cluster: Any) -> bool:
+    """Whether the Ray runtime's engines and trainer shards compute on GPUs: the nodes have GPUs and they
+    are not logical ones (`cluster.logical_gpus`, the CPU rehearsal of a GPU layout)."""
+    return bool(cluster.gpus_per_node) and not cluster.logical_gpus
+
 
 def resolved_weight_sync(cfg: Any) -> str:
     """`rollout.weight_sync` with `auto` resolved for the runtime, engine and layout."""
@@ -21,7 +26,7 @@ def resolved_weight_sync(cfg: Any) -> str:
         return ws
     if cfg.cluster.runtime == "local":
         return "state_dict"
-    if cfg.rollout.engine == "vllm" and cfg.cluster.gpus_per_node:
+    if cfg.rollout.engine == "vllm" and computes_on_gpu(cfg.cluster):
         return "ipc" if cfg.cluster.layout == "colocated" else "nccl"
     return "object_store"
 
@@ -47,9 +52,10 @@ def runtime_problems(cfg: Any) -> list[str]:
                    f"model.tiny.hidden_size {t.hidden_size} / num_heads {t.num_heads}")
             p.append(f"rollout.engine = \"vllm\" cannot serve the tiny model's head size {head} ({how}): vLLM's "
                      "attention takes 32 to 256; set model.tiny.head_dim in that range")
-    if ws in ("nccl", "ipc") and (ro.engine != "vllm" or not cl.gpus_per_node):
+    if ws in ("nccl", "ipc") and (ro.engine != "vllm" or not computes_on_gpu(cl)):
         p.append(f"rollout.weight_sync = \"{ws}\" is vLLM's GPU weight transfer: it needs rollout.engine = \"vllm\" "
-                 "and cluster.gpus_per_node > 0; use \"object_store\" or \"checkpoint\"")
+                 "and cluster.gpus_per_node > 0 with real GPUs (cluster.logical_gpus = false); use \"object_store\" "
+                 "or \"checkpoint\"")
     for section in ("rl", "sft"):
         sec = getattr(cfg, section)
         if sec.backend == "torch" and sec.zero_stage != type(sec).model_fields["zero_stage"].default:
@@ -62,6 +68,9 @@ def runtime_problems(cfg: Any) -> list[str]:
     if ws == "checkpoint" and cfg.rl.checkpoint_every != 1:
         p.append(f"rollout.weight_sync = \"checkpoint\" reloads the checkpoint each step publishes, but "
                  f"rl.checkpoint_every = {cfg.rl.checkpoint_every}: set rl.checkpoint_every = 1")
+    if cl.logical_gpus and not cl.gpus_per_node:
+        p.append("cluster.logical_gpus = true needs cluster.gpus_per_node > 0 (the logical GPUs each node offers); "
+                 "set it, or cluster.logical_gpus = false")
     if not cl.use_ray and cl.resources:
         p.append(f"cluster.resources sets per-task Ray reservations ({', '.join(sorted(cl.resources))}), but "
                  "cluster.use_ray = false runs every task as a thread of the flow process, where nothing reserves "
@@ -113,12 +122,20 @@ def _ray_problems(cfg: Any, ws: str) -> list[str]:
                  "set sandbox.backend = \"ray\"")
     if ro.release_memory_during_training and (ro.engine != "vllm" or cl.layout != "colocated"):
         p.append("rollout.release_memory_during_training needs vLLM engines in cluster.layout = \"colocated\"")
-    if ro.release_memory_during_training and not cl.gpus_per_node:
+    if ro.release_memory_during_training and not computes_on_gpu(cl):
         p.append("rollout.release_memory_during_training is vLLM's sleep mode, which exists on CUDA and ROCm only: a "
-                 "CPU-only cluster (cluster.gpus_per_node = 0) has none; set it to false")
-    if cl.gpus_per_node == 0 and cfg.model.dtype != "float32":
-        p.append(f"model.dtype = \"{cfg.model.dtype}\" on a CPU-only cluster (cluster.gpus_per_node = 0): DeepSpeed "
-                 "trains bf16/fp16 only on GPUs; set model.dtype = \"float32\"")
+                 "CPU-only cluster (cluster.gpus_per_node = 0 or cluster.logical_gpus) has none; set it to false")
+    if not computes_on_gpu(cl) and cfg.model.dtype != "float32":
+        p.append(f"model.dtype = \"{cfg.model.dtype}\" on a CPU-only cluster (cluster.gpus_per_node = 0 or "
+                 "cluster.logical_gpus): DeepSpeed trains bf16/fp16 only on GPUs; set model.dtype = \"float32\"")
+    if cl.logical_gpus and ro.tensor_parallel_size != 1:
+        p.append(f"rollout.tensor_parallel_size = {ro.tensor_parallel_size} with cluster.logical_gpus: an engine on "
+                 "logical GPUs computes on the CPU in one process; set rollout.tensor_parallel_size = 1")
+    if cl.nodes > 1 and (cfg.storage.root or "file://").startswith("file:") and not cfg.storage.shared_filesystem:
+        p.append(f"storage.root = {cfg.storage.root or '(default file://<state dir>/artifacts)'} on a {cl.nodes}-node "
+                 "Ray runtime (cluster.nodes): trainer ranks on other nodes write checkpoint shards there, and a "
+                 "node-local disk leaves the driver an incomplete checkpoint; use an s3:// storage.root, or set "
+                 "storage.shared_filesystem = true when every node mounts it at the same path")
     if cl.gpus_per_node and cl.trainer_ranks:
         want = cl.nodes * cl.gpus_per_node if cl.layout == "colocated" else cl.trainer_gpus
         if cl.trainer_ranks != want:

@@ -442,6 +442,12 @@ class StorageConfig(_Section):
     """S3 endpoint for s3:// URLs (a local moto server in tests; None = AWS)."""
     s3_region: str | None = None
     """S3 region name."""
+    shared_filesystem: bool = False
+    """A `file://` root is one file system that every Ray node mounts at the same path (NFS, Lustre, or one
+    machine: the local multi-node rehearsal, `rstar2 cluster up`). On a multi-node Ray runtime
+    (`cluster.nodes > 1`) a `file://` root is refused unless this is true: trainer ranks on other nodes
+    write their checkpoint shards straight to storage, and on node-local disks the driver would find an
+    incomplete checkpoint. S3 needs nothing. Trade-off: true trusts the operator about the mounts."""
 
 
 class TaskResources(_Section):
@@ -508,6 +514,12 @@ class ClusterConfig(_Section):
     for its trainer shards and then its engine actors to be scheduled and constructed before raising
     ActorStartTimeout naming those still pending (also retryable). An engine's construction includes
     loading its model (vLLM: and profiling memory), so raise this when engines load slowly."""
+    logical_gpus: bool = False
+    """The cluster's GPUs are logical Ray resources on CPU nodes (`ray start --num-gpus=N` without GPUs: the
+    local multi-node rehearsal, `rstar2 cluster up`). The layout, placement groups and every actor's place
+    are the GPU layout's (`gpus_per_node` GPU bundles per node), but engines and trainer shards compute on
+    the CPU (gloo, float32, HF or vLLM's CPU build, TP 1). False on a real GPU cluster, where an actor that
+    sees no GPU fails instead of silently running on the CPU."""
     actor_torch_threads: int = Field(0, ge=0)
     """torch intra-op threads of each engine and trainer actor; 0 = 1 on CPU-only clusters (several
     actors share the cores: more threads each only add contention) and torch's default on GPU nodes."""

@@ -27,7 +27,7 @@ Failures are loud:
 Grader timeouts and errors keep reward 0 (the paper) but count as infrastructure failures in the share.
 
 Metrics (one dict per step): `rollout/...` and `actor/...` (groups.py, trainer.py), `infra/...`
-(failure counts and share), `runtime/engines` and `runtime/trainer_ranks` (what the step ran on), `timing/{rollout,grade,train,publish,sync,step}_s`, `sync/...` (bytes
+(failure counts and share), `runtime/engines`, `runtime/trainer_ranks` and `runtime/nodes` (what the step ran on), `timing/{rollout,grade,train,publish,sync,step}_s`, `sync/...` (bytes
 and seconds per sync), `usage/...` (runtime/usage.py: device-seconds and idle fractions by role,
 sandbox call seconds and latency percentiles, tokens generated vs trained).
 """
@@ -196,7 +196,8 @@ def update_from(rt: StageRuntime, chat: ChatFormat, rolled: RolledOut, *, rl: RL
         t3 = time.perf_counter()
         after_train = rt.usage()
         metrics: dict[str, float] = {**sb.metrics, **actor, **infra, "runtime/engines": float(len(rt.engines)),
-                                     "runtime/trainer_ranks": float(rt.trainer.world_size)}
+                                     "runtime/trainer_ranks": float(rt.trainer.world_size),
+                                     "runtime/nodes": float(after_train.nodes)}
         if not push_weights:
             metrics["rollout/staleness"] = float(staleness)
         phases = {"rollout": rolled.rollout_s, "grade": rolled.grade_s, "train": t3 - t2}

@@ -72,11 +72,13 @@ class WeightSyncReport:
 @dataclass(frozen=True)
 class RuntimeUsage:
     """Cumulative busy seconds of each engine (x its devices) and each trainer rank since the runtime
-    opened; `devices_per_engine` = its tensor-parallel size (1 for CPU processes)."""
+    opened; `devices_per_engine` = its tensor-parallel size (1 for CPU processes); `nodes` = the machines
+    (Ray nodes) its engines and trainer ranks run on (1 for the local runtime)."""
 
     engine_busy_s: tuple[float, ...] = ()
     devices_per_engine: int = 1
     trainer_busy_s: tuple[float, ...] = ()
+    nodes: int = 1
     extra: dict = field(default_factory=dict)
 
 
@@ -148,7 +150,7 @@ class StageRuntime(Protocol):
         ...
 
     async def inject_fault(self, kind: str) -> None:
-        """Carry out a fault of rstar2_core.faults (kill-engine, kill-trainer, engine-errors)."""
+        """Carry out a fault of rstar2_core.faults (kill-engine, kill-trainer, kill-node, engine-errors, stale-weights)."""
         ...
 
     def usage(self) -> RuntimeUsage: ...

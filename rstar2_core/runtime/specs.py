@@ -12,7 +12,8 @@ engines, sandbox and weight sync each take their part of a `RuntimeSpec`:
 - `sandbox` (`SandboxConfig`, None for none) and `grader_timeout_s` (None: no grader);
 - `weight_sync` (`rollout.weight_sync` with `auto` resolved) and `release_memory_during_training`;
 - `cluster` (`ClusterConfig`: how to reach Ray, placement timeout, torch threads per actor), read only
-  where Ray is used, and `layout`: the Ray runtime's actor layout (runtime/ray/layout.py), None locally.
+  where Ray is used, and `layout`: the Ray runtime's actor layout (runtime/ray/layout.py), None locally;
+- `shared_storage`: whether every node sees the storage root (s3://, or `storage.shared_filesystem`).
 
 Invariant: a spec is complete and frozen when a runtime starts, so a retried stage's runtime is built
 from exactly what its frozen config snapshot says.
@@ -62,6 +63,10 @@ class RuntimeSpec:
     tensor_parallel_size: int
     cluster: ClusterConfig
     layout: ClusterLayout | None = None
+    shared_storage: bool = True
+    """Every node can read what another wrote to the storage root: s3://, or a `file://` root declared
+    shared (`storage.shared_filesystem`). The Ray runtime refuses a trainer on a multi-node cluster
+    without it."""
 
     @classmethod
     def from_config(cls, cfg: Config, *, policy_url: str, max_model_len: int | None = None,
@@ -89,7 +94,8 @@ class RuntimeSpec:
         return cls(kind, policy_url, engine_specs, setup, cfg.sandbox if sandbox else None,
                    cfg.sandbox.backend == "ray", cfg.eval.grader_timeout_s if grader else None,
                    resolved_weight_sync(cfg), cfg.rollout.release_memory_during_training,
-                   cfg.rollout.tensor_parallel_size, cfg.cluster, layout)
+                   cfg.rollout.tensor_parallel_size, cfg.cluster, layout,
+                   not cfg.resolved_storage_root().startswith("file:") or cfg.storage.shared_filesystem)
 
 
 def engine_spec(cfg: Config, checkpoint_url: str, max_model_len: int | None, device: str,

@@ -6,10 +6,9 @@ everything back from S3 and recomputes nothing."""
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import stage_doubles
+from s3_server import moto_s3
 
 from rstar2_core import storage
 from rstar2_core.config import load_config
@@ -20,27 +19,9 @@ BUCKET = "rstar2-e2e"
 
 
 @pytest.fixture
-def s3(monkeypatch):
-    from moto.server import ThreadedMotoServer
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                 "AWS_DEFAULT_REGION": REGION}.items():
-        monkeypatch.setenv(k, v)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
-    import boto3
-
-    boto3.client("s3", endpoint_url=endpoint, region_name=REGION).create_bucket(
-        Bucket=BUCKET, CreateBucketConfiguration={"LocationConstraint": REGION})
-    try:
+def s3():
+    with moto_s3(BUCKET, REGION) as endpoint:
         yield endpoint
-    finally:
-        storage.configure_s3()
-        server.stop()
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ import os
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 from uuid import UUID
@@ -149,12 +150,13 @@ def test_fault_retry_resume_through_the_deployment(services, monkeypatch, ui, en
     assert len([r for r in children if r.info.run_name == "rl-stage-1"]) == 1
 
 
-# The same shrunk recipe on the Ray runtime: Prefect tasks on Ray (RayTaskRunner), each stage driving its
-# own engine actors (2), DeepSpeed trainer shards (2, ZeRO-2, gloo) and sandbox actor pool; its test kills
-# engine 0 once (`kill-engine`) and retries the failed run as the UI does.
-RAY_RUNTIME = ["cluster.use_ray=true", 'cluster.runtime="ray"', 'rl.backend="deepspeed"', 'sft.backend="deepspeed"',
-               'sandbox.backend="ray"', "cluster.trainer_ranks=2", "rollout.num_engines=2", "rl.zero_stage=2",
-               "sft.zero_stage=2"]
+# The same shrunk recipe on the Ray runtime across nodes: a local multi-node Ray cluster (a head and two
+# worker nodes, each its own raylet: `rstar2 cluster up`'s LocalCluster) with the rehearsal layout
+# (scripts/cluster-rehearsal.overrides: one logical GPU per worker node holding trainer rank i and engine
+# i); Prefect tasks on that cluster (RayTaskRunner at cluster.ray_address), each stage driving its own
+# engine actors (2), DeepSpeed trainer shards (2, ZeRO-2, gloo) and sandbox actor pool. Its test loses a
+# worker node once (`kill-node`) and retries the failed run as the UI does once the node is back.
+RAY_RUNTIME = ["cluster.use_ray=true", "rl.zero_stage=2", "sft.zero_stage=2"]
 
 
 def _worker_log_tail(home: Path, chars: int = 6000) -> str:
@@ -205,25 +207,34 @@ def services_no_fault(tmp_path):
 
 
 @pytest.mark.slow
-def test_full_recipe_through_the_deployment_on_the_ray_runtime(services_no_fault, monkeypatch):
-    """The quick recipe on the Ray runtime with engine actor 0 killed at RL stage 1's step 2 (task retries
-    off): the failed flow run's message is the project's `ActorFailure` naming the dead actor (it crossed
-    from the stage task's Ray worker to the flow pickled), and the UI's Retry resumes the run to the end."""
+def test_full_recipe_through_the_deployment_on_a_multi_node_cluster(services_no_fault, monkeypatch):
+    """The quick recipe on the Ray runtime placed across two worker nodes, with the node holding trainer
+    rank 1 lost at RL stage 1's step 2 (task retries off): the failed flow run's message is the
+    project's `NodeLost` naming the node and the actors it held (it crossed from the stage task's Ray
+    worker to the flow pickled); once the node is back the UI's Retry resumes the run to the end, every
+    RL step on both nodes."""
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from flows.client import retry_flow_run, start_run, watch
+    from rstar2_cli.cluster import head_cpus, rehearsal_overrides
     from rstar2_core.config import load_config
+    from rstar2_core.runtime.ray.local_cluster import LocalCluster
     from tasks import tracking
     from tasks.run_store import RunStore
 
     home, api = services_no_fault
     monkeypatch.setenv("RSTAR2_HOME", str(home))
-    overrides = E2E_OVERRIDES[len(NO_RAY):] + RAY_RUNTIME
-    cfg = load_config("tiny", overrides)
-    with temporary_settings({PREFECT_API_URL: api}):
+    base = E2E_OVERRIDES[len(NO_RAY):] + RAY_RUNTIME + rehearsal_overrides()
+    cl = load_config("tiny", base)
+    root = tempfile.mkdtemp(prefix="rstar2-e2e-mn-", dir="/tmp")
+    with LocalCluster(cl.cluster.nodes, cl.cluster.cpus_per_node, cl.cluster.gpus_per_node, root,
+                      head_cpus=head_cpus(cl), env={"RSTAR2_HOME": str(home)}) as cluster, \
+            temporary_settings({PREFECT_API_URL: api}):
+        overrides = [*base, f'cluster.ray_address="{cluster.address}"']
+        cfg = load_config("tiny", overrides)
         fid = asyncio.run(start_run("rstar2/full-recipe", {"profile": "tiny", "overrides": overrides},
-                                    env={"RSTAR2_FAULT_INJECT": "rl-stage-1:step=2:kill-engine"}))
+                                    env={"RSTAR2_FAULT_INJECT": "rl-stage-1:step=2:kill-node"}))
         assert asyncio.run(watch(fid, timeout_s=1800, quiet=True)) == "Failed", _worker_log_tail(home)
 
         async def message() -> str:
@@ -231,8 +242,10 @@ def test_full_recipe_through_the_deployment_on_the_ray_runtime(services_no_fault
                 return (await c.read_flow_run(fid)).state.message or ""
 
         failed = asyncio.run(message())
-        assert "ActorFailure: cluster actor engine-0 failed" in failed and "RaySystemError" not in failed, failed
+        assert "NodeLost: Ray node lost mid-step: node " in failed and "RaySystemError" not in failed, failed
+        assert "engine-1, trainer-1" in failed, failed
         asyncio.run(_attempt_process_exited(fid))
+        assert cluster.restart_dead_nodes()            # the node is back
         asyncio.run(retry_flow_run(fid))  # the UI's Retry
         state = asyncio.run(watch(fid, timeout_s=1800, quiet=True))
         assert state == "Completed", _worker_log_tail(home)
@@ -240,9 +253,11 @@ def test_full_recipe_through_the_deployment_on_the_ray_runtime(services_no_fault
     assert store.record("sft")["attempt"] == 1 and store.record("rl-stage-1")["attempt"] == 2
     c = tracking.client(cfg)
     runs = [c.get_run(store.tracking_id(stage)) for stage in ("rl-stage-1", "rl-stage-2", "rl-stage-3")]
-    for run in runs:   # each stage ran its steps on 2 engine actors and 2 trainer ranks
+    for run in runs:   # each stage ran its steps on 2 engine actors and 2 trainer ranks, over 2 nodes
         assert tracking.metric_steps(cfg, run.info.run_id, "rollout/trajectories")
         assert run.data.metrics["runtime/engines"] == 2 and run.data.metrics["runtime/trainer_ranks"] == 2
+        assert run.data.metrics["runtime/nodes"] == 2
         assert run.data.metrics["total/usage/engine_device_s"] > 0
+    assert tracking.metric_steps(cfg, runs[0].info.run_id, "rollout/trajectories") == [1, 2, 3]
     versions = c.search_model_versions(f"name='{cfg.tracking.registered_model}'")
     assert [v for v in versions if v.tags.get("rstar2.recipe_run_id") == str(fid)]

@@ -32,6 +32,11 @@ SAMPLE_ARGS: dict[str, tuple] = {
     "rstar2_core.runtime.ray.errors.ActorStartTimeout": (
         ["engine-0", "trainer-1"], "actors engine-0, trainer-1 not ready within 60 s"),
     "rstar2_core.runtime.ray.errors.ActorConfigError": ("trainer-0", "ValueError: bf16 needs a GPU"),
+    "rstar2_core.runtime.ray.errors.NodeLost": ({"node 5c3a9e1f (10.0.0.7)": ["engine-1", "trainer-1"]},
+                                               rex.ActorUnavailableError("socket closed", None)),
+    "rstar2_core.runtime.ray.errors.LayoutDoesNotFit": (
+        ["placement group rstar2-node2 needs 8 GPU, 32 CPU on one node ...: node 5c3a9e1f (10.0.0.7) lacks 8 GPU"],
+        ["node 5c3a9e1f (10.0.0.7): GPU 0 free of 0, CPU 16 free of 16"]),
     "rstar2_core.data.sources.Reject": ("missing_field:answer",),
     "rstar2_core.errors.SFTNotConverged": ("SFT did not converge: ...", 0.23, 0.1, 1993, 0),
 }

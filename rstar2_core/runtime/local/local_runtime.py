@@ -107,8 +107,8 @@ class LocalRuntime:
             if self.trainer is None:
                 raise ValueError("stale-weights: this runtime has no trainer whose weights the engine could differ from")
             self.engines[0].update_weights(stale_weights(self.trainer.weights()))
-        elif kind == "kill-trainer":
-            raise ValueError("RSTAR2_FAULT_INJECT kind kill-trainer kills a trainer-shard actor: it needs "
+        elif kind in ("kill-trainer", "kill-node"):
+            raise ValueError(f"RSTAR2_FAULT_INJECT kind {kind} kills a trainer-shard actor (or its node): it needs "
                              "cluster.runtime = \"ray\" (the local runtime trains in this process)")
         else:
             raise ValueError(f"fault kind {kind!r} is not carried out by a runtime")

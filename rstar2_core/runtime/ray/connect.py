@@ -63,3 +63,21 @@ def disconnect_ray() -> None:
 
     if ray.is_initialized():
         ray.shutdown()
+
+
+def probe_cluster(address: str) -> list:
+    """The live nodes (`layout.NodeResources`, head first) of the Ray cluster at `address`, read through a
+    short connection of this process (which must not be connected to another Ray)."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+
+    from rstar2_core.runtime.ray.placement import live_nodes
+
+    if ray.is_initialized():
+        raise RuntimeError("this process is already connected to a Ray cluster")
+    ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        return live_nodes()
+    finally:
+        ray.shutdown()
+

@@ -6,9 +6,10 @@
   rstar2_core/runtime/ray/weight_sync.py and the rehearsal faults (`fail_requests`).
 - `RemoteEngine(handle, name, tp, on_failure)`: the driver-side proxy; it implements the `Engine` protocol
   (rollout/types.py), so `rollout_groups(engines=[RemoteEngine, ...])` schedules over the cluster
-  unchanged. An actor death noticed by any of its calls (`generate` included) surfaces as `ActorFailure`
-  (retryable, errors.py) naming the engine, after `on_failure` ran: `start_engines` passes the group's
-  `shutdown`, so, as for every call through `ActorGroup`, no actor is left holding a GPU meanwhile.
+  unchanged. An actor death noticed by any of its calls (`generate` included) surfaces as the error
+  `on_failure(name, error)` returns: `start_engines` passes the group's `failure`, which shuts the group
+  down (as for every call through `ActorGroup`, no actor is left holding a GPU meanwhile) and names the
+  engine (`ActorFailure`) or the lost node and its actors (`NodeLost`), both retryable (errors.py).
 - `engine_actor_options(slot, pg)`: Ray options for one `EngineSlot` of the layout (layout.py).
   TP = 1: the actor takes `slot.gpu_fraction` of its bundle's GPU (0.5 when colocated with a trainer
   shard, which pins both to the same device). TP > 1: the actor takes no GPU and vLLM's Ray executor
@@ -32,6 +33,7 @@ from typing import Any
 
 import ray
 
+from rstar2_core import storage
 from rstar2_core.rollout.types import GenerationOutput, SamplingParams
 from rstar2_core.runtime.engine_builder import EngineFault, EngineSpec, build_engine, engine_busy_seconds
 from rstar2_core.runtime.ray.errors import ActorFailure
@@ -65,7 +67,10 @@ class EngineActor:
     """Ray actor around one `Engine` (the async methods make it an async actor: requests interleave).
     `factory` replaces `build_engine(spec)` (tests pass a fake engine)."""
 
-    def __init__(self, spec: EngineSpec | None, threads: int = 0, factory: Callable[[], Any] | None = None):
+    def __init__(self, spec: EngineSpec | None, threads: int = 0, factory: Callable[[], Any] | None = None,
+                 storage_s3: dict | None = None):
+        if storage_s3:
+            storage.configure_s3(**storage_s3)      # the driver's S3 endpoint: the engine loads its checkpoint
         set_torch_threads(threads)
         clear_visible_devices(spec)
         self.engine = factory() if factory is not None else build_engine(spec)
@@ -115,15 +120,16 @@ class RemoteEngine:
     """Driver-side `Engine` over an `EngineActor` handle; `tp` = GPUs the engine spans; `on_failure()` runs
     before an actor death is raised as `ActorFailure` (the group's shutdown)."""
 
-    def __init__(self, handle: Any, name: str, tp: int = 1, on_failure: Callable[[], None] | None = None):
+    def __init__(self, handle: Any, name: str, tp: int = 1,
+                 on_failure: Callable[[str, BaseException], BaseException] | None = None):
         self.handle, self.name, self.tp = handle, name, tp
         self.on_failure = on_failure
         self._capacity: int | None = None
         self._per_seq: int | None = None
 
-    def _fail(self, e: BaseException) -> ActorFailure:
+    def _fail(self, e: BaseException) -> BaseException:
         if self.on_failure is not None:
-            self.on_failure()
+            return self.on_failure(self.name, e)
         return ActorFailure(self.name, e)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationOutput:
@@ -209,11 +215,11 @@ def start_engines(group: ActorGroup, layout: ClusterLayout, specs: Sequence[Engi
         if factory is not None:
             args = (None, threads, factory(slot.index))
         else:
-            device = "cuda" if layout.gpus_per_node else "cpu"
-            args = (specs[slot.index].for_actor(device, tp_over_ray=slot.tp > 1), threads)
+            args = (specs[slot.index].for_actor(layout.device, tp_over_ray=slot.tp > 1), threads, None,
+                    storage.s3_settings())
         opts = engine_actor_options(slot, group.pg(slot.node), specs[0].weight_transfer if specs else None)
         handle = group.spawn(name, EngineActor, *args, **opts)
         names.append(name)
-        out.append(RemoteEngine(handle, name, slot.tp, on_failure=group.shutdown))
+        out.append(RemoteEngine(handle, name, slot.tp, on_failure=group.failure))
     group.wait_ready(names, ready_timeout_s, "engine actors")
     return out

@@ -76,6 +76,37 @@ class ActorFailure(InfraError):
                          "a retry resumes from the last checkpoint")
 
 
+class NodeLost(ActorFailure):
+    """A Ray node that held some of the stage's actors died (its raylet stopped: a crash, a preempted or
+    rebooted machine, a lost network). `nodes` maps each lost node's label to the actors it held. Retried
+    like any actor death: the retry's placement either fits (the node is back, or another has its
+    resources) and resumes from the last checkpoint, or fails fast with `LayoutDoesNotFit`."""
+
+    def __init__(self, nodes: dict[str, list[str]], cause: BaseException | str):
+        self.nodes = {k: list(v) for k, v in nodes.items()}
+        self.actor = ",".join(a for v in self.nodes.values() for a in v)
+        self.cause = cause
+        what = f"{type(cause).__name__}: {cause}" if isinstance(cause, BaseException) else str(cause)
+        lost = "; ".join(f"{k} held {', '.join(v) or 'no actor of the stage'}" for k, v in self.nodes.items())
+        InfraError.__init__(self, f"Ray node lost mid-step: {lost} ({what.splitlines()[0].rstrip('.')}). The "
+                            "stage's other actors were shut down and its placement groups removed; a retry "
+                            "resumes from the last checkpoint once the layout fits the cluster again")
+
+
+class LayoutDoesNotFit(InfraError):
+    """The live cluster cannot hold the layout's placement groups at all (not: not now). Raised before any
+    group is created, instead of waiting for resources no node has; the message names, per node, what it
+    lacks. Retried: after a lost node its restart (or an autoscaler's new node) makes the retry fit; a
+    layout larger than the cluster fails the same way on each of `pipeline.task_retries` attempts."""
+
+    def __init__(self, problems: list[str], nodes: list[str]):
+        self.problems, self.node_lines = list(problems), list(nodes)
+        super().__init__("the layout does not fit the live Ray cluster: " + " ".join(self.problems)
+                         + ". Live nodes: " + "; ".join(self.node_lines) + ". Start or add the missing nodes, or "
+                         "shrink cluster.nodes / gpus_per_node / cpus_per_node to what they have (`rstar2 plan "
+                         "--address <cluster>` checks a layout against a live cluster)")
+
+
 class ActorStartTimeout(PicklableError, TimeoutError):
     """Actors of the stage were not ready (scheduled and constructed) in time; `actors` lists them."""
 

@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from rstar2_core.config import Config
+from rstar2_core.config.runtime_rules import computes_on_gpu
 
 COLOCATED_GPU_FRACTION = 0.5  # engine share + trainer share of one GPU bundle in the colocated layout
 ENGINE_ACTOR_CPUS = 1         # an engine actor asks this of its (first) GPU bundle (rstar2_core/runtime/ray/engine_actors.py)
@@ -121,6 +122,9 @@ class ClusterLayout:
     engines: tuple[EngineSlot, ...]
     trainer_shards: tuple[TrainerShard, ...]
     sandbox_actors: tuple[SandboxSlot, ...]
+    device: Literal["cuda", "cpu"] = "cpu"
+    """Where engines and trainer shards compute: `cuda` on GPU nodes, `cpu` on CPU-only clusters and on
+    logical GPUs (`cluster.logical_gpus`: the GPU layout's placement, CPU compute)."""
 
     @property
     def total_gpus(self) -> int:
@@ -146,7 +150,8 @@ class ClusterLayout:
 
     def describe(self) -> list[str]:
         """Human-readable summary, one line per node plus totals (what `rstar2 plan` prints)."""
-        lines = [(f"layout {self.mode}: {self.nodes} node(s) x {self.gpus_per_node} GPU, {self.cpus_per_node} CPU "
+        logical = " logical" if self.gpus_per_node and self.device == "cpu" else ""
+        lines = [(f"layout {self.mode}: {self.nodes} node(s) x {self.gpus_per_node}{logical} GPU, {self.cpus_per_node} CPU "
                   f"= {self.total_gpus} GPUs; {len(self.engines)} engine(s) x TP {self.engines[0].tp} "
                   f"({self.engine_gpus} GPUs), {len(self.trainer_shards)} trainer shard(s) "
                   f"({self.trainer_gpus} GPUs), {len(self.sandbox_actors)} sandbox actor(s) "
@@ -225,7 +230,7 @@ def compute_layout(cfg: Config) -> ClusterLayout:
     _check_bundle_cpus(cl, engines, shards)
     sandbox = [SandboxSlot(node, gpn + j, sb_cpus) for node in range(cl.nodes) for j in range(n_sb)]
     return ClusterLayout(cl.layout, cl.nodes, gpn, cl.cpus_per_node, tuple(pgs), tuple(engines), tuple(shards),
-                         tuple(sandbox))
+                         tuple(sandbox), "cuda" if computes_on_gpu(cl) else "cpu")
 
 
 def _check_bundle_cpus(cl: Any, engines: list[EngineSlot], shards: list[TrainerShard]) -> None:
@@ -257,6 +262,83 @@ def _cpu_layout(cfg: Config, sb_cpus: int, n_sb: int) -> ClusterLayout:
     sandbox = tuple(SandboxSlot(n, j, sb_cpus) for n in range(cl.nodes) for j in range(n_sb))
     shards = tuple(TrainerShard(r, 0, -1, 0.0) for r in range(max(1, cl.trainer_ranks)))
     return ClusterLayout(cl.layout, cl.nodes, 0, cl.cpus_per_node, pgs, engines, shards, sandbox)
+
+
+# ---------------------------------------------------------------------------------- fit to a cluster
+@dataclass(frozen=True)
+class NodeResources:
+    """One live Ray node: its resources in all (`total`) and those free now (`available`)."""
+
+    node_id: str
+    address: str
+    total: dict[str, float]
+    available: dict[str, float]
+    head: bool = False
+
+    @property
+    def label(self) -> str:
+        return f"node {self.node_id[:8]} ({self.address}{', head' if self.head else ''})"
+
+
+@dataclass(frozen=True)
+class LayoutFit:
+    """Whether a layout's placement groups fit a cluster's nodes: `placement` maps each group that fits to
+    the node it would take; `problems` says, for each group that fits none, what every node lacks."""
+
+    placement: dict[str, str]
+    problems: tuple[str, ...]
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+
+_SHOWN = ("GPU", "CPU")
+
+
+def fit_layout(layout: ClusterLayout, nodes: list[NodeResources], *, free_only: bool = False) -> LayoutFit:
+    """Place the layout's placement groups (STRICT_PACK: each whole on one node) on `nodes`, their total
+    resources (`free_only`: what is free now). First fit, largest group first: the groups of a layout are
+    alike (one per node), so this finds a placement whenever one exists for them. A group that fits no
+    node is a problem naming, per node, the resources it lacks after the groups placed before it."""
+    left = {n.node_id: dict(n.available if free_only else n.total) for n in nodes}
+    placement: dict[str, str] = {}
+    problems: list[str] = []
+    for pg in sorted(layout.placement_groups, key=lambda g: (-g.gpus, -g.cpus, g.node)):
+        need = _pg_need(pg)
+        node = next((n for n in nodes if all(left[n.node_id].get(r, 0.0) >= v for r, v in need.items())), None)
+        if node is not None:
+            for r, v in need.items():
+                left[node.node_id][r] = left[node.node_id].get(r, 0.0) - v
+            placement[pg.name] = node.label
+            continue
+        short = []
+        for n in nodes:
+            lack = {r: v - left[n.node_id].get(r, 0.0) for r, v in need.items() if left[n.node_id].get(r, 0.0) < v}
+            short.append(f"{n.label} lacks " + ", ".join(f"{v:g} {r}" for r, v in sorted(lack.items())))
+        problems.append(f"placement group {pg.name} needs {_fmt(need)} on one node ({len(pg.bundles)} bundles, "
+                        f"{pg.strategy}) and no node has it{' free' if free_only else ''}: "
+                        + ("; ".join(short) if short else "the cluster has no live node"))
+    return LayoutFit(placement, tuple(problems))
+
+
+def _pg_need(pg: PlacementGroupSpec) -> dict[str, float]:
+    need: dict[str, float] = {}
+    for b in pg.bundles:
+        for r, v in b.resources().items():
+            need[r] = need.get(r, 0.0) + v
+    return {r: v for r, v in need.items() if v}
+
+
+def _fmt(res: dict[str, float]) -> str:
+    keys = [k for k in _SHOWN if k in res] + sorted(k for k in res if k not in _SHOWN)
+    return ", ".join(f"{res[k]:g} {k}" for k in keys)
+
+
+def describe_nodes(nodes: list[NodeResources]) -> list[str]:
+    """One line per live node: its GPUs and CPUs, free of total."""
+    return [f"{n.label}: " + ", ".join(f"{r} {n.available.get(r, 0.0):g} free of {n.total.get(r, 0.0):g}"
+                                        for r in _SHOWN) for n in nodes]
 
 
 def driver_conflicts(layout: ClusterLayout, driver: Any | None) -> list[str]:

@@ -1,13 +1,19 @@
 """Ray placement groups from a `ClusterLayout`, and `ActorGroup`: the stage's actors with one failure
 rule and one clean shutdown.
 
-- `create_placement_groups(layout)` reserves one STRICT_PACK group per node (layout.py) and waits for
-  them; when the cluster cannot provide them in `timeout_s` it removes what it made and raises
-  `PlacementTimeout` listing the free resources (retryable: an autoscaler may still be adding nodes).
-- `ActorGroup` owns actors and placement groups. `call_all`/`get` turn any actor death (crash, OOM kill,
-  `ray.kill`, lost node) into `ActorFailure` (retryable, errors.py) *after* killing every other actor
-  of the group and removing its placement groups, so no process is left holding GPU memory while
-  Prefect waits to retry. An actor whose constructor raised a `ValueError`/`TypeError` (bad config) or an
+- `create_placement_groups(layout)` reserves the layout's groups (one STRICT_PACK group per node,
+  layout.py) all or none. Ray places each group atomically but not a set of groups, so this is gang
+  placement on top: first the live nodes' total resources are checked (`fit_layout`); a layout no set
+  of nodes can hold raises `LayoutDoesNotFit` at once, naming per node what it lacks, instead of leaving
+  groups pending forever. Then every group is created and waited for together; if they are not all
+  scheduled within `timeout_s` every group is removed (none keeps holding GPUs a later attempt needs)
+  and `PlacementTimeout` lists the free resources per node. Both are retryable: a node that restarts
+  or an autoscaler's new node makes the retry fit.
+- `ActorGroup` owns actors and placement groups, and knows each ready actor's node. `call_all`/`get`
+  turn any actor death (crash, OOM kill, `ray.kill`) into `ActorFailure` (retryable, errors.py), or,
+  when a node of the group died, `NodeLost` naming the node and the actors it held, *after* killing
+  every other actor of the group and removing its placement groups, so no process is left holding GPU
+  memory while Prefect waits to retry. An actor whose constructor raised a `ValueError`/`TypeError` (bad config) or an
   `ImportError` (a package missing on the node) raises `ActorConfigError` instead (not retried; same
   shutdown first): Ray reports it as a death.
   `wait_ready(names, timeout_s)` waits for actors to be scheduled and constructed and raises
@@ -36,10 +42,12 @@ from rstar2_core.runtime.ray.errors import (
     ActorConfigError,
     ActorFailure,
     ActorStartTimeout,
+    LayoutDoesNotFit,
+    NodeLost,
     PlacementTimeout,
     ray_actor_deaths,
 )
-from rstar2_core.runtime.ray.layout import ClusterLayout
+from rstar2_core.runtime.ray.layout import ClusterLayout, NodeResources, describe_nodes, fit_layout
 
 _ACTOR_DEATHS = ray_actor_deaths()   # the one list: runtime/ray/errors.py
 
@@ -50,6 +58,16 @@ _UNAVAILABLE = tuple(getattr(ray.exceptions, n) for n in ("ActorUnavailableError
 # they are never retried. TrainerShardActor's constructor only stores its arguments: DeepSpeed's import
 # and backend errors come from its `init()` call, as `RayTaskError(<cause>)` from `get` (no death)
 _CONFIG_ERRORS = (ValueError, TypeError, ImportError)
+_NODE_DEATHS = tuple(getattr(ray.exceptions, n) for n in ("NodeDiedError", "LocalRayletDiedError")
+                     if hasattr(ray.exceptions, n))
+NODE_DEATH_WAIT_S = 60.0
+"""How long an actor call that failed as its node went away waits for Ray to declare the node dead (to
+raise `NodeLost` naming it rather than a plain `ActorFailure`)."""
+
+
+def _node_id(_actor: Any) -> str:
+    """Run inside an actor (`__ray_call__`): the id of the node it runs on."""
+    return ray.get_runtime_context().get_node_id()
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -90,26 +108,54 @@ def _exception_class(name: str) -> type | None:
     return cls if isinstance(cls, type) and issubclass(cls, BaseException) else None
 
 
+def live_nodes() -> list[NodeResources]:
+    """The cluster's live nodes with their total and free resources (Ray's `ray.nodes()` and the per-node
+    free resources of its state API), the head first."""
+    from ray._private.state import available_resources_per_node  # what `ray status` prints per node
+
+    free = available_resources_per_node()
+    out = []
+    for n in ray.nodes():
+        if not n.get("Alive"):
+            continue
+        res = {k: float(v) for k, v in (n.get("Resources") or {}).items() if not k.startswith("node:")}
+        out.append(NodeResources(n["NodeID"], n.get("NodeManagerAddress", "?"), res,
+                                 {k: float(v) for k, v in (free.get(n["NodeID"]) or {}).items()},
+                                 "node:__internal_head__" in (n.get("Resources") or {})))
+    return sorted(out, key=lambda x: (not x.head, x.node_id))
+
+
 def create_placement_groups(layout: ClusterLayout, timeout_s: float = 600.0,
                             prefix: str = "") -> list[PlacementGroup]:
-    """One placement group per node of the layout, ready; `PlacementTimeout` if the cluster lacks them."""
+    """The layout's placement groups, all or none (gang placement; see the module docstring)."""
+    nodes = live_nodes()
+    fit = fit_layout(layout, nodes)
+    if not fit.fits:
+        raise LayoutDoesNotFit(list(fit.problems), describe_nodes(nodes))
     pgs = [placement_group([b.resources() for b in spec.bundles], strategy=spec.strategy,
                            name=f"{prefix}{spec.name}") for spec in layout.placement_groups]
-    deadline = time.monotonic() + timeout_s
     try:
-        for pg, spec in zip(pgs, layout.placement_groups):
-            left = max(0.0, deadline - time.monotonic())
-            ready, _ = ray.wait([pg.ready()], timeout=left)
-            if not ready:
-                raise PlacementTimeout(
-                    f"placement group {spec.name} ({spec.gpus} GPU, {spec.cpus} CPU on one node) was not scheduled "
-                    f"within {timeout_s:.0f} s; the cluster has free {ray.available_resources()} of "
-                    f"{ray.cluster_resources()}. Add nodes, or shrink cluster.gpus_per_node/cpus_per_node to "
-                    "what the nodes have")
+        ready, _ = ray.wait([pg.ready() for pg in pgs], num_returns=len(pgs), timeout=timeout_s)
+        if len(ready) < len(pgs):
+            late = [spec.name for pg, spec in zip(pgs, layout.placement_groups) if not _is_ready(pg)]
+            now = live_nodes()
+            raise PlacementTimeout(
+                f"placement groups {', '.join(late)} of the layout were not scheduled within {timeout_s:.0f} s "
+                "(cluster.placement_timeout_s), all of them were removed: the cluster can hold the layout but "
+                "not now (another job holds resources, or a node is still joining). Free now: "
+                + "; ".join(describe_nodes(now))
+                + ("; " + " ".join(fit_layout(layout, now, free_only=True).problems) if now else ""))
     except BaseException:
         remove_placement_groups(pgs)
         raise
     return pgs
+
+
+def _is_ready(pg: PlacementGroup) -> bool:
+    try:
+        return ray.util.placement_group_table(pg).get("state") == "CREATED"
+    except Exception:  # noqa: BLE001 - only used to name the late groups
+        return False
 
 
 def remove_placement_groups(pgs: Iterable[PlacementGroup]) -> None:
@@ -151,6 +197,7 @@ class ActorGroup:
     def __init__(self, layout: ClusterLayout | None = None, *, timeout_s: float = 600.0, prefix: str = ""):
         self.layout = layout
         self.actors: dict[str, Any] = {}
+        self.nodes: dict[str, str] = {}     # actor name -> the id of the node it runs on (once ready)
         self.pgs: list[PlacementGroup] = (create_placement_groups(layout, timeout_s, prefix)
                                           if layout is not None else [])
 
@@ -172,12 +219,43 @@ class ActorGroup:
         try:
             return ray.get(refs, timeout=timeout)
         except _ACTOR_DEATHS as e:
-            failed = names if isinstance(names, str) else self._dead_name(names)
-            self.shutdown()
-            config = creation_config_error(e)
-            if config is not None:
-                raise ActorConfigError(failed, config) from e
-            raise ActorFailure(failed, e) from e
+            raise self.failure(names if isinstance(names, str) else self._dead_name(names), e) from e
+
+    def failure(self, failed: str, e: BaseException) -> ActorFailure | ActorConfigError:
+        """The error to raise for the death `e` of actor(s) `failed`, after shutting the group down:
+        `ActorConfigError` (its constructor refused its config), `NodeLost` (a node of the group died:
+        named with the actors it held), else `ActorFailure`."""
+        lost = self._lost_nodes(e)
+        self.shutdown()
+        config = creation_config_error(e)
+        if config is not None:
+            return ActorConfigError(failed, config)
+        if lost:
+            return NodeLost(lost, e)
+        return ActorFailure(failed, e)
+
+    def _lost_nodes(self, e: BaseException) -> dict[str, list[str]]:
+        """{dead node's label: the group's actors it held} for the nodes of this group's actors that Ray
+        reports dead. An actor call fails a few seconds after its node goes away (the connection drops,
+        `ActorUnavailableError`), well before Ray's health check declares the node dead (~15 s by default:
+        `health_check_period_ms` x `health_check_failure_threshold`), so for such an error, or one that
+        names a node, this waits up to `NODE_DEATH_WAIT_S` for the verdict; a plain actor death is
+        checked once, without waiting."""
+        if not self.nodes:
+            return {}
+        ours = set(self.nodes.values())
+        hint = isinstance(e, _UNAVAILABLE + _NODE_DEATHS) or "node" in str(e).lower()
+        deadline = time.monotonic() + (NODE_DEATH_WAIT_S if hint else 0.0)
+        while True:
+            try:
+                dead = {n["NodeID"]: n for n in ray.nodes() if not n.get("Alive") and n["NodeID"] in ours}
+            except Exception:  # noqa: BLE001 - naming the node must not mask the death being raised
+                return {}
+            if dead or time.monotonic() >= deadline:
+                break
+            time.sleep(0.5)
+        return {f"node {nid[:8]} ({n.get('NodeManagerAddress', '?')})":
+                sorted(a for a, x in self.nodes.items() if x == nid) for nid, n in dead.items()}
 
     def wait_ready(self, names: list[str], timeout_s: float | None, what: str = "actors") -> None:
         """Wait until the actors `names` are scheduled and constructed (`__init__` returned). A death or a
@@ -192,6 +270,10 @@ class ActorGroup:
                 break
             for ref in ready:
                 self.get(ref, pending.pop(ref))
+        if not pending:
+            ids = self.get([self.actors[n].__ray_call__.remote(_node_id) for n in names], names)
+            self.nodes.update(zip(names, ids))
+            return
         if pending:
             late = sorted(pending.values())
             free, total = ray.available_resources(), ray.cluster_resources()
@@ -239,6 +321,7 @@ class ActorGroup:
             except Exception:  # noqa: BLE001, S110 - already dead; cleanup must not mask the cause
                 pass
         self.actors.clear()
+        self.nodes.clear()
         remove_placement_groups(self.pgs)
         self.pgs = []
 

@@ -21,7 +21,8 @@ the next runtime.
 Weight sync (`rollout.weight_sync`, rstar2_core/runtime/ray/weight_sync.py): `object_store` (rank 0's state dict, one
 `ray.put`, every engine loads the same object), `checkpoint` (engines reload the published step),
 `nccl` / `ipc` (vLLM's weight transfer, GPU only). Faults (`inject_fault`): `kill-engine` SIGKILLs
-engine actor 0, `kill-trainer` trainer rank 1 (rank 0 with one rank), `engine-errors` makes engine
+engine actor 0, `kill-trainer` trainer rank 1 (rank 0 with one rank), `kill-node` the raylet of the node
+that holds trainer rank 1 (a local multi-node cluster: local_cluster.py), `engine-errors` makes engine
 actor 0 fail every request.
 
     spec = RuntimeSpec.from_config(cfg, policy_url=url, max_model_len=n, trainer=TrainerSpec(...))
@@ -39,6 +40,8 @@ from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 from typing import Any, Self
 
+from rstar2_core.config import ConfigError
+from rstar2_core.config.runtime_rules import computes_on_gpu
 from rstar2_core.config.sections import ClusterConfig, SandboxConfig
 from rstar2_core.runtime.protocol import OwnedGrader, RuntimeUsage, WeightSyncReport
 from rstar2_core.runtime.ray.connect import ensure_ray
@@ -60,10 +63,11 @@ def load_policy(checkpoint_url: str, dtype: str):
 
 
 def actor_threads(cluster: ClusterConfig) -> int:
-    """torch threads per engine/trainer actor (`cluster.actor_torch_threads`; 0 = 1 on CPU-only clusters)."""
+    """torch threads per engine/trainer actor (`cluster.actor_torch_threads`; 0 = 1 where the actors
+    compute on the CPU)."""
     if cluster.actor_torch_threads:
         return cluster.actor_torch_threads
-    return 0 if cluster.gpus_per_node else 1
+    return 0 if computes_on_gpu(cluster) else 1
 
 
 class RayRuntime:
@@ -101,6 +105,8 @@ class RayRuntime:
             self.weight_sync_mode = spec.weight_sync
             self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(spec.policy_url)
             ensure_ray(cluster)
+            if spec.trainer is not None and not spec.shared_storage:
+                _refuse_node_local_storage()
             self.layout = spec.layout
             self.group = ActorGroup(self.layout, timeout_s=timeout, prefix=f"rt-{uuid.uuid4().hex[:6]}-")
             threads = actor_threads(cluster)
@@ -157,6 +163,18 @@ class RayRuntime:
             if self.trainer is None:
                 raise ValueError("kill-trainer: this runtime has no trainer")
             kill_and_wait(self.trainer.actor(min(1, self.trainer.world - 1)))
+        elif kind == "kill-node":
+            from rstar2_core.runtime.ray.local_cluster import kill_local_raylet
+
+            if self.trainer is None:
+                raise ValueError("kill-node: this runtime has no trainer (the fault takes trainer rank 1's node)")
+            name = self.trainer.names[min(1, self.trainer.world - 1)]
+            node = self.group.nodes.get(name)
+            if node is None:
+                raise ValueError(f"kill-node: the node of {name} is not known")
+            pid = kill_local_raylet(node)
+            log.warning("fault kill-node: SIGKILLed the raylet (pid %d) of node %s, which holds %s", pid, node[:8],
+                        ", ".join(sorted(a for a, n in self.group.nodes.items() if n == node)))
         elif kind == "engine-errors":
             ray.get(self.group.actors["engine-0"].fail_requests.remote(True))
         elif kind == "stale-weights":
@@ -171,8 +189,9 @@ class RayRuntime:
         busy: tuple[float, ...] = ()
         if self.engines:
             busy = tuple(self.engines[0].get([e.handle.busy_seconds.remote() for e in self.engines]))
-        return RuntimeUsage(busy, max(1, self.spec.tensor_parallel_size) if self.layout.gpus_per_node else 1,
-                            tuple(self.trainer.busy) if self.trainer is not None else ())
+        return RuntimeUsage(busy, max(1, self.spec.tensor_parallel_size) if self.layout.device == "cuda" else 1,
+                            tuple(self.trainer.busy) if self.trainer is not None else (),
+                            nodes=len(set(self.group.nodes.values())) or 1)
 
     # ------------------------------------------------------------------------------------ closing
     async def aclose(self) -> None:
@@ -221,6 +240,19 @@ class RayRuntime:
             raise first
         log.warning("stopping the runtime after %s: %s failed too: %s", type(error).__name__,
                     type(first).__name__, first)
+
+
+def _refuse_node_local_storage() -> None:
+    """A trainer on a cluster of several live nodes writes checkpoint shards from each rank's node: a
+    `file://` root not declared shared would leave the driver an incomplete checkpoint."""
+    import ray
+
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    if len(alive) > 1:
+        raise ConfigError(f"the Ray cluster has {len(alive)} live nodes and storage.root is a file:// folder not "
+                          "declared shared: trainer ranks on other nodes write their checkpoint shards there, and a "
+                          "node-local disk leaves the driver an incomplete checkpoint. Use an s3:// storage.root, "
+                          "or set storage.shared_filesystem = true when every node mounts it at the same path")
 
 
 def _ray_sandbox(sandbox_cfg: SandboxConfig, placements: list[tuple]):

@@ -35,6 +35,7 @@ from typing import Any
 
 import ray
 
+from rstar2_core import storage
 from rstar2_core.runtime.protocol import TrainerStep
 from rstar2_core.runtime.ray.layout import TRAINER_SHARD_CPUS, ClusterLayout, TrainerShard
 from rstar2_core.runtime.ray.placement import ActorGroup, bundle_strategy
@@ -45,8 +46,10 @@ class TrainerShardActor:
     """One data-parallel rank (see the module docstring)."""
 
     def __init__(self, rank: int, world: int, model_factory: Callable[[], Any], backend_options: dict,
-                 step: TrainerStep, threads: int = 0):
-        self.rank, self.world = rank, world
+                 step: TrainerStep, threads: int = 0, device: str = "cpu", storage_s3: dict | None = None):
+        if storage_s3:
+            storage.configure_s3(**storage_s3)   # the driver's S3 endpoint: this rank reads and writes its shards
+        self.rank, self.world, self.device = rank, world, device
         self.model_factory, self.backend_options = model_factory, dict(backend_options)
         self.step_body, self.threads = step, threads
         self.backend = None
@@ -68,7 +71,11 @@ class TrainerShardActor:
         from rstar2_core.runtime.ray.engine_actors import set_torch_threads
 
         set_torch_threads(self.threads)
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = self.device
+        if device == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"trainer rank {self.rank} was placed on a GPU bundle but sees no GPU "
+                               f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); on a cluster "
+                               "whose GPUs are logical Ray resources set cluster.logical_gpus = true")
         if self.backend_options.get("zero_stage") == 3:
             from transformers.integrations import HfDeepSpeedConfig
 
@@ -158,7 +165,7 @@ class TrainerGroup:
         for s in layout.trainer_shards:
             name = f"trainer-{s.rank}"
             group.spawn(name, TrainerShardActor, s.rank, self.world, model_factory, backend_options, step,
-                        threads, **trainer_shard_options(s, group.pg(s.node)))
+                        threads, layout.device, storage.s3_settings(), **trainer_shard_options(s, group.pg(s.node)))
             self.names.append(name)
         group.wait_ready(self.names, ready_timeout_s, "trainer shards")   # all placed before the rendezvous
         addr, port = group.get(self.actor(0).address.remote(), self.names[0])

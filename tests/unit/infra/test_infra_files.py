@@ -188,8 +188,58 @@ def test_readme_takes_the_operator_to_the_deployment_run():
     assert "prefect deployment run rstar2/full-recipe --param profile=qwen3-14b-mi300x" in text
     assert f"prefect work-pool create {WORK_POOL} --type process --base-job-template infra/prefect/base-job-template.json" in text
     assert "docker build -f infra/docker/Dockerfile.rocm -t ghcr.io/rstar2/rstar2-rocm:0.1.0 ." in text
-    for ref in set(re.findall(r"infra/[\w./-]+\.(?:yaml|json|rocm|cuda|example)", text)):
+    for ref in set(re.findall(r"(?<![\w./-])infra/[\w./-]+\.(?:yaml|json|rocm|cuda|example|gz|py|md)\b", text)):
         assert (ROOT / ref).exists(), f"infra/README.md names {ref}, which does not exist"
     for rel in ("k8s/namespace.yaml", "k8s/postgres.yaml", "k8s/mlflow.yaml", "k8s/prefect-server.yaml",
                 "k8s/raycluster.yaml", "ray/cluster.yaml", "services/docker-compose.yaml"):
         assert f"infra/{rel}" in text, rel
+
+
+def _flags(cmd: str | list[str]) -> dict[str, str]:
+    """`--key=value` / `--key value` flags of a `ray start` command line (quotes stripped)."""
+    import shlex
+
+    words = shlex.split(cmd) if isinstance(cmd, str) else list(cmd)
+    out: dict[str, str] = {}
+    for i, w in enumerate(words):
+        if w.startswith("--"):
+            key, eq, val = w[2:].partition("=")
+            out[key] = val if eq else (words[i + 1] if i + 1 < len(words) and not words[i + 1].startswith("--") else "")
+    return out
+
+
+def test_the_local_cluster_starts_its_nodes_as_the_manifests_do(prod):
+    """The local multi-node cluster (`rstar2 cluster up`, rstar2_core/runtime/ray/local_cluster.py) and the
+    cluster manifests start Ray nodes with the same resource flags: the head offers the one
+    `rstar2_runtime` unit and (on KubeRay and locally) no GPU; every GPU node declares its GPUs and CPUs,
+    the manifests with the production profile's numbers, the local cluster with the rehearsal's."""
+    from rstar2_cli.cluster import rehearsal_overrides
+    from rstar2_core.runtime.ray.connect import RUNTIME_RESOURCE
+    from rstar2_core.runtime.ray.local_cluster import node_command
+
+    reh = load_config("tiny", rehearsal_overrides()).cluster
+    local_head = _flags(node_command("head", port=1, num_cpus=3, temp_dir="/tmp/x"))
+    local_worker = _flags(node_command("worker", port=1, num_cpus=reh.cpus_per_node, num_gpus=reh.gpus_per_node,
+                                       temp_dir="/tmp/x"))
+    rc = next(yaml.safe_load_all((INFRA / "k8s" / "raycluster.yaml").read_text()))
+    kube_head = {k: str(v) for k, v in rc["spec"]["headGroupSpec"]["rayStartParams"].items()}
+    kube_workers = [{k: str(v) for k, v in g["rayStartParams"].items()} for g in rc["spec"]["workerGroupSpecs"]]
+    up = yaml.safe_load((INFRA / "ray" / "cluster.yaml").read_text())
+    up_head = _flags(next(c for c in up["head_start_ray_commands"] if "ray start" in c))
+    up_worker = _flags(next(c for c in up["worker_start_ray_commands"] if "ray start" in c))
+
+    def resources(flags: dict) -> dict:
+        raw = flags.get("resources", "").strip().strip('"').replace('\\"', '"')
+        return json.loads(raw) if raw else {}
+
+    for name, head in (("local", local_head), ("raycluster.yaml", kube_head), ("cluster.yaml", up_head)):
+        assert resources(head) == {RUNTIME_RESOURCE: 1}, name
+        assert {"num-cpus", "num-gpus"} <= set(head), name
+    assert local_head["num-gpus"] == kube_head["num-gpus"] == "0"       # a CPU head, GPU workers
+    assert (local_worker["num-gpus"], local_worker["num-cpus"]) == (str(reh.gpus_per_node), str(reh.cpus_per_node))
+    gpu_groups = [w for w in kube_workers if w.get("num-gpus", "0") != "0"]
+    cl = prod.cluster
+    for flags in [*gpu_groups, up_worker]:
+        assert (flags["num-gpus"], flags["num-cpus"]) == (str(cl.gpus_per_node), str(cl.cpus_per_node))
+        assert resources(flags) == {}                                # only the head has the runtime unit
+    assert resources(local_worker) == {}

@@ -176,6 +176,10 @@ class _RecordingGroup:
     def shutdown(self):
         self.actors.clear()
 
+    def failure(self, name, e):
+        self.shutdown()
+        return e
+
 
 def _env(opts: dict) -> dict:
     return opts.get("runtime_env", {}).get("env_vars", {})

@@ -15,8 +15,15 @@ import psutil
 import pytest
 
 from rstar2_core.config import load_config
-from rstar2_core.runtime.ray.errors import ActorConfigError, ActorFailure, ActorStartTimeout, PlacementTimeout
+from rstar2_core.runtime.ray.errors import (
+    ActorConfigError,
+    ActorFailure,
+    ActorStartTimeout,
+    LayoutDoesNotFit,
+    PlacementTimeout,
+)
 from rstar2_core.runtime.ray.layout import LayoutError, compute_layout
+from tasks import retry
 
 pytestmark = pytest.mark.slow
 
@@ -79,7 +86,6 @@ def test_killed_actor_fails_the_group_cleanly(ray_here):
 
 
 def test_pipeline_retry_rule_retries_actor_failures():
-    retry = pytest.importorskip("tasks.retry")
     assert retry.is_infrastructure_error(ActorFailure("engine-3", RuntimeError("died")))
     assert retry.is_infrastructure_error(PlacementTimeout("no GPUs"))
 
@@ -126,18 +132,47 @@ def test_a_class_named_by_a_remote_traceback_is_never_imported(tmp_path, monkeyp
     assert creation_config_error(death(layout_error)) == layout_error
 
 
-def test_unsatisfiable_layout_times_out_and_frees_what_it_made(local_ray):
+def _live_groups(ray) -> set:
+    return {k for k, v in ray.util.placement_group_table().items() if v["state"] != "REMOVED"}
+
+
+def test_a_layout_no_node_can_hold_fails_at_once_naming_what_each_node_lacks(local_ray):
     ray = local_ray
     from rstar2_core.runtime.ray.placement import create_placement_groups
 
-    layout = compute_layout(load_config("tiny", ["cluster.cpus_per_node=64"]))  # 63 CPUs on a 2-CPU Ray
-    before = {k for k, v in ray.util.placement_group_table().items() if v["state"] != "REMOVED"}
-    with pytest.raises(PlacementTimeout, match="not scheduled within") as ei:
-        create_placement_groups(layout, timeout_s=1.0, prefix="t-timeout-")
-    assert "cluster.gpus_per_node/cpus_per_node" in str(ei.value)
-    time.sleep(0.5)
-    after = {k for k, v in ray.util.placement_group_table().items() if v["state"] != "REMOVED"}
-    assert after <= before
+    layout = compute_layout(load_config("tiny", ["cluster.cpus_per_node=64"]))  # 63 sandbox CPUs on a 2-CPU Ray
+    before = _live_groups(ray)
+    t0 = time.monotonic()
+    with pytest.raises(LayoutDoesNotFit, match="rstar2-node0 needs 63 CPU on one node") as ei:
+        create_placement_groups(layout, timeout_s=600.0, prefix="t-nofit-")
+    assert time.monotonic() - t0 < 10                       # not the 600 s placement timeout
+    assert "head) lacks 61 CPU" in str(ei.value) and "rstar2 plan" in str(ei.value)
+    assert retry.is_infrastructure_error(ei.value)          # a node coming back makes the retry fit
+    assert _live_groups(ray) <= before                      # nothing was created
+
+
+def test_a_layout_that_fits_but_not_now_times_out_and_frees_every_group(local_ray):
+    """Two groups of 1 CPU fit the 2-CPU node, but another holder keeps one CPU: the gang is not placed
+    in time, and the group that was placed is removed with the one that was not."""
+    ray = local_ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from rstar2_core.runtime.ray.placement import create_placement_groups
+
+    layout = compute_layout(load_config("tiny", ["cluster.nodes=2", "cluster.cpus_per_node=2",
+                                                 "storage.shared_filesystem=true"]))
+    assert [pg.cpus for pg in layout.placement_groups] == [1, 1]
+    blocker = placement_group([{"CPU": 1}], name="t-blocker")
+    ray.get(blocker.ready(), timeout=60)
+    try:
+        before = _live_groups(ray)
+        with pytest.raises(PlacementTimeout, match="not scheduled within 2 s") as ei:
+            create_placement_groups(layout, timeout_s=2.0, prefix="t-timeout-")
+        assert "CPU 0 free of 2" in str(ei.value) and retry.is_infrastructure_error(ei.value)
+        time.sleep(0.5)
+        assert _live_groups(ray) <= before                  # all or none: the placed group was removed too
+    finally:
+        remove_placement_group(blocker)
 
 
 class _FailsToStart:
@@ -155,7 +190,6 @@ class _FailsToStart:
     (RuntimeError("CUDA error: an illegal memory access"), False),  # not a config error: still retried
 ])
 def test_constructor_config_errors_are_not_retried(ray_here, exc, config):
-    retry = pytest.importorskip("tasks.retry")
     from rstar2_core.runtime.ray.placement import ActorGroup
 
     group = ActorGroup(None)
@@ -187,7 +221,6 @@ def test_engines_not_ready_in_time_raise_a_retryable_error_naming_them(ray_here)
     the engine actor asking 1 CPU of the same bundle is never scheduled; the readiness wait gives up after
     its timeout, names the engine and shuts the group down. A second engine still constructing is named
     too; the one that started is not."""
-    retry = pytest.importorskip("tasks.retry")
     from rstar2_core.runtime.ray.engine_actors import start_engines
     from rstar2_core.runtime.ray.layout import Bundle, ClusterLayout, EngineSlot, PlacementGroupSpec
     from rstar2_core.runtime.ray.placement import ActorGroup, bundle_strategy

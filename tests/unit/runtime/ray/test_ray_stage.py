@@ -21,6 +21,8 @@ import torch
 
 pytest.importorskip("deepspeed")
 
+from stage_compare import OVERRIDES, assert_same_step
+
 from rstar2_core.config import load_config
 from rstar2_core.errors import InfraError, InfraFailureShareExceeded
 from rstar2_core.models.io import load_model_and_tokenizer
@@ -28,17 +30,9 @@ from rstar2_core.rl.stage import run_rl_stage
 
 pytestmark = pytest.mark.slow
 
-OVERRIDES = ["rl.prompts_per_step=3", "rl.grpo.group_size=4", "rl.grpo.oversample=2", "rl.stages.0.steps=3",
-             "rl.stages.0.max_response_tokens=200", "rl.stages.0.max_turns=3", "rl.lr=1e-3", "rl.warmup_steps=2",
-             "rl.micro_batch_size=8", "rl.checkpoint_every=1", "rl.keep_checkpoints=2", "rollout.max_batch_size=24",
-             "sandbox.workers=2", "rl.temperature=0.6", "rollout.tool_response_timing=false"]
-# (at 0.6 the toy policy's tool calls parse and run; without the wall-clock timing line the local and Ray
-# runs see the same tool responses)
 RAY = ['cluster.runtime="ray"', 'rl.backend="deepspeed"', 'sft.backend="deepspeed"', 'sandbox.backend="ray"',
        "cluster.trainer_ranks=2", "rollout.num_engines=2"]
 ACTORS = ("ray::TrainerShardActor", "ray::EngineActor", "ray::SandboxActor")
-SAME = ("rollout/", "usage/tokens_", "usage/sandbox_calls", "usage/trained_share", "actor/tokens", "actor/skipped",
-        "infra/", "data/")
 
 
 @pytest.fixture(scope="module")
@@ -80,15 +74,6 @@ def _weights(url):
     return load_model_and_tokenizer(url)[0].state_dict()
 
 
-def _assert_same_step(a: dict, b: dict) -> None:
-    for k, v in a.items():
-        if k.startswith(SAME):
-            assert b[k] == pytest.approx(v, rel=1e-9, abs=1e-12), k
-    for k in ("actor/pg_loss", "actor/grad_norm"):
-        if k in a:
-            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-7), k
-
-
 @pytest.mark.parametrize("zero", [2, 3])
 def test_ray_runtime_matches_the_local_runtime(ray_here, toy, local_run, tmp_path, zero):
     cfg = load_config("tiny", OVERRIDES + RAY + [f"rl.zero_stage={zero}"])
@@ -97,7 +82,7 @@ def test_ray_runtime_matches_the_local_runtime(ray_here, toy, local_run, tmp_pat
     assert [s for s, _ in stream] == [s for s, _ in local_stream] == [1, 2, 3]
     assert any(m.get("actor/skipped") == 0.0 for _, m in stream)        # an update really happened
     for (_, a), (_, b) in zip(local_stream, stream):
-        _assert_same_step(a, b)
+        assert_same_step(a, b)
     m = stream[-1][1]
     synced = [s for _, s in stream if "sync/bytes" in s]          # steps that took an update pushed weights
     assert synced and all(s["sync/bytes"] > 0 for s in synced)
@@ -121,7 +106,7 @@ def test_killed_trainer_then_killed_engine_resume_to_the_same_step(ray_here, toy
     _assert_nothing_left(ray_here)
     res, stream = _run(cfg, toy, out)                             # attempt 3: resumes at 3 and finishes
     assert [s for s, _ in stream] == [3]
-    _assert_same_step(local_run[1][2][1], stream[0][1])
+    assert_same_step(local_run[1][2][1], stream[0][1])
     wl, wr = _weights(local_run[0].checkpoint_url), _weights(res.checkpoint_url)
     for k in wl:
         torch.testing.assert_close(wr[k], wl[k], rtol=0, atol=1e-5)

@@ -378,7 +378,7 @@ def test_an_engine_failing_its_side_of_the_nccl_sync_fails_the_sync_instead_of_h
         name = f"engine-{i}"
         group.actors[name] = _ThreadedActor(EngineActor(None, factory=lambda: VLLMEngine(
             ckpt, tensor_parallel_size=1, weight_transfer="nccl")))
-        engines.append(RemoteEngine(group.actors[name], name, 1, on_failure=group.shutdown))
+        engines.append(RemoteEngine(group.actors[name], name, 1, on_failure=group.failure))
     actors = dict(group.actors)
     fakes = FakeAsyncLLM.instances
     for fake in fakes:                          # every engine's side of the collective joins it ...

@@ -1,0 +1,297 @@
+"""A multi-node Ray cluster on this machine: a head and N worker nodes, each its own raylet with its own
+logical resources, so placement across nodes, cross-node object transfer and the loss of a node are
+Ray's real ones. What `rstar2 cluster up` starts (the way to rehearse a cluster run on a laptop) and what
+the multi-node tests run on.
+
+    with LocalCluster(workers=2, cpus_per_node=4, gpus_per_node=1, root=tmp) as c:   # head + 2 workers
+        c.address                     # "127.0.0.1:<port>": cluster.ray_address / RAY_ADDRESS (Ray itself
+                                      # binds every interface and names the nodes by the machine's IP)
+        c.kill_node(1)                # SIGKILL worker 1's raylet: a lost node
+        c.restart_node(1)             # the node is back (a new raylet with the same resources)
+        c.restart_dead_nodes()        # every worker whose raylet died
+
+Every node is one `ray start --block` process started here, whose children are the node's raylet (and,
+on the head, the GCS): stopping a node is a signal to that PID (`stop` sends SIGTERM to the workers, then
+the head, and SIGKILLs whatever of their process trees is left); a raylet that dies takes its
+`ray start` process down with it. `node_command(...)` is the one place the `ray start` arguments are
+written: the head offers the `rstar2_runtime` unit (connect.py) and no GPU, as the head of
+infra/k8s/raycluster.yaml and infra/ray/cluster.yaml does; the workers offer `gpus_per_node` GPUs,
+logical on this CPU machine (the config says `cluster.logical_gpus = true`) and `cpus_per_node` CPUs.
+
+The head runs with a shorter node health check than Ray's default (`HEALTH_CHECK`: a lost node declared
+dead after ~3 s instead of ~15 s) so that a rehearsed node loss is named quickly; everything else is
+Ray's defaults. Nothing here imports Ray: the nodes are processes, and callers connect with `ray.init`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Self
+
+from rstar2_core.runtime.ray.connect import RUNTIME_RESOURCE
+
+HEALTH_CHECK = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
+OBJECT_STORE_BYTES = 128 * 1024 * 1024
+START_TIMEOUT_S = 120.0
+STARTED = "Ray runtime started"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ray_bin() -> str:
+    return str(Path(sys.executable).with_name("ray"))
+
+
+def node_command(role: str, *, port: int, num_cpus: int, num_gpus: int = 0, temp_dir: str,
+                 object_store_bytes: int = OBJECT_STORE_BYTES) -> list[str]:
+    """The `ray start --block` command of a head (`role="head"`, GCS on `port`) or a worker node joining
+    127.0.0.1:`port` (see the module docstring)."""
+    cmd = [_ray_bin(), "start", "--block", "--disable-usage-stats", f"--num-cpus={num_cpus}",
+           f"--num-gpus={num_gpus}", f"--temp-dir={temp_dir}", f"--object-store-memory={object_store_bytes}"]
+    if role == "head":
+        cmd += ["--head", f"--port={port}", "--include-dashboard=false",
+                f"--resources={json.dumps({RUNTIME_RESOURCE: 1})}", f"--system-config={json.dumps(HEALTH_CHECK)}"]
+    elif role == "worker":
+        cmd += [f"--address=127.0.0.1:{port}"]
+    else:
+        raise ValueError(f"role must be 'head' or 'worker', not {role!r}")
+    return cmd
+
+
+@dataclass
+class Node:
+    role: str
+    index: int
+    command: list[str]
+    log: Path
+    pid: int = 0
+    tree: list[int] = field(default_factory=list)   # the `ray start` process and its children, once up
+
+
+class LocalCluster:
+    """A head and `workers` worker nodes on 127.0.0.1 (see the module docstring). `root`: where the
+    nodes' logs and Ray's session folder go (Ray's socket paths must stay short: keep it under /tmp)."""
+
+    def __init__(self, workers: int, cpus_per_node: int, gpus_per_node: int, root: str | Path, *,
+                 head_cpus: int = 2, port: int | None = None, env: dict[str, str] | None = None):
+        if workers < 1:
+            raise ValueError("a local cluster needs at least one worker node")
+        self.workers, self.cpus, self.gpus, self.head_cpus = workers, cpus_per_node, gpus_per_node, head_cpus
+        self.root = Path(root)
+        self.port = port or _free_port()
+        self.temp_dir = str(self.root / "ray")
+        self.env = {**os.environ, **(env or {}), "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
+                    "RAY_USAGE_STATS_ENABLED": "0"}
+        self.nodes: list[Node] = []
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _spec(self, role: str, index: int) -> Node:
+        cpus, gpus = (self.head_cpus, 0) if role == "head" else (self.cpus, self.gpus)
+        cmd = node_command(role, port=self.port, num_cpus=cpus, num_gpus=gpus, temp_dir=self.temp_dir)
+        return Node(role, index, cmd, self.root / f"{role}-{index}.log")
+
+    def _launch(self, node: Node) -> Node:
+        node.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(node.log, "ab") as out:
+            proc = subprocess.Popen(node.command, stdout=out, stderr=subprocess.STDOUT, env=self.env,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        node.pid = proc.pid
+        deadline = time.monotonic() + START_TIMEOUT_S
+        start = node.log.stat().st_size if node.log.exists() else 0
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"ray start ({node.role} {node.index}) exited with {proc.returncode}; "
+                                   f"its log: {node.log}")
+            with open(node.log, "rb") as f:
+                f.seek(max(0, start - 4096))
+                if STARTED.encode() in f.read():
+                    node.tree = _tree(node.pid)
+                    return node
+            time.sleep(0.25)
+        _signal_tree([node.pid, *_tree(node.pid)], signal.SIGKILL)
+        raise TimeoutError(f"ray start ({node.role} {node.index}) not up within {START_TIMEOUT_S:.0f} s; "
+                           f"its log: {node.log}")
+
+    def start(self) -> Self:
+        """Start the head, then the workers (each waits for its node to report started)."""
+        try:
+            self.nodes = [self._launch(self._spec("head", 0))]
+            for i in range(1, self.workers + 1):
+                self.nodes.append(self._launch(self._spec("worker", i)))
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def raylet_pid(self, index: int) -> int:
+        """The raylet of node `index` (0 = head)."""
+        node = self.nodes[index]
+        for pid in _tree(node.pid):
+            if _name(pid) == "raylet":
+                return pid
+        raise RuntimeError(f"node {index} has no running raylet")
+
+    def kill_node(self, index: int) -> None:
+        """SIGKILL worker node `index`'s raylet (what a crashed or vanished machine looks like to Ray); its
+        `ray start` process then stops the node's other processes and exits."""
+        if index < 1:
+            raise ValueError("kill_node takes a worker node (1..workers): the head holds the GCS")
+        node = self.nodes[index]
+        os.kill(self.raylet_pid(index), signal.SIGKILL)
+        _wait_gone(node.pid, 30.0)
+        _signal_tree(node.tree, signal.SIGKILL)
+
+    def restart_node(self, index: int) -> None:
+        """Start worker node `index` again (a new raylet with the same resources)."""
+        node = self.nodes[index]
+        if _alive(node.pid):
+            raise RuntimeError(f"node {index} is still running (pid {node.pid})")
+        self.nodes[index] = self._launch(self._spec(node.role, index))
+
+    def restart_dead_nodes(self) -> list[int]:
+        """Start again every worker node whose `ray start` process has exited (its raylet died); returns
+        their indices."""
+        dead = [n.index for n in self.nodes[1:] if not _alive(n.pid)]
+        for i in dead:
+            self.restart_node(i)
+        return dead
+
+    def stop(self) -> None:
+        """Stop every node by its PIDs: SIGTERM (workers first, then the head), then SIGKILL what is left."""
+        for node in reversed(self.nodes):
+            if _alive(node.pid):
+                os.kill(node.pid, signal.SIGTERM)
+        for node in reversed(self.nodes):
+            _wait_gone(node.pid, 20.0)
+            _signal_tree([node.pid, *node.tree], signal.SIGKILL)
+        self.nodes = []
+
+    def to_json(self) -> dict:
+        return {"address": self.address, "root": str(self.root), "temp_dir": self.temp_dir, "port": self.port,
+                "workers": self.workers, "cpus_per_node": self.cpus, "gpus_per_node": self.gpus,
+                "head_cpus": self.head_cpus,
+                "nodes": [{"role": n.role, "index": n.index, "pid": n.pid, "tree": n.tree, "log": str(n.log),
+                           "command": n.command} for n in self.nodes]}
+
+    @classmethod
+    def attach(cls, state: dict) -> LocalCluster:
+        """The cluster a `to_json()` record describes, its nodes as recorded (to restart the dead ones
+        from another process: `rstar2 cluster restart`)."""
+        c = cls(state["workers"], state["cpus_per_node"], state["gpus_per_node"], state["root"],
+                head_cpus=state["head_cpus"], port=state["port"])
+        c.nodes = [Node(n["role"], n["index"], list(n["command"]), Path(n["log"]), n["pid"], list(n.get("tree", [])))
+                   for n in state["nodes"]]
+        return c
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def stop_recorded(state: dict) -> list[int]:
+    """Stop the nodes a `LocalCluster.to_json()` record lists (`rstar2 cluster down`); returns the PIDs
+    that were signalled. A PID is only signalled while it is still the process the record names (a
+    `ray start` or one of its children), never a reused PID."""
+    signalled = []
+    nodes = state.get("nodes", [])
+    for n in reversed(nodes):
+        if _alive(n["pid"]) and _is_ray(n["pid"]):
+            os.kill(n["pid"], signal.SIGTERM)
+            signalled.append(n["pid"])
+    for n in reversed(nodes):
+        _wait_gone(n["pid"], 20.0)
+        left = [p for p in [n["pid"], *n.get("tree", [])] if _alive(p) and _is_ray(p)]
+        _signal_tree(left, signal.SIGKILL)
+        signalled += left
+    return signalled
+
+
+def kill_local_raylet(node_id: str) -> int:
+    """SIGKILL the raylet of Ray node `node_id` if it is a process of this machine (the `kill-node` fault of
+    a local multi-node cluster); returns its PID. Refuses the head's (it holds the GCS)."""
+    import psutil
+
+    for p in psutil.process_iter(["name", "cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if p.info["name"] == "raylet" and f"--node_id={node_id}" in cmd:
+            if any("node:__internal_head__" in c for c in cmd):
+                raise ValueError(f"node {node_id[:8]} is the head (it holds the GCS): kill-node takes a worker node")
+            p.kill()
+            return p.pid
+    raise ValueError(f"node {node_id[:8]}'s raylet is not a process of this machine: the kill-node fault "
+                     "rehearses a lost node on a local multi-node cluster (`rstar2 cluster up`)")
+
+
+# ----------------------------------------------------------------------------------------- processes
+def _tree(pid: int) -> list[int]:
+    import psutil
+
+    try:
+        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _name(pid: int) -> str:
+    import psutil
+
+    try:
+        return psutil.Process(pid).name()
+    except psutil.NoSuchProcess:
+        return ""
+
+
+def _is_ray(pid: int) -> bool:
+    import psutil
+
+    try:
+        cmd = " ".join(psutil.Process(pid).cmdline())
+    except psutil.NoSuchProcess:
+        return False
+    return "ray" in cmd
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        p = psutil.Process(pid)
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _wait_gone(pid: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    try:
+        os.waitpid(pid, os.WNOHANG)    # reap our own child, if it is one
+    except ChildProcessError:
+        pass
+
+
+def _signal_tree(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        if _alive(pid):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass

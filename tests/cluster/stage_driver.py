@@ -1,0 +1,74 @@
+"""A Ray driver process for the multi-node tests: runs one RL stage on a live cluster (the config's
+`cluster.ray_address`) and prints one JSON line per step, then `{"result": ...}` or `{"error": ...}`; or,
+with `--probe`, prints what the cluster holds (live nodes, placement groups, live actors).
+
+    python tests/cluster/stage_driver.py --overrides '[...]' --init URL --data URL --out URL
+    python tests/cluster/stage_driver.py --probe 127.0.0.1:PORT
+
+The tests run it as a subprocess: the pytest process may already drive a local Ray of its own."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def _probe(address: str) -> dict:
+    import ray
+    from ray._private import state
+
+    ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        from rstar2_core.runtime.ray.placement import live_nodes
+
+        nodes = live_nodes()
+        pgs = [pg["state"] for pg in ray.util.placement_group_table().values()]
+        actors = [a.get("State") for a in state.actors().values()]
+        return {"nodes": [{"id": n.node_id, "total": n.total, "available": n.available, "head": n.head}
+                          for n in nodes],
+                "dead_nodes": [n["NodeID"] for n in ray.nodes() if not n.get("Alive")],
+                "placement_groups": pgs, "live_actors": sum(1 for s in actors if s not in ("DEAD",))}
+    finally:
+        ray.shutdown()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--probe")
+    p.add_argument("--overrides", default="[]")
+    p.add_argument("--init")
+    p.add_argument("--data")
+    p.add_argument("--out")
+    a = p.parse_args()
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if a.probe:
+        print(json.dumps({"probe": _probe(a.probe)}), flush=True)
+        return 0
+    from rstar2_core import storage
+    from rstar2_core.config import load_config
+    from rstar2_core.rl.stage import run_rl_stage
+    from tasks.retry import is_infrastructure_error
+
+    cfg = load_config("tiny", json.loads(a.overrides))
+    storage.configure_s3(endpoint_url=cfg.storage.s3_endpoint_url, region=cfg.storage.s3_region)
+
+    def log(metrics: dict, step: int) -> None:
+        print(json.dumps({"step": step, "metrics": {k: float(v) for k, v in metrics.items()}}), flush=True)
+
+    t0 = time.monotonic()
+    try:
+        res = run_rl_stage(cfg, 0, init_checkpoint_url=a.init, data_url=a.data, out_url=a.out, log_metrics=log)
+    except BaseException as e:  # noqa: BLE001 - reported to the test, which asserts on it
+        print(json.dumps({"error": type(e).__name__, "message": str(e), "retryable": is_infrastructure_error(e),
+                          "nodes": getattr(e, "nodes", None), "seconds": time.monotonic() - t0}), flush=True)
+        return 1
+    print(json.dumps({"result": {"checkpoint_url": res.checkpoint_url}, "seconds": time.monotonic() - t0}),
+          flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
