@@ -147,12 +147,13 @@ class LocalCluster:
         raise RuntimeError(f"node {index} has no running raylet")
 
     def kill_node(self, index: int) -> None:
-        """SIGKILL worker node `index`'s raylet (what a crashed or vanished machine looks like to Ray); its
-        `ray start` process then stops the node's other processes and exits."""
+        """SIGKILL worker node `index`'s raylet and its actor workers (what a vanished machine looks like
+        to Ray); its `ray start` process then stops the node's other processes and exits."""
         if index < 1:
             raise ValueError("kill_node takes a worker node (1..workers): the head holds the GCS")
         node = self.nodes[index]
-        os.kill(self.raylet_pid(index), signal.SIGKILL)
+        raylet = self.raylet_pid(index)
+        _signal_tree([*_tree(raylet), raylet], signal.SIGKILL)    # the raylet and its workers at once
         _wait_gone(node.pid, 30.0)
         _signal_tree(node.tree, signal.SIGKILL)
 
@@ -224,8 +225,10 @@ def stop_recorded(state: dict) -> list[int]:
 
 
 def kill_local_raylet(node_id: str) -> int:
-    """SIGKILL the raylet of Ray node `node_id` if it is a process of this machine (the `kill-node` fault of
-    a local multi-node cluster); returns its PID. Refuses the head's (it holds the GCS)."""
+    """SIGKILL Ray node `node_id` as a vanished machine: its raylet and every process below it (the
+    node's actor workers) at once, if the raylet is a process of this machine (the `kill-node` fault of a
+    local multi-node cluster); returns the raylet's PID. Refuses the head (it holds the GCS). A raylet
+    killed alone leaves its workers answering calls for seconds, which is not what losing a machine is."""
     import psutil
 
     for p in psutil.process_iter(["name", "cmdline"]):
@@ -233,7 +236,15 @@ def kill_local_raylet(node_id: str) -> int:
         if p.info["name"] == "raylet" and f"--node_id={node_id}" in cmd:
             if any("node:__internal_head__" in c for c in cmd):
                 raise ValueError(f"node {node_id[:8]} is the head (it holds the GCS): kill-node takes a worker node")
-            p.kill()
+            try:
+                below = p.children(recursive=True)
+            except psutil.NoSuchProcess:
+                below = []
+            for q in [p, *below]:
+                try:
+                    q.kill()
+                except psutil.NoSuchProcess:
+                    pass
             return p.pid
     raise ValueError(f"node {node_id[:8]}'s raylet is not a process of this machine: the kill-node fault "
                      "rehearses a lost node on a local multi-node cluster (`rstar2 cluster up`)")

@@ -5,7 +5,8 @@ rule and one clean shutdown.
   layout.py) all or none. Ray places each group atomically but not a set of groups, so this is gang
   placement on top: first the live nodes' total resources are checked (`fit_layout`); a layout no set
   of nodes can hold raises `LayoutDoesNotFit` at once, naming per node what it lacks, instead of leaving
-  groups pending forever. Then every group is created and waited for together; if they are not all
+  groups pending forever. Then every group is created and waited for together, the fit checked again
+  every `REFIT_EVERY_S` (a node lost meanwhile raises `LayoutDoesNotFit` then); if they are not all
   scheduled within `timeout_s` every group is removed (none keeps holding GPUs a later attempt needs)
   and `PlacementTimeout` lists the free resources per node. Both are retryable: a node that restarts
   or an autoscaler's new node makes the retry fit.
@@ -58,8 +59,12 @@ _UNAVAILABLE = tuple(getattr(ray.exceptions, n) for n in ("ActorUnavailableError
 # they are never retried. TrainerShardActor's constructor only stores its arguments: DeepSpeed's import
 # and backend errors come from its `init()` call, as `RayTaskError(<cause>)` from `get` (no death)
 _CONFIG_ERRORS = (ValueError, TypeError, ImportError)
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _NODE_DEATHS = tuple(getattr(ray.exceptions, n) for n in ("NodeDiedError", "LocalRayletDiedError")
                      if hasattr(ray.exceptions, n))
+REFIT_EVERY_S = 5.0
+"""While the gang waits to be placed, how often the layout is fitted to the live nodes again (a node lost
+meanwhile makes it unplaceable: `LayoutDoesNotFit` then, not at the end of the timeout)."""
 NODE_DEATH_WAIT_S = 60.0
 """How long an actor call that failed as its node went away waits for Ray to declare the node dead (to
 raise `NodeLost` naming it rather than a plain `ActorFailure`)."""
@@ -68,7 +73,6 @@ raise `NodeLost` naming it rather than a plain `ActorFailure`)."""
 def _node_id(_actor: Any) -> str:
     """Run inside an actor (`__ray_call__`): the id of the node it runs on."""
     return ray.get_runtime_context().get_node_id()
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def creation_config_error(e: BaseException) -> str | None:
@@ -134,9 +138,20 @@ def create_placement_groups(layout: ClusterLayout, timeout_s: float = 600.0,
         raise LayoutDoesNotFit(list(fit.problems), describe_nodes(nodes))
     pgs = [placement_group([b.resources() for b in spec.bundles], strategy=spec.strategy,
                            name=f"{prefix}{spec.name}") for spec in layout.placement_groups]
+    deadline = time.monotonic() + timeout_s
     try:
-        ready, _ = ray.wait([pg.ready() for pg in pgs], num_returns=len(pgs), timeout=timeout_s)
-        if len(ready) < len(pgs):
+        pending = [pg.ready() for pg in pgs]
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=min(REFIT_EVERY_S, left))
+            if pending:                 # a node lost meanwhile can make the gang unplaceable: fail fast
+                nodes = live_nodes()
+                fit = fit_layout(layout, nodes)
+                if not fit.fits:
+                    raise LayoutDoesNotFit(list(fit.problems), describe_nodes(nodes))
+        if pending:
             late = [spec.name for pg, spec in zip(pgs, layout.placement_groups) if not _is_ready(pg)]
             now = live_nodes()
             raise PlacementTimeout(
@@ -180,6 +195,17 @@ def kill_and_wait(handle: Any, timeout_s: float = 30.0) -> None:
             pass
         time.sleep(0.1)
     raise TimeoutError(f"actor still answering {timeout_s:.0f} s after ray.kill")
+
+
+def wait_node_dead(node_id: str, timeout_s: float = NODE_DEATH_WAIT_S) -> None:
+    """Return once Ray reports node `node_id` dead (its health check: seconds); `TimeoutError` after
+    `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(n["NodeID"] == node_id and not n.get("Alive") for n in ray.nodes()):
+            return
+        time.sleep(0.25)
+    raise TimeoutError(f"node {node_id[:8]} still alive {timeout_s:.0f} s after its raylet was killed")
 
 
 def bundle_strategy(pg: PlacementGroup | None, bundle_index: int) -> dict[str, Any]:

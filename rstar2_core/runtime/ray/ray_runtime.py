@@ -46,7 +46,7 @@ from rstar2_core.config.sections import ClusterConfig, SandboxConfig
 from rstar2_core.runtime.protocol import OwnedGrader, RuntimeUsage, WeightSyncReport
 from rstar2_core.runtime.ray.connect import ensure_ray
 from rstar2_core.runtime.ray.engine_actors import RemoteEngine, start_engines
-from rstar2_core.runtime.ray.placement import ActorGroup, kill_and_wait
+from rstar2_core.runtime.ray.placement import ActorGroup, kill_and_wait, wait_node_dead
 from rstar2_core.runtime.ray.trainer_shards import TrainerGroup
 from rstar2_core.runtime.ray.weight_sync import make_weight_sync
 from rstar2_core.runtime.specs import RuntimeSpec
@@ -173,8 +173,9 @@ class RayRuntime:
             if node is None:
                 raise ValueError(f"kill-node: the node of {name} is not known")
             pid = kill_local_raylet(node)
-            log.warning("fault kill-node: SIGKILLed the raylet (pid %d) of node %s, which holds %s", pid, node[:8],
-                        ", ".join(sorted(a for a, n in self.group.nodes.items() if n == node)))
+            log.warning("fault kill-node: SIGKILLed the raylet (pid %d) and the workers of node %s, which holds %s",
+                        pid, node[:8], ", ".join(sorted(a for a, n in self.group.nodes.items() if n == node)))
+            wait_node_dead(node)     # as kill-engine waits for the death to be visible: the step goes on after
         elif kind == "engine-errors":
             ray.get(self.group.actors["engine-0"].fail_requests.remote(True))
         elif kind == "stale-weights":
