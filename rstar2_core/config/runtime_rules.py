@@ -19,6 +19,12 @@ def computes_on_gpu(cluster: Any) -> bool:
     return bool(cluster.gpus_per_node) and not cluster.logical_gpus
 
 
+def is_node_local(root: str | None) -> bool:
+    """Whether a storage root is a local file system path (`file://...`, a bare path, or None: the
+    default file://<state dir>/artifacts), as opposed to an object store every node reaches."""
+    return root is None or "://" not in root or root.startswith(("file:", "local:"))
+
+
 def resolved_weight_sync(cfg: Any) -> str:
     """`rollout.weight_sync` with `auto` resolved for the runtime, engine and layout."""
     ws = cfg.rollout.weight_sync
@@ -131,7 +137,7 @@ def _ray_problems(cfg: Any, ws: str) -> list[str]:
     if cl.logical_gpus and ro.tensor_parallel_size != 1:
         p.append(f"rollout.tensor_parallel_size = {ro.tensor_parallel_size} with cluster.logical_gpus: an engine on "
                  "logical GPUs computes on the CPU in one process; set rollout.tensor_parallel_size = 1")
-    if cl.nodes > 1 and (cfg.storage.root or "file://").startswith("file:") and not cfg.storage.shared_filesystem:
+    if cl.nodes > 1 and is_node_local(cfg.storage.root) and not cfg.storage.shared_filesystem:
         p.append(f"storage.root = {cfg.storage.root or '(default file://<state dir>/artifacts)'} on a {cl.nodes}-node "
                  "Ray runtime (cluster.nodes): trainer ranks on other nodes write checkpoint shards there, and a "
                  "node-local disk leaves the driver an incomplete checkpoint; use an s3:// storage.root, or set "

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Literal
 
 from rstar2_core.config import Config
 from rstar2_core.config.rl import RLConfig
-from rstar2_core.config.runtime_rules import resolved_weight_sync
+from rstar2_core.config.runtime_rules import is_node_local, resolved_weight_sync
 from rstar2_core.config.sections import ClusterConfig, ModelConfig, SandboxConfig, SFTConfig
 from rstar2_core.runtime.engine_builder import EngineSpec
 from rstar2_core.runtime.protocol import TrainerSpec
@@ -95,7 +95,7 @@ class RuntimeSpec:
                    cfg.sandbox.backend == "ray", cfg.eval.grader_timeout_s if grader else None,
                    resolved_weight_sync(cfg), cfg.rollout.release_memory_during_training,
                    cfg.rollout.tensor_parallel_size, cfg.cluster, layout,
-                   not cfg.resolved_storage_root().startswith("file:") or cfg.storage.shared_filesystem)
+                   not is_node_local(cfg.resolved_storage_root()) or cfg.storage.shared_filesystem)
 
 
 def engine_spec(cfg: Config, checkpoint_url: str, max_model_len: int | None, device: str,

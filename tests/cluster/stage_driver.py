@@ -1,9 +1,11 @@
 """A Ray driver process for the multi-node tests: runs one RL stage on a live cluster (the config's
 `cluster.ray_address`) and prints one JSON line per step, then `{"result": ...}` or `{"error": ...}`; or,
-with `--probe`, prints what the cluster holds (live nodes, placement groups, live actors).
+with `--probe`, prints what the cluster holds (live nodes, placement groups, live actors); with `--gang`,
+places a layout while a blocker holds one node's GPU (the test loses a node meanwhile).
 
     python tests/cluster/stage_driver.py --overrides '[...]' --init URL --data URL --out URL
     python tests/cluster/stage_driver.py --probe 127.0.0.1:PORT
+    python tests/cluster/stage_driver.py --gang 127.0.0.1:PORT --overrides '[...]'
 
 The tests run it as a subprocess: the pytest process may already drive a local Ray of its own."""
 
@@ -35,9 +37,37 @@ def _probe(address: str) -> dict:
         ray.shutdown()
 
 
+def _gang(address: str, overrides: list[str]) -> dict:
+    """Hold one worker node's GPU with a blocker group, then place the layout of `overrides`: one of its
+    groups waits. Prints `{"blocked": node}` and waits for the test to lose a node meanwhile."""
+    import ray
+    from ray.util.placement_group import placement_group, placement_group_table
+
+    from rstar2_core.config import load_config
+    from rstar2_core.runtime.ray.layout import compute_layout
+    from rstar2_core.runtime.ray.placement import create_placement_groups, remove_placement_groups
+
+    ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        blocker = placement_group([{"GPU": 1.0}], strategy="STRICT_PACK", name="t-gang-blocker")
+        ray.get(blocker.ready(), timeout=60)
+        print(json.dumps({"blocked": placement_group_table(blocker)["bundles_to_node_id"][0]}), flush=True)
+        t0 = time.monotonic()
+        try:
+            pgs = create_placement_groups(compute_layout(load_config("tiny", overrides)), timeout_s=300,
+                                          prefix="t-gang-")
+        except BaseException as e:  # noqa: BLE001 - reported to the test
+            return {"error": type(e).__name__, "message": str(e), "seconds": time.monotonic() - t0}
+        remove_placement_groups(pgs)
+        return {"placed": len(pgs), "seconds": time.monotonic() - t0}
+    finally:
+        ray.shutdown()
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--probe")
+    p.add_argument("--gang")
     p.add_argument("--overrides", default="[]")
     p.add_argument("--init")
     p.add_argument("--data")
@@ -46,6 +76,9 @@ def main() -> int:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if a.probe:
         print(json.dumps({"probe": _probe(a.probe)}), flush=True)
+        return 0
+    if a.gang:
+        print(json.dumps({"gang": _gang(a.gang, json.loads(a.overrides))}), flush=True)
         return 0
     from rstar2_core import storage
     from rstar2_core.config import load_config

@@ -25,6 +25,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -209,6 +210,38 @@ def test_lost_node_is_retryable_and_the_retry_resumes_to_the_straight_runs_steps
     for s in (2, 3):
         assert_same_step(steps[s], got[s])
     _assert_nothing_held(cluster)
+
+
+def test_a_node_lost_while_the_gang_waits_fails_it_fast(cluster):
+    """One of the layout's two groups waits (a blocker holds a worker's GPU); the other worker is lost
+    meanwhile: the layout no longer fits, and the wait ends in `LayoutDoesNotFit` within seconds instead of
+    at the placement timeout (300 s here), with every group removed."""
+    p = subprocess.Popen([sys.executable, str(DRIVER), "--gang", cluster.address, "--overrides",
+                          json.dumps(_rehearsal())], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                         text=True, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    try:
+        blocked = json.loads(p.stdout.readline())["blocked"]
+        time.sleep(3)                                   # the gang is waiting for the blocked GPU
+        other = next(i for i, n in enumerate(_node_ids(cluster)) if i > 0 and n != blocked)
+        cluster.kill_node(other)
+        out, _ = p.communicate(timeout=240)
+    finally:
+        p.kill()
+    gang = next(json.loads(x) for x in out.splitlines() if x.startswith('{"gang"'))["gang"]
+    assert gang["error"] == "LayoutDoesNotFit" and gang["seconds"] < 60, gang
+    assert cluster.restart_dead_nodes() == [other]
+    _assert_nothing_held(cluster)
+
+
+def _node_ids(cluster) -> list[str]:
+    """The Ray node id of each LocalCluster node (index 0: the head), from their raylets' command lines."""
+    import psutil
+
+    out = []
+    for i in range(len(cluster.nodes)):
+        cmd = psutil.Process(cluster.raylet_pid(i)).cmdline()
+        out.append(next(c.split("=", 1)[1] for c in cmd if c.startswith("--node_id=")))
+    return out
 
 
 def test_the_cluster_command_starts_restarts_and_stops_a_local_cluster(tmp_path):

@@ -66,8 +66,12 @@ def disconnect_ray() -> None:
 
 
 def probe_cluster(address: str) -> list:
-    """The live nodes (`layout.NodeResources`, head first) of the Ray cluster at `address`, read through a
-    short connection of this process (which must not be connected to another Ray)."""
+    """The live nodes (`layout.NodeResources`, head first) of the Ray cluster at `address` (`host:port` of
+    its GCS), read through a short driver connection of this process (which must not be connected to
+    another Ray): run it where a driver can run, e.g. on the head, with the cluster's Ray version."""
+    if address.startswith("ray://"):
+        raise ValueError(f"--address {address}: give the GCS address (host:6379) and run where a Ray driver can "
+                         "connect (e.g. on the head); a Ray Client (ray://) connection is not used")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
 

@@ -95,9 +95,10 @@ class NodeLost(ActorFailure):
 
 class LayoutDoesNotFit(InfraError):
     """The live cluster cannot hold the layout's placement groups at all (not: not now). Raised before any
-    group is created, instead of waiting for resources no node has; the message names, per node, what it
-    lacks. Retried: after a lost node its restart (or an autoscaler's new node) makes the retry fit; a
-    layout larger than the cluster fails the same way on each of `pipeline.task_retries` attempts."""
+    group is created, or while they wait when a node is lost meanwhile (they are removed), instead of
+    waiting for resources no node has; the message names, per node, what it lacks. Retried: after a lost
+    node its restart makes a retry fit, if it comes back within the retries (`pipeline.task_retries` x
+    `pipeline.retry_delay_s`); a layout larger than the cluster fails the same way on each attempt."""
 
     def __init__(self, problems: list[str], nodes: list[str]):
         self.problems, self.node_lines = list(problems), list(nodes)

@@ -14,8 +14,9 @@ Every node is one `ray start --block` process started here, whose children are t
 on the head, the GCS): stopping a node is a signal to that PID (`stop` sends SIGTERM to the workers, then
 the head, and SIGKILLs whatever of their process trees is left); a raylet that dies takes its
 `ray start` process down with it. `node_command(...)` is the one place the `ray start` arguments are
-written: the head offers the `rstar2_runtime` unit (connect.py) and no GPU, as the head of
-infra/k8s/raycluster.yaml and infra/ray/cluster.yaml does; the workers offer `gpus_per_node` GPUs,
+written: the head offers the `rstar2_runtime` unit (connect.py) and no GPU, as the CPU head of
+infra/k8s/raycluster.yaml does (the `ray up` head of infra/ray/cluster.yaml is one of the GPU machines and
+also offers the unit); the workers offer `gpus_per_node` GPUs,
 logical on this CPU machine (the config says `cluster.logical_gpus = true`) and `cpus_per_node` CPUs.
 
 The head runs with a shorter node health check than Ray's default (`HEALTH_CHECK`: a lost node declared
@@ -107,18 +108,18 @@ class LocalCluster:
 
     def _launch(self, node: Node) -> Node:
         node.log.parent.mkdir(parents=True, exist_ok=True)
+        start = node.log.stat().st_size if node.log.exists() else 0    # a restart appends: read only what is new
         with open(node.log, "ab") as out:
             proc = subprocess.Popen(node.command, stdout=out, stderr=subprocess.STDOUT, env=self.env,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
         node.pid = proc.pid
         deadline = time.monotonic() + START_TIMEOUT_S
-        start = node.log.stat().st_size if node.log.exists() else 0
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise RuntimeError(f"ray start ({node.role} {node.index}) exited with {proc.returncode}; "
                                    f"its log: {node.log}")
             with open(node.log, "rb") as f:
-                f.seek(max(0, start - 4096))
+                f.seek(start)
                 if STARTED.encode() in f.read():
                     node.tree = _tree(node.pid)
                     return node

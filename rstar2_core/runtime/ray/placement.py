@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import re
 import sys
+import threading
 import time
 from collections.abc import Iterable
 from typing import Any, Self
@@ -112,6 +113,37 @@ def _exception_class(name: str) -> type | None:
     return cls if isinstance(cls, type) and issubclass(cls, BaseException) else None
 
 
+def may_be_node_loss(e: BaseException) -> bool:
+    """Whether an actor death may be its node's: the call could not reach the actor (`ActorUnavailableError`:
+    what a vanished node looks like for the seconds before Ray's verdict), Ray says the node died, or
+    the death names it ("its node has died"). Never a constructor's error (`actor_init_failed`)."""
+    if getattr(e, "actor_init_failed", False):
+        return False
+    return isinstance(e, _UNAVAILABLE + _NODE_DEATHS) or "node has died" in str(e).lower()
+
+
+def _lost_nodes(nodes: dict[str, str], e: BaseException) -> dict[str, list[str]]:
+    """{dead node's label: the actors it held} for the nodes in `nodes` (actor -> node id) that Ray reports
+    dead. An actor call fails a few seconds after its node goes away (the connection drops), well before
+    Ray's health check declares the node dead (~15 s by default: `health_check_period_ms` x
+    `health_check_failure_threshold`), so when `may_be_node_loss(e)` this waits up to
+    `NODE_DEATH_WAIT_S` for the verdict; any other death is checked once, without waiting."""
+    if not nodes:
+        return {}
+    ours = set(nodes.values())
+    deadline = time.monotonic() + (NODE_DEATH_WAIT_S if may_be_node_loss(e) else 0.0)
+    while True:
+        try:
+            dead = {n["NodeID"]: n for n in ray.nodes() if not n.get("Alive") and n["NodeID"] in ours}
+        except Exception:  # noqa: BLE001 - naming the node must not mask the death being raised
+            return {}
+        if dead or time.monotonic() >= deadline:
+            break
+        time.sleep(0.5)
+    return {f"node {nid[:8]} ({n.get('NodeManagerAddress', '?')})": sorted(a for a, x in nodes.items() if x == nid)
+            for nid, n in dead.items()}
+
+
 def live_nodes() -> list[NodeResources]:
     """The cluster's live nodes with their total and free resources (Ray's `ray.nodes()` and the per-node
     free resources of its state API), the head first."""
@@ -136,10 +168,12 @@ def create_placement_groups(layout: ClusterLayout, timeout_s: float = 600.0,
     fit = fit_layout(layout, nodes)
     if not fit.fits:
         raise LayoutDoesNotFit(list(fit.problems), describe_nodes(nodes))
-    pgs = [placement_group([b.resources() for b in spec.bundles], strategy=spec.strategy,
-                           name=f"{prefix}{spec.name}") for spec in layout.placement_groups]
+    pgs: list[PlacementGroup] = []
     deadline = time.monotonic() + timeout_s
     try:
+        for spec in layout.placement_groups:       # inside the try: one that fails to be created frees the rest
+            pgs.append(placement_group([b.resources() for b in spec.bundles], strategy=spec.strategy,
+                                       name=f"{prefix}{spec.name}"))
         pending = [pg.ready() for pg in pgs]
         while pending:
             left = deadline - time.monotonic()
@@ -224,6 +258,8 @@ class ActorGroup:
         self.layout = layout
         self.actors: dict[str, Any] = {}
         self.nodes: dict[str, str] = {}     # actor name -> the id of the node it runs on (once ready)
+        self._lock = threading.RLock()      # a pipelined stage's update thread and event loop can both fail it
+        self._failed: BaseException | None = None
         self.pgs: list[PlacementGroup] = (create_placement_groups(layout, timeout_s, prefix)
                                           if layout is not None else [])
 
@@ -250,38 +286,21 @@ class ActorGroup:
     def failure(self, failed: str, e: BaseException) -> ActorFailure | ActorConfigError:
         """The error to raise for the death `e` of actor(s) `failed`, after shutting the group down:
         `ActorConfigError` (its constructor refused its config), `NodeLost` (a node of the group died:
-        named with the actors it held), else `ActorFailure`."""
-        lost = self._lost_nodes(e)
-        self.shutdown()
-        config = creation_config_error(e)
-        if config is not None:
-            return ActorConfigError(failed, config)
-        if lost:
-            return NodeLost(lost, e)
-        return ActorFailure(failed, e)
-
-    def _lost_nodes(self, e: BaseException) -> dict[str, list[str]]:
-        """{dead node's label: the group's actors it held} for the nodes of this group's actors that Ray
-        reports dead. An actor call fails a few seconds after its node goes away (the connection drops,
-        `ActorUnavailableError`), well before Ray's health check declares the node dead (~15 s by default:
-        `health_check_period_ms` x `health_check_failure_threshold`), so for such an error, or one that
-        names a node, this waits up to `NODE_DEATH_WAIT_S` for the verdict; a plain actor death is
-        checked once, without waiting."""
-        if not self.nodes:
-            return {}
-        ours = set(self.nodes.values())
-        hint = isinstance(e, _UNAVAILABLE + _NODE_DEATHS) or "node" in str(e).lower()
-        deadline = time.monotonic() + (NODE_DEATH_WAIT_S if hint else 0.0)
-        while True:
-            try:
-                dead = {n["NodeID"]: n for n in ray.nodes() if not n.get("Alive") and n["NodeID"] in ours}
-            except Exception:  # noqa: BLE001 - naming the node must not mask the death being raised
-                return {}
-            if dead or time.monotonic() >= deadline:
-                break
-            time.sleep(0.5)
-        return {f"node {nid[:8]} ({n.get('NodeManagerAddress', '?')})":
-                sorted(a for a, x in self.nodes.items() if x == nid) for nid, n in dead.items()}
+        named with the actors it held), else `ActorFailure`. The group is shut down first (no survivor
+        keeps its GPUs while the node's fate is awaited); a second caller (another thread that saw the
+        same loss) gets the first caller's error."""
+        with self._lock:
+            if self._failed is not None:
+                return self._failed
+            nodes = dict(self.nodes)
+            self.shutdown()
+            config = creation_config_error(e)
+            if config is not None:
+                self._failed = ActorConfigError(failed, config)
+                return self._failed
+            lost = _lost_nodes(nodes, e)
+            self._failed = NodeLost(lost, e) if lost else ActorFailure(failed, e)
+            return self._failed
 
     def wait_ready(self, names: list[str], timeout_s: float | None, what: str = "actors") -> None:
         """Wait until the actors `names` are scheduled and constructed (`__init__` returned). A death or a
@@ -340,16 +359,18 @@ class ActorGroup:
         return self.get(refs, names, timeout=timeout)
 
     def shutdown(self) -> None:
-        """Kill every actor (no restart) and free the placement groups. Idempotent."""
-        for handle in self.actors.values():
+        """Kill every actor (no restart) and free the placement groups. Idempotent, thread-safe."""
+        with self._lock:
+            handles, pgs = list(self.actors.values()), self.pgs
+            self.actors.clear()
+            self.nodes.clear()
+            self.pgs = []
+        for handle in handles:
             try:
                 ray.kill(handle, no_restart=True)
             except Exception:  # noqa: BLE001, S110 - already dead; cleanup must not mask the cause
                 pass
-        self.actors.clear()
-        self.nodes.clear()
-        remove_placement_groups(self.pgs)
-        self.pgs = []
+        remove_placement_groups(pgs)
 
     def __enter__(self) -> Self:
         return self

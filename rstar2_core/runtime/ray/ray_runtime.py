@@ -105,8 +105,8 @@ class RayRuntime:
             self.weight_sync_mode = spec.weight_sync
             self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(spec.policy_url)
             ensure_ray(cluster)
-            if spec.trainer is not None and not spec.shared_storage:
-                _refuse_node_local_storage()
+            if (spec.trainer is not None or spec.engines) and not spec.shared_storage:
+                _refuse_node_local_storage()     # ranks write shards, engines read the policy, on their nodes
             self.layout = spec.layout
             self.group = ActorGroup(self.layout, timeout_s=timeout, prefix=f"rt-{uuid.uuid4().hex[:6]}-")
             threads = actor_threads(cluster)
@@ -244,15 +244,17 @@ class RayRuntime:
 
 
 def _refuse_node_local_storage() -> None:
-    """A trainer on a cluster of several live nodes writes checkpoint shards from each rank's node: a
-    `file://` root not declared shared would leave the driver an incomplete checkpoint."""
+    """On a cluster of several live nodes, trainer ranks write checkpoint shards and engines read the
+    policy from their own nodes: a local root not declared shared would leave the driver an incomplete
+    checkpoint and the engines no policy."""
     import ray
 
     alive = [n for n in ray.nodes() if n.get("Alive")]
     if len(alive) > 1:
-        raise ConfigError(f"the Ray cluster has {len(alive)} live nodes and storage.root is a file:// folder not "
-                          "declared shared: trainer ranks on other nodes write their checkpoint shards there, and a "
-                          "node-local disk leaves the driver an incomplete checkpoint. Use an s3:// storage.root, "
+        raise ConfigError(f"the Ray cluster has {len(alive)} live nodes and storage.root is a local folder not "
+                          "declared shared: trainer ranks on other nodes write their checkpoint shards there and "
+                          "engines read the policy from it, and a node-local disk leaves the driver an incomplete "
+                          "checkpoint. Use an s3:// storage.root, "
                           "or set storage.shared_filesystem = true when every node mounts it at the same path")
 
 

@@ -273,3 +273,41 @@ def test_a_blocked_live_rank_is_not_blamed_for_its_dead_peer(ray_here, kill_and_
         group.get([blocked, group.actors["trainer-1"].ping.remote()], ["trainer-0", "trainer-1"], timeout=60)
     assert ei.value.actor == "trainer-1"
     assert time.monotonic() - t0 < 30 and group.actors == {}
+
+
+def test_only_an_unreachable_actor_or_a_dead_node_waits_for_the_nodes_verdict():
+    import ray.exceptions as rex
+
+    from rstar2_core.runtime.ray.placement import may_be_node_loss
+
+    assert may_be_node_loss(rex.ActorUnavailableError("RpcError: Socket closed", None))
+    assert may_be_node_loss(rex.ActorDiedError()) is False             # a plain death: checked once
+    died = rex.ActorDiedError()
+    died.error_msg = "The actor died because its node has died. Node Id: 5c3a"
+    assert may_be_node_loss(died)
+    oom = rex.ActorDiedError()
+    oom.error_msg = "1 worker(s) were killed due to the node running low on memory"
+    assert not may_be_node_loss(oom)
+    init = rex.ActorDiedError()
+    init._actor_init_failed, init.error_msg = True, "ValueError: its node has died (a constructor's words)"
+    assert not may_be_node_loss(init)
+
+
+def test_two_threads_failing_one_group_get_one_error_and_one_shutdown():
+    """A pipelined stage's update thread and its event loop can both see the same loss: the group is shut
+    down once, and both raise the first caller's error (no dict changed while iterated)."""
+    import threading
+
+    from rstar2_core.runtime.ray.placement import ActorGroup
+
+    group = ActorGroup(None)
+    group.nodes = {"engine-0": "a" * 56, "trainer-0": "b" * 56}
+    out: list = []
+    threads = [threading.Thread(target=lambda n=n: out.append(group.failure(n, RuntimeError("died"))))
+               for n in ("engine-0", "trainer-0")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(out) == 2 and out[0] is out[1] and isinstance(out[0], ActorFailure)
+    assert group.actors == {} and group.nodes == {}
