@@ -509,8 +509,9 @@ class ClusterConfig(_Section):
     per GPU (colocated), cluster.trainer_gpus (separate), 1 on a CPU-only cluster. On a CPU-only cluster
     (gpus_per_node = 0) any N >= 1 runs N gloo processes; on GPU clusters it must match the layout."""
     placement_timeout_s: float = Field(600.0, gt=0)
-    """Seconds a runtime waits for its placement groups before raising PlacementTimeout (retryable: an
-    autoscaler may still be adding nodes, or another stage still holds the GPUs), and, once they exist,
+    """Seconds a runtime waits for its placement groups before raising PlacementTimeout (retryable: another
+    job still holds the resources, or a node is still joining; a layout the live nodes cannot hold at all
+    fails at once with LayoutDoesNotFit, docs/cluster.md), and, once they exist,
     for its trainer shards and then its engine actors to be scheduled and constructed before raising
     ActorStartTimeout naming those still pending (also retryable). An engine's construction includes
     loading its model (vLLM: and profiling memory), so raise this when engines load slowly."""

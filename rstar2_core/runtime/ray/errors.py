@@ -12,7 +12,7 @@ node went away. It is an `rstar2_core.errors.InfraError` (a `ConnectionError`): 
 rule (tasks/retry.py) retries it without importing this module, the agent loop lets it through instead
 of marking one trajectory as infra-failed (a dead actor ends the step), and a retried stage resumes
 from its last checkpoint. `PlacementTimeout` (a `TimeoutError`, also retried) means the cluster did not have the
-resources of a placement group in time, e.g. while an autoscaler adds nodes; `ActorStartTimeout` (also a
+resources of a placement group in time, e.g. while another job holds them; `ActorStartTimeout` (also a
 `TimeoutError`, retried) that actors were not scheduled and constructed in time, naming them.
 
 The errors with constructor arguments (`ActorFailure`, `ActorStartTimeout`, `ActorConfigError`) are

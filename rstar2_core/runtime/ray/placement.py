@@ -8,8 +8,9 @@ rule and one clean shutdown.
   groups pending forever. Then every group is created and waited for together, the fit checked again
   every `REFIT_EVERY_S` (a node lost meanwhile raises `LayoutDoesNotFit` then); if they are not all
   scheduled within `timeout_s` every group is removed (none keeps holding GPUs a later attempt needs)
-  and `PlacementTimeout` lists the free resources per node. Both are retryable: a node that restarts
-  or an autoscaler's new node makes the retry fit.
+  and `PlacementTimeout` lists the free resources per node. Both are retryable: a node that comes back
+  within the task's retries makes a retry fit (an autoscaler sees no demand from a layout refused before
+  its groups exist: docs/cluster.md).
 - `ActorGroup` owns actors and placement groups, and knows each ready actor's node. `call_all`/`get`
   turn any actor death (crash, OOM kill, `ray.kill`) into `ActorFailure` (retryable, errors.py), or,
   when a node of the group died, `NodeLost` naming the node and the actors it held, *after* killing
