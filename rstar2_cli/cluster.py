@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from pathlib import Path
 
 from rstar2_cli.common import add_override_args
@@ -30,14 +29,10 @@ def rehearsal_overrides() -> list[str]:
     return [x.strip() for x in REHEARSAL.read_text().splitlines() if x.strip() and not x.lstrip().startswith("#")]
 
 
-def _state_dir() -> Path:
+def _record() -> Path:
     from rstar2_core.config.root import resolve_state_dir
 
-    return resolve_state_dir(None) / "cluster"
-
-
-def _record() -> Path:
-    return _state_dir() / "cluster.json"
+    return resolve_state_dir(None) / "cluster" / "cluster.json"
 
 
 def _recorded() -> dict | None:
@@ -47,12 +42,6 @@ def _recorded() -> dict | None:
         print("no local cluster recorded")
         return None
     return json.loads(record.read_text())
-
-
-def head_cpus(cfg) -> int:
-    """CPUs of the head: the largest task that drives a stage (they run there: the runtime slot) + 1."""
-    need = max((r.num_cpus for r in cfg.cluster.resources.values()), default=1.0)
-    return math.ceil(need) + 1
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -72,8 +61,7 @@ def _up(args: argparse.Namespace) -> int:
         print("rstar2: a local cluster offers logical GPUs only; set cluster.logical_gpus = true")
         return 2
     root = Path(tempfile.mkdtemp(prefix="rstar2-cluster-", dir="/tmp"))   # Ray's socket paths must stay short
-    cluster = LocalCluster(cl.nodes, cl.cpus_per_node, cl.gpus_per_node, root, head_cpus=head_cpus(cfg),
-                           port=args.port)
+    cluster = LocalCluster.for_config(cfg, root, port=args.port)
     cluster.start()
     record.parent.mkdir(parents=True, exist_ok=True)
     record.write_text(json.dumps(cluster.to_json(), indent=1))

@@ -443,9 +443,10 @@ class StorageConfig(_Section):
     s3_region: str | None = None
     """S3 region name."""
     shared_filesystem: bool = False
-    """A `file://` root is one file system that every Ray node mounts at the same path (NFS, Lustre, or one
-    machine: the local multi-node rehearsal, `rstar2 cluster up`). On a multi-node Ray runtime
-    (`cluster.nodes > 1`) a `file://` root is refused unless this is true: trainer ranks on other nodes
+    """A local root (`file://` or a path) is one file system that every Ray node mounts at the same path
+    (NFS, Lustre, or one machine: the local multi-node rehearsal, `rstar2 cluster up`). On a multi-node Ray
+    runtime (`cluster.nodes > 1`, or a live cluster of several nodes) a local root is refused unless this
+    is true: trainer ranks on other nodes
     write their checkpoint shards straight to storage, and on node-local disks the driver would find an
     incomplete checkpoint. S3 needs nothing. Trade-off: true trusts the operator about the mounts."""
 

@@ -64,9 +64,9 @@ class RuntimeSpec:
     cluster: ClusterConfig
     layout: ClusterLayout | None = None
     shared_storage: bool = True
-    """Every node can read what another wrote to the storage root: s3://, or a `file://` root declared
-    shared (`storage.shared_filesystem`). The Ray runtime refuses a trainer on a multi-node cluster
-    without it."""
+    """Every node can read what another wrote to the storage root: s3://, or a local root declared shared
+    (`storage.shared_filesystem`). Without it the Ray runtime refuses a trainer or engines on a live
+    cluster of several nodes."""
 
     @classmethod
     def from_config(cls, cfg: Config, *, policy_url: str, max_model_len: int | None = None,

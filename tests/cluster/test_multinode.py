@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -60,15 +61,14 @@ def s3():
 
 @pytest.fixture(scope="module")
 def cluster(s3):
-    from rstar2_cli.cluster import head_cpus
     from rstar2_core.config import load_config
 
-    cl = load_config("tiny", _rehearsal()).cluster
-    root = tempfile.mkdtemp(prefix="rstar2-mn-", dir="/tmp")
-    c = LocalCluster(cl.nodes, cl.cpus_per_node, cl.gpus_per_node, root,
-                     head_cpus=head_cpus(load_config("tiny", _rehearsal())), env=AWS)
-    with c:
-        yield c
+    root = tempfile.mkdtemp(prefix="rstar2-mn-", dir="/tmp")     # Ray's socket paths must stay short
+    try:
+        with LocalCluster.for_config(load_config("tiny", _rehearsal()), root, env=AWS) as c:
+            yield c
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -84,21 +84,23 @@ def toy_s3(toy_policy, s3):
     return f"s3://{BUCKET}/toy/sft", data
 
 
-def _overrides(cluster, s3, *extra: str) -> list[str]:
-    store = [f'storage.root="s3://{BUCKET}/runs"', f'storage.s3_endpoint_url="{s3}"', f'storage.s3_region="{REGION}"']
-    if "file-store" in extra:    # the default store (file://<state dir>/artifacts, not declared shared); the
-        extra, store = tuple(x for x in extra if x != "file-store"), store[1:]   # toy inputs stay on S3
+def _overrides(cluster, s3, *extra: str, s3_root: bool = True) -> list[str]:
+    """The toy stage on the rehearsal layout at `cluster`, its store on S3 (`s3_root=False`: the default
+    file://<state dir>/artifacts, not declared shared; the toy inputs stay on S3 either way)."""
+    root = [f'storage.root="s3://{BUCKET}/runs"'] if s3_root else []
     return [*OVERRIDES, *_rehearsal(), "rl.zero_stage=2", f'cluster.ray_address="{cluster.address}"',
-            "storage.shared_filesystem=false", *store, *extra]
+            "storage.shared_filesystem=false", *root, f'storage.s3_endpoint_url="{s3}"',
+            f'storage.s3_region="{REGION}"', *extra]
 
 
-def _drive(cluster, s3, toy, out: str, *extra: str, fault: str | None = None, timeout: float = 420) -> dict:
+def _drive(cluster, s3, toy, out: str, *extra: str, fault: str | None = None, timeout: float = 420,
+           s3_root: bool = True) -> dict:
     """Run the stage in a driver process; {"steps": {step: metrics}, "result"|"error": ...}."""
     env = {**os.environ, **AWS}
     env.pop("RSTAR2_FAULT_INJECT", None)
     if fault:
         env["RSTAR2_FAULT_INJECT"] = fault
-    cmd = [sys.executable, str(DRIVER), "--overrides", json.dumps(_overrides(cluster, s3, *extra)),
+    cmd = [sys.executable, str(DRIVER), "--overrides", json.dumps(_overrides(cluster, s3, *extra, s3_root=s3_root)),
            "--init", toy[0], "--data", toy[1], "--out", out]
     p = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     out_: dict = {"steps": {}}
@@ -167,8 +169,8 @@ def test_a_layout_the_cluster_cannot_hold_fails_fast(cluster, s3, toy_s3):
 def test_a_node_local_store_is_refused_on_a_multi_node_cluster(cluster, s3, toy_s3, tmp_path):
     """A one-node layout (CPU only: the config cannot tell) on the 3-node cluster with a file:// store not
     declared shared: refused when the runtime starts, before any actor, and not retried."""
-    run = _drive(cluster, s3, toy_s3, (tmp_path / "out").as_uri(), "file-store", "cluster.nodes=1",
-                 "cluster.gpus_per_node=0", "cluster.logical_gpus=false")
+    run = _drive(cluster, s3, toy_s3, (tmp_path / "out").as_uri(), "cluster.nodes=1", "cluster.gpus_per_node=0",
+                 "cluster.logical_gpus=false", s3_root=False)
     assert run["error"] == "ConfigError" and not run["retryable"], run
     assert "3 live nodes" in run["message"] and "storage.shared_filesystem = true" in run["message"]
     _assert_nothing_held(cluster)
@@ -270,12 +272,14 @@ def test_the_cluster_command_starts_restarts_and_stops_a_local_cluster(tmp_path)
     finally:
         down = run("down")
     assert "stopped" in down and not record.exists()
-    pids = {p for rec in (state, latest) for n in rec["nodes"] for p in [n["pid"], *n["tree"]]}
+    procs = {int(p): t for rec in (state, latest) for n in rec["nodes"] for p, t in n["procs"].items()}
+    assert len(procs) >= 6                              # ray start, raylet, ... of 2 nodes and a restart
 
-    def alive(pid: int) -> bool:
+    def alive(pid: int, started: float) -> bool:
         try:
-            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+            p = psutil.Process(pid)
+            return p.create_time() == started and p.status() != psutil.STATUS_ZOMBIE
         except psutil.NoSuchProcess:
             return False
 
-    assert not [p for p in pids if alive(p)]
+    assert not [p for p, t in procs.items() if alive(p, t)]

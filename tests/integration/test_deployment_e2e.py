@@ -217,7 +217,7 @@ def test_full_recipe_through_the_deployment_on_a_multi_node_cluster(services_no_
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from flows.client import retry_flow_run, start_run, watch
-    from rstar2_cli.cluster import head_cpus, rehearsal_overrides
+    from rstar2_cli.cluster import rehearsal_overrides
     from rstar2_core.config import load_config
     from rstar2_core.runtime.ray.local_cluster import LocalCluster
     from tasks import tracking
@@ -226,29 +226,30 @@ def test_full_recipe_through_the_deployment_on_a_multi_node_cluster(services_no_
     home, api = services_no_fault
     monkeypatch.setenv("RSTAR2_HOME", str(home))
     base = E2E_OVERRIDES[len(NO_RAY):] + RAY_RUNTIME + rehearsal_overrides()
-    cl = load_config("tiny", base)
-    root = tempfile.mkdtemp(prefix="rstar2-e2e-mn-", dir="/tmp")
-    with LocalCluster(cl.cluster.nodes, cl.cluster.cpus_per_node, cl.cluster.gpus_per_node, root,
-                      head_cpus=head_cpus(cl), env={"RSTAR2_HOME": str(home)}) as cluster, \
-            temporary_settings({PREFECT_API_URL: api}):
-        overrides = [*base, f'cluster.ray_address="{cluster.address}"']
-        cfg = load_config("tiny", overrides)
-        fid = asyncio.run(start_run("rstar2/full-recipe", {"profile": "tiny", "overrides": overrides},
-                                    env={"RSTAR2_FAULT_INJECT": "rl-stage-1:step=2:kill-node"}))
-        assert asyncio.run(watch(fid, timeout_s=1800, quiet=True)) == "Failed", _worker_log_tail(home)
+    root = tempfile.mkdtemp(prefix="rstar2-e2e-mn-", dir="/tmp")      # Ray's socket paths must stay short
+    try:
+        with LocalCluster.for_config(load_config("tiny", base), root, env={"RSTAR2_HOME": str(home)}) as cluster, \
+                temporary_settings({PREFECT_API_URL: api}):
+            overrides = [*base, f'cluster.ray_address="{cluster.address}"']
+            cfg = load_config("tiny", overrides)
+            fid = asyncio.run(start_run("rstar2/full-recipe", {"profile": "tiny", "overrides": overrides},
+                                        env={"RSTAR2_FAULT_INJECT": "rl-stage-1:step=2:kill-node"}))
+            assert asyncio.run(watch(fid, timeout_s=1800, quiet=True)) == "Failed", _worker_log_tail(home)
 
-        async def message() -> str:
-            async with get_client() as c:
-                return (await c.read_flow_run(fid)).state.message or ""
+            async def message() -> str:
+                async with get_client() as c:
+                    return (await c.read_flow_run(fid)).state.message or ""
 
-        failed = asyncio.run(message())
-        assert "NodeLost: Ray node lost mid-step: node " in failed and "RaySystemError" not in failed, failed
-        assert "engine-1, trainer-1" in failed, failed
-        asyncio.run(_attempt_process_exited(fid))
-        assert cluster.restart_dead_nodes()            # the node is back
-        asyncio.run(retry_flow_run(fid))  # the UI's Retry
-        state = asyncio.run(watch(fid, timeout_s=1800, quiet=True))
-        assert state == "Completed", _worker_log_tail(home)
+            failed = asyncio.run(message())
+            assert "NodeLost: Ray node lost mid-step: node " in failed and "RaySystemError" not in failed, failed
+            assert "engine-1, trainer-1" in failed, failed
+            asyncio.run(_attempt_process_exited(fid))
+            assert cluster.restart_dead_nodes()            # the node is back
+            asyncio.run(retry_flow_run(fid))  # the UI's Retry
+            state = asyncio.run(watch(fid, timeout_s=1800, quiet=True))
+            assert state == "Completed", _worker_log_tail(home)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
     store = RunStore.for_run(cfg.resolved_storage_root(), str(fid))
     assert store.record("sft")["attempt"] == 1 and store.record("rl-stage-1")["attempt"] == 2
     c = tracking.client(cfg)

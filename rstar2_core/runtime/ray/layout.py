@@ -305,7 +305,7 @@ def fit_layout(layout: ClusterLayout, nodes: list[NodeResources], *, free_only: 
     placement: dict[str, str] = {}
     problems: list[str] = []
     for pg in sorted(layout.placement_groups, key=lambda g: (-g.gpus, -g.cpus, g.node)):
-        need = _pg_need(pg)
+        need = {r: float(v) for r, v in (("GPU", pg.gpus), ("CPU", pg.cpus)) if v}
         node = next((n for n in nodes if all(left[n.node_id].get(r, 0.0) >= v for r, v in need.items())), None)
         if node is not None:
             for r, v in need.items():
@@ -315,24 +315,15 @@ def fit_layout(layout: ClusterLayout, nodes: list[NodeResources], *, free_only: 
         short = []
         for n in nodes:
             lack = {r: v - left[n.node_id].get(r, 0.0) for r, v in need.items() if left[n.node_id].get(r, 0.0) < v}
-            short.append(f"{n.label} lacks " + ", ".join(f"{v:g} {r}" for r, v in sorted(lack.items())))
+            short.append(f"{n.label} lacks {_fmt(lack)}")
         problems.append(f"placement group {pg.name} needs {_fmt(need)} on one node ({len(pg.bundles)} bundles, "
                         f"{pg.strategy}) and no node has it{' free' if free_only else ''}: "
                         + ("; ".join(short) if short else "the cluster has no live node"))
     return LayoutFit(placement, tuple(problems))
 
 
-def _pg_need(pg: PlacementGroupSpec) -> dict[str, float]:
-    need: dict[str, float] = {}
-    for b in pg.bundles:
-        for r, v in b.resources().items():
-            need[r] = need.get(r, 0.0) + v
-    return {r: v for r, v in need.items() if v}
-
-
 def _fmt(res: dict[str, float]) -> str:
-    keys = [k for k in _SHOWN if k in res] + sorted(k for k in res if k not in _SHOWN)
-    return ", ".join(f"{res[k]:g} {k}" for k in keys)
+    return ", ".join(f"{res[k]:g} {k}" for k in _SHOWN if k in res)
 
 
 def describe_nodes(nodes: list[NodeResources]) -> list[str]:

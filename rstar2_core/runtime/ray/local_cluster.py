@@ -6,14 +6,15 @@ the multi-node tests run on.
     with LocalCluster(workers=2, cpus_per_node=4, gpus_per_node=1, root=tmp) as c:   # head + 2 workers
         c.address                     # "127.0.0.1:<port>": cluster.ray_address / RAY_ADDRESS (Ray itself
                                       # binds every interface and names the nodes by the machine's IP)
-        c.kill_node(1)                # SIGKILL worker 1's raylet: a lost node
+        c.kill_node(1)                # SIGKILL worker 1's raylet and its workers: a lost node
         c.restart_node(1)             # the node is back (a new raylet with the same resources)
         c.restart_dead_nodes()        # every worker whose raylet died
 
 Every node is one `ray start --block` process started here, whose children are the node's raylet (and,
 on the head, the GCS): stopping a node is a signal to that PID (`stop` sends SIGTERM to the workers, then
 the head, and SIGKILLs whatever of their process trees is left); a raylet that dies takes its
-`ray start` process down with it. `node_command(...)` is the one place the `ray start` arguments are
+`ray start` process down with it. Each process is recorded with its start time, and only signalled
+while that PID is still the same process (a PID the system reused is left alone). `node_command(...)` is the one place the `ray start` arguments are
 written: the head offers the `rstar2_runtime` unit (connect.py) and no GPU, as the CPU head of
 infra/k8s/raycluster.yaml does (the `ray up` head of infra/ray/cluster.yaml is one of the GPU machines and
 also offers the unit); the workers offer `gpus_per_node` GPUs,
@@ -27,6 +28,7 @@ Ray's defaults. Nothing here imports Ray: the nodes are processes, and callers c
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import socket
@@ -78,7 +80,8 @@ class Node:
     command: list[str]
     log: Path
     pid: int = 0
-    tree: list[int] = field(default_factory=list)   # the `ray start` process and its children, once up
+    procs: dict[int, float] = field(default_factory=dict)   # the `ray start` process and its children, once
+    #                                                        up: pid -> start time (`psutil` create_time)
 
 
 class LocalCluster:
@@ -96,6 +99,15 @@ class LocalCluster:
         self.env = {**os.environ, **(env or {}), "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
                     "RAY_USAGE_STATS_ENABLED": "0"}
         self.nodes: list[Node] = []
+
+    @classmethod
+    def for_config(cls, cfg, root: str | Path, **kwargs) -> LocalCluster:
+        """The cluster a config's layout runs on: `cluster.nodes` workers of `cluster.gpus_per_node` GPUs and
+        `cluster.cpus_per_node` CPUs; a head with the largest pipeline task's CPUs (`cluster.resources`)
+        + 1: the stage tasks run there (the runtime slot), and the workers' CPUs go to the layout."""
+        cl = cfg.cluster
+        head = math.ceil(max((r.num_cpus for r in cl.resources.values()), default=1.0)) + 1
+        return cls(cl.nodes, cl.cpus_per_node, cl.gpus_per_node, root, head_cpus=head, **kwargs)
 
     @property
     def address(self) -> str:
@@ -121,10 +133,10 @@ class LocalCluster:
             with open(node.log, "rb") as f:
                 f.seek(start)
                 if STARTED.encode() in f.read():
-                    node.tree = _tree(node.pid)
+                    node.procs = _procs([node.pid, *_tree(node.pid)])
                     return node
             time.sleep(0.25)
-        _signal_tree([node.pid, *_tree(node.pid)], signal.SIGKILL)
+        _signal(_procs([node.pid, *_tree(node.pid)]), signal.SIGKILL)
         raise TimeoutError(f"ray start ({node.role} {node.index}) not up within {START_TIMEOUT_S:.0f} s; "
                            f"its log: {node.log}")
 
@@ -153,10 +165,9 @@ class LocalCluster:
         if index < 1:
             raise ValueError("kill_node takes a worker node (1..workers): the head holds the GCS")
         node = self.nodes[index]
-        raylet = self.raylet_pid(index)
-        _signal_tree([*_tree(raylet), raylet], signal.SIGKILL)    # the raylet and its workers at once
+        _kill_raylet(self.raylet_pid(index))
         _wait_gone(node.pid, 30.0)
-        _signal_tree(node.tree, signal.SIGKILL)
+        _signal(node.procs, signal.SIGKILL)
 
     def restart_node(self, index: int) -> None:
         """Start worker node `index` again (a new raylet with the same resources)."""
@@ -175,19 +186,14 @@ class LocalCluster:
 
     def stop(self) -> None:
         """Stop every node by its PIDs: SIGTERM (workers first, then the head), then SIGKILL what is left."""
-        for node in reversed(self.nodes):
-            if _alive(node.pid):
-                os.kill(node.pid, signal.SIGTERM)
-        for node in reversed(self.nodes):
-            _wait_gone(node.pid, 20.0)
-            _signal_tree([node.pid, *node.tree], signal.SIGKILL)
+        stop_recorded(self.to_json())
         self.nodes = []
 
     def to_json(self) -> dict:
         return {"address": self.address, "root": str(self.root), "temp_dir": self.temp_dir, "port": self.port,
                 "workers": self.workers, "cpus_per_node": self.cpus, "gpus_per_node": self.gpus,
                 "head_cpus": self.head_cpus,
-                "nodes": [{"role": n.role, "index": n.index, "pid": n.pid, "tree": n.tree, "log": str(n.log),
+                "nodes": [{"role": n.role, "index": n.index, "pid": n.pid, "procs": n.procs, "log": str(n.log),
                            "command": n.command} for n in self.nodes]}
 
     @classmethod
@@ -196,8 +202,8 @@ class LocalCluster:
         from another process: `rstar2 cluster restart`)."""
         c = cls(state["workers"], state["cpus_per_node"], state["gpus_per_node"], state["root"],
                 head_cpus=state["head_cpus"], port=state["port"])
-        c.nodes = [Node(n["role"], n["index"], list(n["command"]), Path(n["log"]), n["pid"], list(n.get("tree", [])))
-                   for n in state["nodes"]]
+        c.nodes = [Node(n["role"], n["index"], list(n["command"]), Path(n["log"]), n["pid"],
+                        {int(p): t for p, t in n["procs"].items()}) for n in state["nodes"]]
         return c
 
     def __enter__(self) -> Self:
@@ -208,28 +214,24 @@ class LocalCluster:
 
 
 def stop_recorded(state: dict) -> list[int]:
-    """Stop the nodes a `LocalCluster.to_json()` record lists (`rstar2 cluster down`); returns the PIDs
-    that were signalled. A PID is only signalled while it is still the process the record names (a
-    `ray start` or one of its children), never a reused PID."""
+    """Stop the nodes a `LocalCluster.to_json()` record lists (`rstar2 cluster down`, `LocalCluster.stop`):
+    SIGTERM each `ray start` process (workers first), then SIGKILL what is left of each node's processes;
+    returns the PIDs signalled. A PID is only signalled while it is the process the record names (same
+    start time), never a reused one."""
     signalled = []
-    nodes = state.get("nodes", [])
-    for n in reversed(nodes):
-        if _alive(n["pid"]) and _is_ray(n["pid"]):
-            os.kill(n["pid"], signal.SIGTERM)
-            signalled.append(n["pid"])
-    for n in reversed(nodes):
-        _wait_gone(n["pid"], 20.0)
-        left = [p for p in [n["pid"], *n.get("tree", [])] if _alive(p) and _is_ray(p)]
-        _signal_tree(left, signal.SIGKILL)
-        signalled += left
+    nodes = [(n["pid"], {int(p): t for p, t in n["procs"].items()}) for n in reversed(state.get("nodes", []))]
+    for pid, procs in nodes:
+        signalled += _signal({p: t for p, t in procs.items() if p == pid}, signal.SIGTERM)
+    for pid, procs in nodes:
+        _wait_gone(pid, 20.0)
+        signalled += _signal(procs, signal.SIGKILL)
     return signalled
 
 
 def kill_local_raylet(node_id: str) -> int:
     """SIGKILL Ray node `node_id` as a vanished machine: its raylet and every process below it (the
     node's actor workers) at once, if the raylet is a process of this machine (the `kill-node` fault of a
-    local multi-node cluster); returns the raylet's PID. Refuses the head (it holds the GCS). A raylet
-    killed alone leaves its workers answering calls for seconds, which is not what losing a machine is."""
+    local multi-node cluster); returns the raylet's PID. Refuses the head (it holds the GCS)."""
     import psutil
 
     for p in psutil.process_iter(["name", "cmdline"]):
@@ -237,15 +239,7 @@ def kill_local_raylet(node_id: str) -> int:
         if p.info["name"] == "raylet" and f"--node_id={node_id}" in cmd:
             if any("node:__internal_head__" in c for c in cmd):
                 raise ValueError(f"node {node_id[:8]} is the head (it holds the GCS): kill-node takes a worker node")
-            try:
-                below = p.children(recursive=True)
-            except psutil.NoSuchProcess:
-                below = []
-            for q in [p, *below]:
-                try:
-                    q.kill()
-                except psutil.NoSuchProcess:
-                    pass
+            _kill_raylet(p.pid)
             return p.pid
     raise ValueError(f"node {node_id[:8]}'s raylet is not a process of this machine: the kill-node fault "
                      "rehearses a lost node on a local multi-node cluster (`rstar2 cluster up`)")
@@ -270,16 +264,6 @@ def _name(pid: int) -> str:
         return ""
 
 
-def _is_ray(pid: int) -> bool:
-    import psutil
-
-    try:
-        cmd = " ".join(psutil.Process(pid).cmdline())
-    except psutil.NoSuchProcess:
-        return False
-    return "ray" in cmd
-
-
 def _alive(pid: int) -> bool:
     import psutil
 
@@ -300,10 +284,36 @@ def _wait_gone(pid: int, timeout_s: float) -> None:
         pass
 
 
-def _signal_tree(pids: list[int], sig: int) -> None:
+def _procs(pids: list[int]) -> dict[int, float]:
+    """{pid: start time} of the processes of `pids` that exist."""
+    import psutil
+
+    out = {}
     for pid in pids:
-        if _alive(pid):
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
+        try:
+            out[pid] = psutil.Process(pid).create_time()
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def _signal(procs: dict[int, float], sig: int) -> list[int]:
+    """Send `sig` to each recorded process that is still the same one (pid and start time); returns those."""
+    import psutil
+
+    sent = []
+    for pid, started in procs.items():
+        try:
+            p = psutil.Process(pid)
+            if p.create_time() == started and p.status() != psutil.STATUS_ZOMBIE:
+                p.send_signal(sig)
+                sent.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return sent
+
+
+def _kill_raylet(pid: int) -> None:
+    """SIGKILL a raylet and every process below it (the node's actor workers) at once: a vanished machine.
+    A raylet killed alone leaves its workers answering calls for seconds."""
+    _signal(_procs([*_tree(pid), pid]), signal.SIGKILL)

@@ -277,7 +277,7 @@ class ActorGroup:
         return handle
 
     def get(self, refs: Any, names: list[str] | str, timeout: float | None = None) -> Any:
-        """`ray.get` that turns an actor death into `ActorFailure` (a constructor's ValueError/TypeError into
+        """`ray.get` that turns an actor death into the error `failure` returns (`ActorFailure`, `NodeLost`,
         `ActorConfigError`) after shutting the group down."""
         try:
             return ray.get(refs, timeout=timeout)
@@ -320,16 +320,15 @@ class ActorGroup:
             ids = self.get([self.actors[n].__ray_call__.remote(_node_id) for n in names], names)
             self.nodes.update(zip(names, ids))
             return
-        if pending:
-            late = sorted(pending.values())
-            free, total = ray.available_resources(), ray.cluster_resources()
-            self.shutdown()
-            raise ActorStartTimeout(late, (
-                f"{what} {', '.join(late)} not ready within {timeout_s:.0f} s (cluster.placement_timeout_s): still "
-                f"waiting to be scheduled or constructed; the cluster has free {free} of {total}. The stage's "
-                "actors were shut down; a retry starts them again. If it repeats: check that each bundle's CPUs "
-                "and GPUs fit its actors (cluster.cpus_per_gpu), or raise cluster.placement_timeout_s when "
-                "engines load slowly"))
+        late = sorted(pending.values())
+        free, total = ray.available_resources(), ray.cluster_resources()
+        self.shutdown()
+        raise ActorStartTimeout(late, (
+            f"{what} {', '.join(late)} not ready within {timeout_s:.0f} s (cluster.placement_timeout_s): still "
+            f"waiting to be scheduled or constructed; the cluster has free {free} of {total}. The stage's "
+            "actors were shut down; a retry starts them again. If it repeats: check that each bundle's CPUs "
+            "and GPUs fit its actors (cluster.cpus_per_gpu), or raise cluster.placement_timeout_s when "
+            "engines load slowly"))
 
     def _dead_name(self, names: list[str], timeout_s: float = 5.0) -> str:
         """The first of `names` found dead (all of them joined when none is). Every actor is asked

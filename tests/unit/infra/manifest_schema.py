@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import copy
 import gzip
 import json
 from importlib import resources
@@ -123,7 +122,7 @@ def _crd_validator(crd: dict, api_version: str, strict: bool) -> jsonschema.Draf
     key = (id(crd), api_version, strict)
     if key not in _VALIDATORS:
         version = next(v for v in crd["spec"]["versions"] if f"{crd['spec']['group']}/{v['name']}" == api_version)
-        schema = openapi_to_json_schema(copy.deepcopy(version["schema"]["openAPIV3Schema"]), strict)
+        schema = openapi_to_json_schema(version["schema"]["openAPIV3Schema"], strict)   # builds new dicts
         jsonschema.Draft7Validator.check_schema(schema)
         _VALIDATORS[key] = (crd, jsonschema.Draft7Validator(schema))
     return _VALIDATORS[key][1]

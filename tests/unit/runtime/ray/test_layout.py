@@ -148,7 +148,7 @@ def test_fit_places_each_group_on_a_node_that_holds_it_whole():
     assert not short.fits and short.placement == {"rstar2-node0": w1.label}
     (p,) = short.problems
     assert "rstar2-node1 needs 1 GPU, 3 CPU on one node" in p
-    assert f"{head.label} lacks 1 GPU" in p and f"{w1.label} lacks 2 CPU, 1 GPU" in p   # after rstar2-node0 took 3 of its 4
+    assert f"{head.label} lacks 1 GPU" in p and f"{w1.label} lacks 1 GPU, 2 CPU" in p   # after rstar2-node0 took 3 of its 4
     # the resources are there but held: fits the totals, not what is free now
     busy = _node("b", 4, 1, free={"CPU": 4.0, "GPU": 0.0})
     assert fit_layout(lay, [head, w1, busy]).fits
