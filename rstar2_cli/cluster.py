@@ -61,7 +61,7 @@ def _up(args: argparse.Namespace) -> int:
         print("rstar2: a local cluster offers logical GPUs only; set cluster.logical_gpus = true")
         return 2
     root = Path(tempfile.mkdtemp(prefix="rstar2-cluster-", dir="/tmp"))   # Ray's socket paths must stay short
-    cluster = LocalCluster.for_config(cfg, root, port=args.port)
+    cluster = LocalCluster.for_config(cfg.cluster, root, port=args.port)
     cluster.start()
     record.parent.mkdir(parents=True, exist_ok=True)
     record.write_text(json.dumps(cluster.to_json(), indent=1))

@@ -65,7 +65,7 @@ def cluster(s3):
 
     root = tempfile.mkdtemp(prefix="rstar2-mn-", dir="/tmp")     # Ray's socket paths must stay short
     try:
-        with LocalCluster.for_config(load_config("tiny", _rehearsal()), root, env=AWS) as c:
+        with LocalCluster.for_config(load_config("tiny", _rehearsal()).cluster, root, env=AWS) as c:
             yield c
     finally:
         shutil.rmtree(root, ignore_errors=True)

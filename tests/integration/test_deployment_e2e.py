@@ -228,7 +228,7 @@ def test_full_recipe_through_the_deployment_on_a_multi_node_cluster(services_no_
     base = E2E_OVERRIDES[len(NO_RAY):] + RAY_RUNTIME + rehearsal_overrides()
     root = tempfile.mkdtemp(prefix="rstar2-e2e-mn-", dir="/tmp")      # Ray's socket paths must stay short
     try:
-        with LocalCluster.for_config(load_config("tiny", base), root, env={"RSTAR2_HOME": str(home)}) as cluster, \
+        with LocalCluster.for_config(load_config("tiny", base).cluster, root, env={"RSTAR2_HOME": str(home)}) as cluster, \
                 temporary_settings({PREFECT_API_URL: api}):
             overrides = [*base, f'cluster.ray_address="{cluster.address}"']
             cfg = load_config("tiny", overrides)

@@ -37,9 +37,12 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Self
+from typing import TYPE_CHECKING, Self
 
 from rstar2_core.runtime.ray.connect import RUNTIME_RESOURCE
+
+if TYPE_CHECKING:
+    from rstar2_core.config.sections import ClusterConfig
 
 HEALTH_CHECK = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
 OBJECT_STORE_BYTES = 128 * 1024 * 1024
@@ -101,11 +104,11 @@ class LocalCluster:
         self.nodes: list[Node] = []
 
     @classmethod
-    def for_config(cls, cfg, root: str | Path, **kwargs) -> LocalCluster:
-        """The cluster a config's layout runs on: `cluster.nodes` workers of `cluster.gpus_per_node` GPUs and
-        `cluster.cpus_per_node` CPUs; a head with the largest pipeline task's CPUs (`cluster.resources`)
-        + 1: the stage tasks run there (the runtime slot), and the workers' CPUs go to the layout."""
-        cl = cfg.cluster
+    def for_config(cls, cl: ClusterConfig, root: str | Path, **kwargs) -> LocalCluster:
+        """The cluster a config's layout runs on (`cl` is its `cluster` section): `cl.nodes` workers of
+        `cl.gpus_per_node` GPUs and `cl.cpus_per_node` CPUs; a head with the largest pipeline task's CPUs
+        (`cl.resources`) + 1: the stage tasks run there (the runtime slot), and the workers' CPUs go to the
+        layout."""
         head = math.ceil(max((r.num_cpus for r in cl.resources.values()), default=1.0)) + 1
         return cls(cl.nodes, cl.cpus_per_node, cl.gpus_per_node, root, head_cpus=head, **kwargs)
 
