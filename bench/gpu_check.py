@@ -1,7 +1,7 @@
 """GPU check (issues 9, 17): correctness gates and throughput of our pieces on one accelerator, <= 6 minutes on an H200.
 
 Sections, each timed and each under a hard time budget (SIGALRM; a section over budget is stopped
-and reported, the next one runs; the whole check also stops at `--budget` seconds, 340 by default):
+and reported, the next one runs; the whole check also stops at `--budget` seconds, 360 by default):
 - versions: torch, transformers, CUDA/HIP, device name, capability and memory, printed first;
 - gates (bench/gpu_gates.py, fp32 with TF32 off): HFEngine greedy == `model.generate` greedy on fixed
   prompts (eager, and on CUDA with `cuda_graphs=True`; on CPU with `static_shapes=True`), and on prompts
@@ -16,7 +16,12 @@ and reported, the next one runs; the whole check also stops at `--budget` second
   decode tokens/s of `HFEngine` vs `model.generate` at the same batch (256 on GPU), same sampling
   semantics (temperature 1, no top-k/top-p, every sequence runs to max_new_tokens), this run; the
   engine eager and, on CUDA, with CUDA graphs;
-  DeepSpeed ZeRO-2 step (`DeepSpeedBackend`, one process) when deepspeed is importable.
+  DeepSpeed ZeRO-2 step (`DeepSpeedBackend`, one process) when deepspeed is importable;
+- head kernel, where Liger is usable (CUDA + liger-kernel): `token_logprobs` through Liger's fused linear
+  cross-entropy vs the chunked torch path on the 0.5B shape's LM head (vocab 151,936): the fp32 gate
+  (gpu_gates.head_kernel_gate), then bf16 forward + backward time and peak memory of both on one
+  micro-batch of tokens; the SFT step is then also timed with `head_kernel = "torch"` (the default
+  `auto` takes Liger where usable). Skipped, with the reasons, elsewhere.
 MFU = flops / time / peak with flops = 6 x params x tokens for a training step (SFT: `sft_flops`, the
 LM head counted at label positions only, where the step runs it; 8 x params for the RL update, which adds
 the old-log-prob forward); peak = dense bf16 peak of the device from PEAK_TFLOPS (H200: 989),
@@ -28,7 +33,8 @@ hidden). Exit status 1 when a gate fails or a section errors or runs out of time
 
     python bench/gpu_check.py --json                 # GPU, ~2-4 min
     python bench/gpu_check.py --cpu --quick --json   # CPU smoke test (the test above; ~1 min)
-The last line with --json is one JSON object with every figure (`ok`, `versions`, `sections`, `gates`, `models`).
+The last line with --json is one JSON object with every figure (`ok`, `versions`, `sections`, `gates`,
+`head_kernel`, `models`).
 """
 
 from __future__ import annotations
@@ -66,14 +72,18 @@ SHAPES = {
 # engine logprobs vs a teacher-forced forward, fp32: CUDA kernels differ between a batched decode step
 # (masked, memory-efficient) and a full forward (causal), so the GPU gets more room than the CPU
 LOGPROB_TOL = {"cpu": 1e-4, "cuda": 2e-3}
+# Liger's fused head vs the torch path, fp32 (TF32 off): log-prob max |diff| and the gradients' relative error.
+# Both compute the same fp32 logits in a different order (chunking, a fused kernel); a wrong reduction or
+# upstream-gradient handling is off by O(1)
+HEAD_TOL = 1e-3
 # hard time budget per section, seconds. GPU: what keeps the whole check under 6 minutes on an H200
 # (expected ~2-4). CPU (the smoke test): a fresh clone JIT-builds DeepSpeed's CPU communication op
 # (~3.5 minutes on the 2-core development machine) the first time.
 BUDGETS = {
-    "cuda": {"total": 340, "versions": 30, "matmul": 30, "gates": 90, "build": 60, "sft": 60, "rl": 90,
-             "decode": 120, "deepspeed_zero2": 150},
-    "cpu": {"total": 900, "versions": 60, "matmul": 60, "gates": 240, "build": 60, "sft": 120, "rl": 120,
-            "decode": 120, "deepspeed_zero2": 480},
+    "cuda": {"total": 360, "versions": 30, "matmul": 30, "gates": 90, "head_kernel": 60, "build": 60, "sft": 60,
+             "rl": 90, "decode": 120, "deepspeed_zero2": 150},
+    "cpu": {"total": 900, "versions": 60, "matmul": 60, "gates": 240, "head_kernel": 30, "build": 60, "sft": 120,
+            "rl": 120, "decode": 120, "deepspeed_zero2": 480},
 }
 T0 = time.perf_counter()
 
@@ -164,18 +174,19 @@ def sft_rows(vocab: int, batch: int, seq: int, seed: int = 0) -> list:
     return rows[:batch]
 
 
-def sft_step(model, backend, batch: int, seq: int, steps: int, device: torch.device) -> dict:
+def sft_step(model, backend, batch: int, seq: int, steps: int, device: torch.device, seed0: int = 0) -> dict:
     """The SFT step the stage runs (`sft.step.sft_update`: the rows' shared prefix once per micro-batch,
     segment attention per conversation, the LM head only at label positions) on `batch` rows of `seq`
     tokens in one micro-batch. `tokens_per_s` counts the rows' real tokens (prefix once per row, as the data
     holds them); `computed_tokens_per_s` the tokens the forward ran (prefix once per micro-batch), which
-    is what the MFU counts."""
+    is what the MFU counts. Rows are new every step (seeds seed0, seed0 + 1, ...), as in training: a second
+    call compared with the first takes another seed0, or it would reuse what the first one paid for."""
     from rstar2_core.sft.step import sft_update
 
     vocab = model.config.vocab_size
     times, m = [], {}
     for i in range(steps + 1):
-        rows = sft_rows(vocab, batch, seq, seed=i)
+        rows = sft_rows(vocab, batch, seq, seed=seed0 + i)
         sync(device)
         t = time.perf_counter()
         m = sft_update(backend, rows, micro_batch_size=batch, pad_id=0)
@@ -389,6 +400,72 @@ def gates(device: torch.device, quick: bool) -> dict:
     return out
 
 
+def liger_obstacles_on(device: torch.device) -> list[str]:
+    """Why Liger's fused head cannot run on `device` ([] when it can), as the backends decide it."""
+    from rstar2_core.models.token_logprobs import liger_obstacles
+
+    return liger_obstacles(torch.nn.Linear(8, 8, bias=False), on_cuda=device.type == "cuda", partitioned=False)
+
+
+def _head_fwd_bwd(head, mode: str, hidden, targets, upstream) -> None:
+    from rstar2_core.models import token_logprobs as tl
+
+    tl.set_head_kernel(head, mode)
+    h = hidden.detach().requires_grad_(True)
+    head.lm_head.weight.grad = None
+    (tl.token_logprobs(head, h, targets) * upstream).sum().backward()
+
+
+def head_kernel(device: torch.device, quick: bool) -> dict:
+    """Liger vs torch `token_logprobs` on the 0.5B shape's head (tiny with --quick): the fp32 gate, then bf16
+    forward + backward of one micro-batch of tokens (median of 3 after a warm-up that compiles Liger's
+    Triton kernels): ms and peak memory above what was allocated before, per kernel."""
+    import gpu_gates
+
+    obstacles = liger_obstacles_on(device)
+    if obstacles:
+        return {"skipped": "; ".join(obstacles)}
+    shape = SHAPES["tiny" if quick else "0.5b"]
+    hid, vocab = shape["hidden_size"], shape["vocab_size"]
+    prev = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        out: dict = {"gate": gpu_gates.head_kernel_gate(device, hid, vocab, 2048, HEAD_TOL)}
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = prev
+    tokens = 4096 if quick else 16384
+    head = gpu_gates.LMHead(hid, vocab, device, torch.bfloat16)
+    hidden, targets, upstream = gpu_gates.head_inputs(head, tokens)
+    bf16: dict = {"tokens": tokens, "hidden_size": hid, "vocab": vocab}
+    for mode in ("torch", "liger"):
+        _head_fwd_bwd(head, mode, hidden, targets, upstream)          # warm-up (Liger: Triton compiles here)
+        sync(device)
+        head.lm_head.weight.grad = None
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            _head_fwd_bwd(head, mode, hidden, targets, upstream)
+            sync(device)
+            times.append(time.perf_counter() - t)
+        bf16[mode] = {"fwd_bwd_ms": 1000 * sorted(times)[1],
+                      "peak_extra_mib": (torch.cuda.max_memory_allocated(device) - base) / 2**20}
+    ref = gpu_gates.head_pass(head, "torch", hidden, targets, upstream, 1.0)
+    got = gpu_gates.head_pass(head, "liger", hidden, targets, upstream, 1.0)
+    bf16.update(liger_speedup=bf16["torch"]["fwd_bwd_ms"] / bf16["liger"]["fwd_bwd_ms"],
+                logprob_max_abs_diff=float((got[0] - ref[0]).abs().max()),
+                logprob_mean_abs_diff=float((got[0] - ref[0]).abs().mean()),
+                grad_hidden_rel_err=gpu_gates._rel(got[1], ref[1]), grad_weight_rel_err=gpu_gates._rel(got[2], ref[2]))
+    out.update(bf16=bf16, ok=out["gate"]["ok"])
+    g = out["gate"]
+    log(f"head kernel (fp32 gate, {hid}x{vocab}): log-prob max |diff| {g['logprob_max_abs_diff']:.1e}, grad rel err "
+        f"{g['grad_hidden_rel_err']:.1e} / {g['grad_weight_rel_err']:.1e} (tol {HEAD_TOL:.0e}): {g['ok']}; bf16 "
+        f"{tokens} tokens: torch {bf16['torch']['fwd_bwd_ms']:.1f} ms / {bf16['torch']['peak_extra_mib']:.0f} MiB, "
+        f"liger {bf16['liger']['fwd_bwd_ms']:.1f} ms / {bf16['liger']['peak_extra_mib']:.0f} MiB")
+    return out
+
+
 def model_sections(sec: Sections, shape: str, a, device, dtype, peak: float) -> dict:
     budget = BUDGETS[device.type]
     from rstar2_core.models.backend import TorchBackend
@@ -406,10 +483,23 @@ def model_sections(sec: Sections, shape: str, a, device, dtype, peak: float) -> 
     log(f"{shape}: {n / 1e6:.1f}M parameters")
     backend = TorchBackend(model, lr=1e-5, total_steps=100, warmup_steps=0, schedule="constant")
     sft = sec.run(f"{shape}/sft", budget["sft"], sft_step, model, backend, sft_b, sft_t, steps, device)
+    r["head_kernel"] = "torch" if liger_obstacles_on(device) else "liger"    # what `auto` takes in these steps
     if sft:
         r["sft"] = dict(sft, mfu=sft["tflops_per_s"] / peak)
-        log(f"{shape} SFT step {sft_b}x{sft_t}: {sft['step_s']:.3f} s, {sft['tokens_per_s']:,.0f} tok/s, "
-            f"MFU {r['sft']['mfu']:.1%}")
+        log(f"{shape} SFT step {sft_b}x{sft_t} ({r['head_kernel']} head): {sft['step_s']:.3f} s, "
+            f"{sft['tokens_per_s']:,.0f} tok/s, MFU {r['sft']['mfu']:.1%}")
+    if sft and r["head_kernel"] == "liger":    # the same step with the chunked torch head, for the comparison
+        from rstar2_core.models.token_logprobs import set_head_kernel
+
+        set_head_kernel(model, "torch")
+        try:
+            alt = sec.run(f"{shape}/sft_torch_head", budget["sft"], sft_step, model, backend, sft_b, sft_t, steps,
+                          device, seed0=1000)
+        finally:
+            set_head_kernel(model, "auto")
+        if alt:
+            r["sft_torch_head"] = dict(alt, mfu=alt["tflops_per_s"] / peak)
+            log(f"{shape} SFT step, torch head: {alt['tokens_per_s']:,.0f} tok/s, MFU {r['sft_torch_head']['mfu']:.1%}")
     rl = sec.run(f"{shape}/rl", budget["rl"], rl_step, model, backend, rl_b, rl_prompt, rl_new, device)
     if rl:
         r["rl"] = dict(rl, update_mfu=8 * n * rl["update_tokens_per_s"] / (peak * 1e12))
@@ -450,7 +540,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--models", default=None, help=f"comma list of {list(SHAPES)} (default tiny,0.5b; "
                     "--cpu: tiny,cpu-small; --cpu --quick: cpu-small)")
     ap.add_argument("--decode-batch", type=int, default=None, help="decode benchmark batch (GPU default 256)")
-    ap.add_argument("--budget", type=float, default=None, help="seconds for the whole check (hard; GPU 340, "
+    ap.add_argument("--budget", type=float, default=None, help="seconds for the whole check (hard; GPU 360, "
                     "CPU 900)")
     ap.add_argument("--no-deepspeed", action="store_true")
     ap.add_argument("--no-decode", action="store_true")
@@ -475,11 +565,15 @@ def main(argv: list[str] | None = None) -> dict:
     result.update(device=result["versions"]["device"], dtype=str(dtype).removeprefix("torch."),
                   torch=torch.__version__, matmul_tflops=measured, peak_tflops=peak, peak_source=peak_src)
     result["gates"] = sec.run("gates", budget["gates"], gates, device, a.quick) or {"ok": False}
+    result["head_kernel"] = sec.run("head_kernel", budget["head_kernel"], head_kernel, device, a.quick) or {"ok": False}
+    if "skipped" in result["head_kernel"]:
+        log(f"head kernel: skipped ({result['head_kernel']['skipped']})")
     result["models"] = {shape: model_sections(sec, shape, a, device, dtype, peak) for shape in models}
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     result["sections"] = sec.record
-    result["ok"] = bool(result["gates"].get("ok")) and all(v["status"] == "ok" for v in sec.record.values())
+    result["ok"] = (bool(result["gates"].get("ok")) and all(v["status"] == "ok" for v in sec.record.values())
+                    and ("skipped" in result["head_kernel"] or bool(result["head_kernel"].get("ok"))))
     result["wall_s"] = time.perf_counter() - T0
     log(f"done in {result['wall_s']:.0f} s: {'all gates passed' if result['ok'] else 'FAILED (see sections/gates)'}")
     if a.json:

@@ -11,13 +11,19 @@
   `log_softmax` of a teacher-forced forward of prompt + output at every sampled position within `tol`.
 - `rng_gate`: the engine's counter-based uniforms computed on the device equal the pure-Python
   SplitMix64 reference (int64 multiplication must wrap modulo 2^64 on the device).
+- `head_kernel_gate`: `token_logprobs` through Liger's fused linear cross-entropy (`model.head_kernel =
+  "liger"`) equals the chunked torch path on the same LM head: the log-probs, and the gradients of
+  sum(upstream x log-probs) w.r.t. the hidden states and the head's weight with a random per-token
+  upstream gradient (the RL loss's shape: `reduction="none"`, where older Liger releases took the
+  upstream gradient as one scalar). fp32, TF32 off; the caller decides that Liger is usable.
 
-Each returns a dict with `ok`. Needs only torch + rstar2_core's rollout modules.
+Each returns a dict with `ok`. Needs only torch + rstar2_core's rollout and token_logprobs modules.
 """
 
 from __future__ import annotations
 
 import asyncio
+import types
 
 import torch
 
@@ -119,3 +125,61 @@ def rng_gate(device: torch.device) -> dict:
     got = counter_uniform(torch.tensor(seeds, device=device), torch.tensor(counters, device=device)).cpu().tolist()
     want = [reference_uniform(s, c) for s, c in zip(seeds, counters)]
     return {"pairs": len(seeds), "ok": got == want}
+
+
+class LMHead(torch.nn.Module):
+    """An LM head alone, read the way `token_logprobs` reads a model (`get_output_embeddings()`,
+    `config.vocab_size`). Weights ~ N(0, 0.1^2): with unit-variance hidden states of width ~900 the logits'
+    std is ~3, a peaked distribution like a trained head's rather than the near-uniform one of a fresh init."""
+
+    def __init__(self, hidden_size: int, vocab: int, device, dtype: torch.dtype, seed: int = 0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.lm_head = torch.nn.Linear(hidden_size, vocab, bias=False, device=device, dtype=dtype)
+        with torch.no_grad():
+            self.lm_head.weight.copy_(torch.randn(vocab, hidden_size, generator=g) * 0.1)
+        self.config = types.SimpleNamespace(vocab_size=vocab)
+
+    def get_output_embeddings(self) -> torch.nn.Linear:
+        return self.lm_head
+
+
+def head_inputs(head: LMHead, tokens: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """hidden (tokens, H) ~ N(0, 1) in the head's dtype, target ids, and a per-token upstream gradient (fp32)."""
+    w = head.lm_head.weight
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(tokens, w.shape[1], generator=g).to(w.device, w.dtype)
+    targets = torch.randint(0, w.shape[0], (tokens,), generator=g).to(w.device)
+    return hidden, targets, torch.randn(tokens, generator=g).to(w.device)
+
+
+def head_pass(head: LMHead, mode: str, hidden: torch.Tensor, targets: torch.Tensor, upstream: torch.Tensor,
+              temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """log-probs through head kernel `mode` and the gradients of sum(upstream x log-probs) w.r.t. the hidden
+    states and the head's weight, all fp32."""
+    from rstar2_core.models import token_logprobs as tl
+
+    tl.set_head_kernel(head, mode)          # "liger" where it cannot run raises, naming why
+    h = hidden.detach().clone().requires_grad_(True)
+    head.lm_head.weight.grad = None
+    lp = tl.token_logprobs(head, h, targets, temperature)
+    (lp * upstream).sum().backward()
+    return lp.detach().float(), h.grad.float(), head.lm_head.weight.grad.float()
+
+
+def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((got - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def head_kernel_gate(device, hidden_size: int, vocab: int, tokens: int, tol: float, temperature: float = 0.7) -> dict:
+    """Liger vs torch on one fp32 head (TF32 off is the caller's): max |log-prob diff| and the relative L2
+    errors of both gradients must be <= `tol`."""
+    head = LMHead(hidden_size, vocab, device, torch.float32)
+    hidden, targets, upstream = head_inputs(head, tokens)
+    ref = head_pass(head, "torch", hidden, targets, upstream, temperature)
+    got = head_pass(head, "liger", hidden, targets, upstream, temperature)
+    out = {"hidden_size": hidden_size, "vocab": vocab, "tokens": tokens, "temperature": temperature, "tol": tol,
+           "logprob_max_abs_diff": float((got[0] - ref[0]).abs().max()),
+           "grad_hidden_rel_err": _rel(got[1], ref[1]), "grad_weight_rel_err": _rel(got[2], ref[2])}
+    out["ok"] = all(out[k] <= tol for k in ("logprob_max_abs_diff", "grad_hidden_rel_err", "grad_weight_rel_err"))
+    return out

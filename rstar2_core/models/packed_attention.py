@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from rstar2_core.rollout.model_call import disable_cudnn_attention
+
 SEGMENTS = "rstar2_segments"
 
 
@@ -66,36 +68,41 @@ def segment_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
         return _sdpa(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     if dropout:
         raise ValueError("segment attention does not implement attention dropout; set attention_dropout = 0")
-    b, h, t, d = query.shape
+    b, h, t, _ = query.shape
     if len(segments) != b:
         raise ValueError(f"{len(segments)} segment layouts for a batch of {b} rows")
     rep = h // key.shape[1]
     if rep > 1:                                       # grouped-query attention: share each kv head
         key, value = key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1)
-    rows = []
-    for i, seg in enumerate(segments):
-        if seg.length != t:
-            raise ValueError(f"row {i} is {t} tokens but its layout says {seg.length}")
-        q, k, v = query[i:i + 1], key[i:i + 1], value[i:i + 1]
-        p = seg.prefix
-        pieces = []
-        if p:
-            pieces.append(F.scaled_dot_product_attention(q[:, :, :p], k[:, :, :p], v[:, :, :p], is_causal=True,
-                                                         scale=scaling))
-        for s, e in seg.spans:
-            if p:
-                n = e - s
-                allowed = torch.ones(n, p + n, dtype=torch.bool, device=q.device).tril(p)
-                kk, vv = torch.cat([k[:, :, :p], k[:, :, s:e]], 2), torch.cat([v[:, :, :p], v[:, :, s:e]], 2)
-                pieces.append(F.scaled_dot_product_attention(q[:, :, s:e], kk, vv, attn_mask=allowed, scale=scaling))
-            else:
-                pieces.append(F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e],
-                                                             is_causal=True, scale=scaling))
-        end = seg.spans[-1][1] if seg.spans else p
-        if end < t:
-            pieces.append(q.new_zeros(1, h, t - end, d))
-        rows.append(torch.cat(pieces, 2))
+    rows = [_segment_row(query[i:i + 1], key[i:i + 1], value[i:i + 1], seg, t, scaling, i)
+            for i, seg in enumerate(segments)]
     return torch.cat(rows, 0).transpose(1, 2).contiguous(), None
+
+
+def _segment_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments, t: int, scaling: float | None,
+                 i: int) -> torch.Tensor:
+    """One packed row's attention output (1, H, T, D): the prefix causally, each span over [prefix, itself]."""
+    h, d = q.shape[1], q.shape[3]
+    if seg.length != t:
+        raise ValueError(f"row {i} is {t} tokens but its layout says {seg.length}")
+    p = seg.prefix
+    pieces = []
+    if p:
+        pieces.append(F.scaled_dot_product_attention(q[:, :, :p], k[:, :, :p], v[:, :, :p], is_causal=True,
+                                                     scale=scaling))
+    for s, e in seg.spans:
+        if p:
+            n = e - s
+            allowed = torch.ones(n, p + n, dtype=torch.bool, device=q.device).tril(p)
+            kk, vv = torch.cat([k[:, :, :p], k[:, :, s:e]], 2), torch.cat([v[:, :, :p], v[:, :, s:e]], 2)
+            pieces.append(F.scaled_dot_product_attention(q[:, :, s:e], kk, vv, attn_mask=allowed, scale=scaling))
+        else:
+            pieces.append(F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e],
+                                                         is_causal=True, scale=scaling))
+    end = seg.spans[-1][1] if seg.spans else p
+    if end < t:
+        pieces.append(q.new_zeros(1, h, t - end, d))
+    return torch.cat(pieces, 2)
 
 
 def register() -> None:
@@ -111,6 +118,7 @@ def segment_attention(model: torch.nn.Module) -> Iterator[None]:
     checkpointing the backward re-runs the layers and looks the attention up again: keep the backward
     inside the block too (rl_update and sft_update do)."""
     register()
+    disable_cudnn_attention()
     config = model.get_decoder().config     # the HF config its attention layers read (not a DeepSpeed engine's)
     windowed = [t for t in (getattr(config, "layer_types", None) or []) if t != "full_attention"]
     if windowed or getattr(config, "use_sliding_window", False):

@@ -19,8 +19,11 @@ the chunk gradients with the per-token upstream gradients; older releases were n
 path a model takes is `cfg.model.head_kernel`, set on the model by its training backend
 (`set_head_kernel`): `auto` (the default, also for a model no backend configured) takes Liger where
 it is usable (importable, CUDA, a bias-free LM head whose weight is not ZeRO-3 partitioned), `torch`
-never, `liger` always, refused up front where it is not usable. Written against Liger's documented
-API and untested here (no GPU, and the package needs Triton).
+never, `liger` always, refused up front where it is not usable. Checked on an H200 with liger-kernel
+0.8.5 (bench/gpu_check.py's head-kernel gate, docs/production.md): log-probs and both gradients equal
+the torch path's within 3e-5 in fp32. Liger runs ~vocab / hidden chunks whatever the token count, each
+re-reading the head's weight, so per call it is slower than the torch path below ~8K tokens at the
+0.5B shape and faster above (1.54x at 16K), always with less memory.
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ import numpy as np
 import torch
 
 from rstar2_core.rollout.kv_cache import MIN_BUCKET, SlotKVCache, bucket
-from rstar2_core.rollout.model_call import ModelCall, check_model
+from rstar2_core.rollout.model_call import ModelCall, check_model, disable_cudnn_attention
 from rstar2_core.rollout.prefix import common_prefix, plan_slot
 from rstar2_core.rollout.sampling import StopChecker, counter_uniform, sample_rows, seed_value
 from rstar2_core.rollout.shared_prefix import MIN_SHARED, PrefixBlock, SharedPrefix, shared_prefix_attention
@@ -117,6 +117,7 @@ class HFEngine:
         cfg = model.config
         self.model, self.tokenizer, self.device = model.eval(), tokenizer, torch.device(device)
         check_model(model)
+        disable_cudnn_attention()      # its plans are built per shape; the running rows change every step
         self._call = ModelCall(model)
         self.max_seq_len = int(max_seq_len or cfg.max_position_embeddings)
         if self.max_seq_len > cfg.max_position_embeddings:

@@ -8,6 +8,9 @@ the name is read once from the model class's `forward` signature, and the cache 
 `check_model` refuses, with the fix, the models whose attention the engine's masks would get wrong:
 attention implementations other than `sdpa` / `eager` (flash-attention kernels ignore a 4D mask) and
 sliding-window or other non-full attention layers (every layer gets the same full-causal mask).
+
+`disable_cudnn_attention` keeps SDPA off cuDNN's attention, whose per-shape plans cost more than the
+attention itself when shapes change every step (the engine's running rows, the trainer's segments).
 """
 
 from __future__ import annotations
@@ -17,6 +20,24 @@ import inspect
 import torch
 
 CACHE_NAMES = ("cache", "past_key_values")
+# False: `disable_cudnn_attention` takes cuDNN's attention out of SDPA's choices (see there). True keeps torch's
+# own choice; bench/sft_step_shapes.py sets it to compare.
+ALLOW_CUDNN_ATTENTION = False
+
+
+def disable_cudnn_attention() -> None:
+    """Take cuDNN's fused attention out of `scaled_dot_product_attention`'s choices, process-wide (torch's
+    backend flags are global; idempotent; nothing changes off CUDA). cuDNN builds an execution plan for each
+    new shape on the host (10-16 ms a call, forward and backward, measured), and the shapes here
+    change every step: the trainer's segment attention runs one SDPA call per conversation or trajectory,
+    whose lengths vary, and the engine's rows and lengths change as requests come and go. Measured on an
+    H200 (torch 2.11, cuDNN 9.19, bench/sft_step_shapes.py): the 0.5B-shape SFT step on new rows took
+    2.3-2.7 s with cuDNN among SDPA's choices and 0.34-0.42 s without (the same rows again: 0.37 s, plans
+    cached). Flash and memory-efficient attention, which SDPA takes instead, have no per-shape set-up; the
+    result is the same attention within float rounding. Called by the HF engine and by
+    `models.packed_attention.segment_attention`."""
+    if not ALLOW_CUDNN_ATTENTION and torch.backends.cuda.cudnn_sdp_enabled():
+        torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def cache_kwarg(model: torch.nn.Module) -> str:

@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torch.nn.functional as F
 from side_env import side_python
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -25,7 +27,7 @@ for name in {BLOCKED!r}:
 sys.argv = ["bench/gpu_check.py", "--cpu", "--quick", "--json"]
 runpy.run_path("bench/gpu_check.py", run_name="__main__")
 """
-SECTIONS = {"versions", "matmul", "gates", "cpu-small/build", "cpu-small/sft", "cpu-small/rl", "cpu-small/decode",
+SECTIONS = {"versions", "matmul", "gates", "head_kernel", "cpu-small/build", "cpu-small/sft", "cpu-small/rl", "cpu-small/decode",
             "cpu-small/deepspeed_zero2"}
 
 
@@ -63,6 +65,7 @@ def test_gpu_check_cpu_smoke():
     assert d["engine_vs_generate"] == pytest.approx(d["engine_tokens_per_s"] / d["generate_tokens_per_s"])
     z = r["deepspeed_zero2"]
     assert "skipped" in z or (z["tokens_per_s"] > 0 and z["vs_torch"] > 0)
+    assert "not on a CUDA device" in out["head_kernel"]["skipped"] and r["head_kernel"] == "torch"
     assert "[" in proc.stdout.splitlines()[0]  # per-section progress lines come first
 
 
@@ -119,3 +122,60 @@ def test_peak_table_lookup():
     import torch
 
     assert mod.device_peak(torch.device("cpu"), 1.5) == (1.5, "measured matmul")
+
+
+class _ScalarUpstream(torch.autograd.Function):
+    """Per-token NLL whose backward takes the upstream gradient as one scalar (its first element): the
+    `reduction="none"` bug of older Liger releases, which the gate exists to catch."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets):
+        with torch.enable_grad():
+            h, w = hidden.detach().requires_grad_(True), weight.detach().requires_grad_(True)
+            nll = F.cross_entropy(h @ w.T, targets, reduction="none")
+            gh, gw = torch.autograd.grad(nll.sum(), (h, w))
+        ctx.save_for_backward(gh, gw)
+        return nll.detach()
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        gh, gw = ctx.saved_tensors
+        return gh * grad_out[0], gw * grad_out[0], None
+
+
+def _stand_in(monkeypatch, fused):
+    """Liger's entry point replaced on this CPU (the Triton kernels need CUDA): the gate's own arithmetic is
+    what is tested here; the real kernel is checked on a GPU by bench/gpu_check.py."""
+    from rstar2_core.models import token_logprobs as tl
+
+    monkeypatch.setattr(tl, "_liger", lambda: fused)
+    monkeypatch.setattr(tl, "liger_obstacles", lambda *a, **k: [])
+
+
+def test_the_head_kernel_gate_passes_a_kernel_with_the_same_gradients(monkeypatch):
+    sys.path.insert(0, str(ROOT / "bench"))
+    import gpu_gates
+
+    from rstar2_core.models import token_logprobs as tl
+
+    _stand_in(monkeypatch, lambda h, w, t, reduction="none": F.cross_entropy(h @ w.T, t, reduction=reduction))
+    monkeypatch.setattr(tl, "CHUNK_ELEMENTS", 512 * 16)    # 16-token chunks: the torch side checkpoints, as on a GPU
+    out = gpu_gates.head_kernel_gate(torch.device("cpu"), 64, 512, 200, tol=1e-4)
+    assert out["ok"] and out["logprob_max_abs_diff"] < 1e-5 and out["grad_weight_rel_err"] < 1e-5
+
+
+def test_the_head_kernel_gate_fails_a_kernel_that_takes_the_upstream_gradient_as_a_scalar(monkeypatch):
+    sys.path.insert(0, str(ROOT / "bench"))
+    import gpu_gates
+
+    _stand_in(monkeypatch, lambda h, w, t, reduction="none": _ScalarUpstream.apply(h, w, t))
+    out = gpu_gates.head_kernel_gate(torch.device("cpu"), 64, 512, 200, tol=1e-3)
+    assert not out["ok"] and out["logprob_max_abs_diff"] < 1e-5      # the values agree; the gradients do not
+    assert out["grad_hidden_rel_err"] > 0.5 and out["grad_weight_rel_err"] > 0.5
+
+
+@pytest.mark.parametrize("probe", ["sdpa_shapes.py", "head_kernel_calls.py"])
+def test_the_gpu_probes_refuse_a_machine_without_cuda(probe):
+    proc = subprocess.run([sys.executable, f"bench/{probe}", "--json"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.returncode == 2 and "needs a CUDA device" in proc.stderr, proc.stderr[-2000:]

@@ -306,3 +306,30 @@ def test_decode_graphs_capture_once_per_bucket_then_replay(monkeypatch):
     assert events.count("capture") == 2 and events.count("replay") == 4 and len(g.graphs) == 2
     assert outs[0] is outs[1] is outs[3] and outs[2].shape == (8,)
     assert math.isclose(float(outs[2][0]), 64.0)
+
+
+@pytest.fixture
+def cudnn_attention_restored():
+    """The test turns cuDNN's attention back on; its state (a process-wide torch flag) is put back after."""
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    yield
+    torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+def test_the_engine_and_the_segment_attention_take_cudnn_attention_out_of_sdpa(cudnn_attention_restored, monkeypatch):
+    """cuDNN builds a plan per new attention shape (2-3 s of a GPU SFT step on new rows, bench/sdpa_shapes.py):
+    building an engine or entering the trainer's segment attention turns it off, unless allowed."""
+    from rstar2_core.models.packed_attention import segment_attention
+    from rstar2_core.rollout import model_call
+
+    model = tiny_model(64)
+    asyncio.run(HFEngine(model, None, max_batch_size=2, max_seq_len=32).close())
+    assert not torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    with segment_attention(model):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    monkeypatch.setattr(model_call, "ALLOW_CUDNN_ATTENTION", True)
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    asyncio.run(HFEngine(model, None, max_batch_size=2, max_seq_len=32).close())
+    assert torch.backends.cuda.cudnn_sdp_enabled()
