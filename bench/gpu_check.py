@@ -309,7 +309,7 @@ def deepspeed_step(model, lr: float, batch: int, seq: int, steps: int, device: t
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     backend = DeepSpeedBackend(model, zero_stage=2, lr=lr, total_steps=100, warmup_steps=0, schedule="constant")
     try:
-        return sft_step(model, backend, batch, seq, steps, device)
+        return sft_step(model, backend, batch, seq, steps, device, seed0=2000)   # rows no other arm ran
     finally:
         backend.close()  # the process group stays: DeepSpeed caches it for the next model
 
@@ -489,14 +489,15 @@ def model_sections(sec: Sections, shape: str, a, device, dtype, peak: float) -> 
         log(f"{shape} SFT step {sft_b}x{sft_t} ({r['head_kernel']} head): {sft['step_s']:.3f} s, "
             f"{sft['tokens_per_s']:,.0f} tok/s, MFU {r['sft']['mfu']:.1%}")
     if sft and r["head_kernel"] == "liger":    # the same step with the chunked torch head, for the comparison
-        from rstar2_core.models.token_logprobs import set_head_kernel
+        from rstar2_core.models.token_logprobs import head_kernel_of, set_head_kernel
 
+        before = head_kernel_of(model)
         set_head_kernel(model, "torch")
         try:
             alt = sec.run(f"{shape}/sft_torch_head", budget["sft"], sft_step, model, backend, sft_b, sft_t, steps,
                           device, seed0=1000)
         finally:
-            set_head_kernel(model, "auto")
+            set_head_kernel(model, before)
         if alt:
             r["sft_torch_head"] = dict(alt, mfu=alt["tflops_per_s"] / peak)
             log(f"{shape} SFT step, torch head: {alt['tokens_per_s']:,.0f} tok/s, MFU {r['sft_torch_head']['mfu']:.1%}")

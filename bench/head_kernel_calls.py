@@ -1,9 +1,11 @@
 """Per-call cost of the LM-head kernels on a GPU as the token count changes from call to call (as it does in
 the SFT step: label positions per micro-batch vary), and how many Triton variants Liger compiled.
 
-The GPU check (bench/gpu_check.py, 2026-12-04, H200) timed the head alone at a fixed token count (Liger 1.6x
-faster than the chunked torch path, 3.4x less memory) but the SFT step 8x slower with Liger than with the torch
-head. This probe separates a per-call cost from a per-token-count cost: for each head kernel, one
+The GPU check's first run (2026-12-04, H200) timed the head alone at a fixed token count (Liger 1.6x faster
+than the chunked torch path, 3.4x less memory) but the SFT step 8x slower with Liger than with the torch
+head. This probe separates a per-call cost from a per-token-count cost, and found neither: the SFT step on
+new rows was slow with either head (cuDNN attention plans, bench/sdpa_shapes.py; the 8x was the torch-head
+arm reusing the first arm's rows and their plans). What it does: for each head kernel, one
 forward + backward of `token_logprobs` (bench/gpu_gates.head_pass, the code the steps run) per token count in
 a sequence that repeats some counts, each call timed alone, with the number of compiled variants of Liger's
 kernels after it. Then the SFT step (`sft.step.sft_update`) on the tiny shape, step by step, on new rows and

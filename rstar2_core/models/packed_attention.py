@@ -28,8 +28,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from rstar2_core.rollout.model_call import disable_cudnn_attention
-
 SEGMENTS = "rstar2_segments"
 
 
@@ -118,7 +116,6 @@ def segment_attention(model: torch.nn.Module) -> Iterator[None]:
     checkpointing the backward re-runs the layers and looks the attention up again: keep the backward
     inside the block too (rl_update and sft_update do)."""
     register()
-    disable_cudnn_attention()
     config = model.get_decoder().config     # the HF config its attention layers read (not a DeepSpeed engine's)
     windowed = [t for t in (getattr(config, "layer_types", None) or []) if t != "full_attention"]
     if windowed or getattr(config, "use_sliding_window", False):

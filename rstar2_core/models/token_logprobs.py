@@ -21,9 +21,10 @@ path a model takes is `cfg.model.head_kernel`, set on the model by its training 
 it is usable (importable, CUDA, a bias-free LM head whose weight is not ZeRO-3 partitioned), `torch`
 never, `liger` always, refused up front where it is not usable. Checked on an H200 with liger-kernel
 0.8.5 (bench/gpu_check.py's head-kernel gate, docs/production.md): log-probs and both gradients equal
-the torch path's within 3e-5 in fp32. Liger runs ~vocab / hidden chunks whatever the token count, each
-re-reading the head's weight, so per call it is slower than the torch path below ~8K tokens at the
-0.5B shape and faster above (1.54x at 16K), always with less memory.
+the torch path's within 3e-5 in fp32. Liger runs about as many chunks whatever the token count (~125-128
+at the 0.5B shape), each re-reading the head's weight, so per call it was slower than the torch path at
+4K and 8K tokens (64 vs 31 ms, 66-68 vs 59-63 ms) and faster at 16K (1.54x), always with less memory;
+the crossover between was not measured.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ import functools
 
 import torch
 from torch.utils.checkpoint import checkpoint
+
+from rstar2_core.rollout.model_call import disable_cudnn_attention
 
 CHUNK_ELEMENTS = 1 << 26        # logits per chunk (64M: 256 MB in fp32)
 
@@ -44,7 +47,9 @@ def decoder_hidden(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     The call goes through `model(...)` itself, with the LM head swapped for an identity for its
     duration: a DeepSpeed engine's forward does bookkeeping the backward relies on (ZeRO-3's micro-step
     count, which decides whether a micro-batch's gradients add to the previous ones; the backward
-    prologue hooks), which calling the inner decoder directly would skip."""
+    prologue hooks), which calling the inner decoder directly would skip. Every training forward comes
+    here, so this is where SDPA is kept off cuDNN's attention (`rollout.model_call.disable_cudnn_attention`)."""
+    disable_cudnn_attention()
     inner = getattr(model, "module", model)     # a DeepSpeed engine wraps the transformers model
     head = inner.get_output_embeddings()
     inner.set_output_embeddings(torch.nn.Identity())
@@ -94,6 +99,11 @@ def liger_obstacles(head: torch.nn.Module, on_cuda: bool, partitioned: bool) -> 
     return out
 
 
+def head_kernel_of(model: torch.nn.Module) -> str:
+    """The head kernel `model` was set to (`auto` when none was)."""
+    return getattr(getattr(model, "module", model), _ATTR, "auto")
+
+
 def set_head_kernel(model: torch.nn.Module, mode: str, *, partitioned: bool = False) -> None:
     """Make `token_logprobs` compute `model`'s log-probs the `mode` way (`cfg.model.head_kernel`).
     `partitioned`: the backend will shard the weights ZeRO-3 style. `liger` where it cannot work raises
@@ -112,7 +122,7 @@ def set_head_kernel(model: torch.nn.Module, mode: str, *, partitioned: bool = Fa
 
 
 def _use_liger(model: torch.nn.Module, head: torch.nn.Module, hidden: torch.Tensor) -> bool:
-    mode = getattr(getattr(model, "module", model), _ATTR, "auto")
+    mode = head_kernel_of(model)
     if mode == "torch":
         return False
     weight = getattr(head, "weight", None)

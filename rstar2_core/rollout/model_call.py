@@ -21,21 +21,26 @@ import torch
 
 CACHE_NAMES = ("cache", "past_key_values")
 # False: `disable_cudnn_attention` takes cuDNN's attention out of SDPA's choices (see there). True keeps torch's
-# own choice; bench/sft_step_shapes.py sets it to compare.
+# own choice; bench/sdpa_shapes.py sets it to compare.
 ALLOW_CUDNN_ATTENTION = False
 
 
 def disable_cudnn_attention() -> None:
-    """Take cuDNN's fused attention out of `scaled_dot_product_attention`'s choices, process-wide (torch's
-    backend flags are global; idempotent; nothing changes off CUDA). cuDNN builds an execution plan for each
-    new shape on the host (10-16 ms a call, forward and backward, measured), and the shapes here
-    change every step: the trainer's segment attention runs one SDPA call per conversation or trajectory,
-    whose lengths vary, and the engine's rows and lengths change as requests come and go. Measured on an
-    H200 (torch 2.11, cuDNN 9.19, bench/sft_step_shapes.py): the 0.5B-shape SFT step on new rows took
-    2.3-2.7 s with cuDNN among SDPA's choices and 0.34-0.42 s without (the same rows again: 0.37 s, plans
-    cached). Flash and memory-efficient attention, which SDPA takes instead, have no per-shape set-up; the
-    result is the same attention within float rounding. Called by the HF engine and by
-    `models.packed_attention.segment_attention`."""
+    """Take cuDNN's fused attention out of `scaled_dot_product_attention`'s choices, for the rest of the
+    process and for every model in it (torch's backend flags are process-wide; this never turns it back
+    on). Idempotent; off CUDA the flag is set but nothing reads it. Called by the HF engine and by
+    `models.token_logprobs.decoder_hidden` (every training forward).
+
+    Why: cuDNN builds an execution plan on the host for each new attention shape (10-16 ms a call,
+    forward and backward, in a profile), and the shapes here change every step: the trainer's segment
+    attention makes one SDPA call per conversation or trajectory, of new lengths each step, and the
+    engine's rows and lengths change as requests come and go. Measured on an H200 (torch 2.11, cuDNN
+    9.19, bench/sdpa_shapes.py, docs/production.md): the 0.5B-shape SFT step on new rows took 2.8-3.8 s
+    with cuDNN among SDPA's choices and 0.35-0.48 s without; a cold engine's 64 x 128 tokens (tiny shape)
+    10.9 s vs 0.57 s. The trade-off: SDPA then takes flash or memory-efficient attention, which have no
+    per-shape set-up; where shapes repeat (a fixed-shape benchmark) cuDNN's kernel can be the faster one,
+    which this gives up. The backends compute the same attention up to floating-point order (not compared
+    on the GPU here)."""
     if not ALLOW_CUDNN_ATTENTION and torch.backends.cuda.cudnn_sdp_enabled():
         torch.backends.cuda.enable_cudnn_sdp(False)
 

@@ -317,18 +317,19 @@ def cudnn_attention_restored():
     torch.backends.cuda.enable_cudnn_sdp(before)
 
 
-def test_the_engine_and_the_segment_attention_take_cudnn_attention_out_of_sdpa(cudnn_attention_restored, monkeypatch):
+def test_the_engine_and_the_training_forward_take_cudnn_attention_out_of_sdpa(cudnn_attention_restored, monkeypatch):
     """cuDNN builds a plan per new attention shape (2-3 s of a GPU SFT step on new rows, bench/sdpa_shapes.py):
-    building an engine or entering the trainer's segment attention turns it off, unless allowed."""
-    from rstar2_core.models.packed_attention import segment_attention
+    building an engine or running a training forward turns it off, unless allowed."""
+    from rstar2_core.models.token_logprobs import decoder_hidden
     from rstar2_core.rollout import model_call
 
     model = tiny_model(64)
     asyncio.run(HFEngine(model, None, max_batch_size=2, max_seq_len=32).close())
     assert not torch.backends.cuda.cudnn_sdp_enabled()
     torch.backends.cuda.enable_cudnn_sdp(True)
-    with segment_attention(model):
-        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    ids = torch.arange(3, 11)[None]
+    assert decoder_hidden(model, ids, position_ids=torch.arange(8)[None]).shape == (1, 8, 64)
+    assert not torch.backends.cuda.cudnn_sdp_enabled()
     monkeypatch.setattr(model_call, "ALLOW_CUDNN_ATTENTION", True)
     torch.backends.cuda.enable_cudnn_sdp(True)
     asyncio.run(HFEngine(model, None, max_batch_size=2, max_seq_len=32).close())
