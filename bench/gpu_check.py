@@ -97,6 +97,36 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def timed(fn, device: torch.device) -> float:
+    """Seconds `fn()` takes, the device synchronised before and after."""
+    sync(device)
+    t = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t
+
+
+def gpu_probe(doc: str, run, add_args=None) -> dict:
+    """`main` of a GPU-only probe (bench/sdpa_shapes.py, bench/head_kernel_calls.py): `--json` (+ what
+    `add_args(parser)` adds), refused without CUDA, then `run(args, device) -> dict`, its JSON printed last."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    if add_args:
+        add_args(ap)
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA device (what it measures, cuDNN plans and Triton kernels, exists only there)")
+    device = torch.device("cuda")
+    t0 = time.perf_counter()
+    res = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
+           "cudnn": torch.backends.cudnn.version(), "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+           **run(a, device)}
+    res["wall_s"] = time.perf_counter() - t0
+    if a.json:
+        print(json.dumps(res))
+    return res
+
+
 def build_model(shape: str, device: torch.device, dtype: torch.dtype):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -407,15 +437,6 @@ def liger_obstacles_on(device: torch.device) -> list[str]:
     return liger_obstacles(torch.nn.Linear(8, 8, bias=False), on_cuda=device.type == "cuda", partitioned=False)
 
 
-def _head_fwd_bwd(head, mode: str, hidden, targets, upstream) -> None:
-    from rstar2_core.models import token_logprobs as tl
-
-    tl.set_head_kernel(head, mode)
-    h = hidden.detach().requires_grad_(True)
-    head.lm_head.weight.grad = None
-    (tl.token_logprobs(head, h, targets) * upstream).sum().backward()
-
-
 def head_kernel(device: torch.device, quick: bool) -> dict:
     """Liger vs torch `token_logprobs` on the 0.5B shape's head (tiny with --quick): the fp32 gate, then bf16
     forward + backward of one micro-batch of tokens (median of 3 after a warm-up that compiles Liger's
@@ -438,17 +459,15 @@ def head_kernel(device: torch.device, quick: bool) -> dict:
     hidden, targets, upstream = gpu_gates.head_inputs(head, tokens)
     bf16: dict = {"tokens": tokens, "hidden_size": hid, "vocab": vocab}
     for mode in ("torch", "liger"):
-        _head_fwd_bwd(head, mode, hidden, targets, upstream)          # warm-up (Liger: Triton compiles here)
+        def step(m=mode):
+            gpu_gates.head_forward_backward(head, m, hidden, targets, upstream)
+
+        step()                                  # warm-up (Liger: Triton compiles here)
         sync(device)
         head.lm_head.weight.grad = None
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-        times = []
-        for _ in range(3):
-            t = time.perf_counter()
-            _head_fwd_bwd(head, mode, hidden, targets, upstream)
-            sync(device)
-            times.append(time.perf_counter() - t)
+        times = [timed(step, device) for _ in range(3)]
         bf16[mode] = {"fwd_bwd_ms": 1000 * sorted(times)[1],
                       "peak_extra_mib": (torch.cuda.max_memory_allocated(device) - base) / 2**20}
     ref = gpu_gates.head_pass(head, "torch", hidden, targets, upstream, 1.0)
@@ -456,7 +475,8 @@ def head_kernel(device: torch.device, quick: bool) -> dict:
     bf16.update(liger_speedup=bf16["torch"]["fwd_bwd_ms"] / bf16["liger"]["fwd_bwd_ms"],
                 logprob_max_abs_diff=float((got[0] - ref[0]).abs().max()),
                 logprob_mean_abs_diff=float((got[0] - ref[0]).abs().mean()),
-                grad_hidden_rel_err=gpu_gates._rel(got[1], ref[1]), grad_weight_rel_err=gpu_gates._rel(got[2], ref[2]))
+                grad_hidden_rel_err=gpu_gates.rel_err(got[1], ref[1]),
+                grad_weight_rel_err=gpu_gates.rel_err(got[2], ref[2]))
     out.update(bf16=bf16, ok=out["gate"]["ok"])
     g = out["gate"]
     log(f"head kernel (fp32 gate, {hid}x{vocab}): log-prob max |diff| {g['logprob_max_abs_diff']:.1e}, grad rel err "

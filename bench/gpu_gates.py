@@ -153,21 +153,29 @@ def head_inputs(head: LMHead, tokens: int, seed: int = 1) -> tuple[torch.Tensor,
     return hidden, targets, torch.randn(tokens, generator=g).to(w.device)
 
 
-def head_pass(head: LMHead, mode: str, hidden: torch.Tensor, targets: torch.Tensor, upstream: torch.Tensor,
-              temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """log-probs through head kernel `mode` and the gradients of sum(upstream x log-probs) w.r.t. the hidden
-    states and the head's weight, all fp32."""
+def head_forward_backward(head: LMHead, mode: str, hidden: torch.Tensor, targets: torch.Tensor,
+                          upstream: torch.Tensor, temperature: float = 1.0):
+    """`token_logprobs` through head kernel `mode` ("liger" where it cannot run raises, naming why), then the
+    backward of sum(upstream x log-probs): (log-probs, grad w.r.t. hidden, grad w.r.t. the head's weight),
+    as computed (the head's dtype)."""
     from rstar2_core.models import token_logprobs as tl
 
-    tl.set_head_kernel(head, mode)          # "liger" where it cannot run raises, naming why
+    tl.set_head_kernel(head, mode)
     h = hidden.detach().clone().requires_grad_(True)
     head.lm_head.weight.grad = None
     lp = tl.token_logprobs(head, h, targets, temperature)
     (lp * upstream).sum().backward()
-    return lp.detach().float(), h.grad.float(), head.lm_head.weight.grad.float()
+    return lp.detach(), h.grad, head.lm_head.weight.grad
 
 
-def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
+def head_pass(head: LMHead, mode: str, hidden: torch.Tensor, targets: torch.Tensor, upstream: torch.Tensor,
+              temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`head_forward_backward`, each result in fp32 (for comparing two kernels)."""
+    return tuple(x.float() for x in head_forward_backward(head, mode, hidden, targets, upstream, temperature))
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative L2 error of `got` against `ref`."""
     return float((got - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
@@ -180,6 +188,6 @@ def head_kernel_gate(device, hidden_size: int, vocab: int, tokens: int, tol: flo
     got = head_pass(head, "liger", hidden, targets, upstream, temperature)
     out = {"hidden_size": hidden_size, "vocab": vocab, "tokens": tokens, "temperature": temperature, "tol": tol,
            "logprob_max_abs_diff": float((got[0] - ref[0]).abs().max()),
-           "grad_hidden_rel_err": _rel(got[1], ref[1]), "grad_weight_rel_err": _rel(got[2], ref[2])}
+           "grad_hidden_rel_err": rel_err(got[1], ref[1]), "grad_weight_rel_err": rel_err(got[2], ref[2])}
     out["ok"] = all(out[k] <= tol for k in ("logprob_max_abs_diff", "grad_hidden_rel_err", "grad_weight_rel_err"))
     return out

@@ -14,17 +14,15 @@ Each arm uses its own rows and lengths, so no arm reuses another's plans.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+import gpu_check
 import torch
 
 ARMS = ("cudnn", "no_cudnn")
@@ -37,17 +35,7 @@ def _arm(name: str) -> None:
     torch.backends.cuda.enable_cudnn_sdp(name == "cudnn")
 
 
-def _timed(fn, device) -> float:
-    torch.cuda.synchronize(device)
-    t = time.perf_counter()
-    fn()
-    torch.cuda.synchronize(device)
-    return time.perf_counter() - t
-
-
 def sft(shape: str, device, steps: int) -> dict:
-    import gpu_check
-
     from rstar2_core.models.backend import TorchBackend
     from rstar2_core.sft.step import sft_update
 
@@ -56,7 +44,7 @@ def sft(shape: str, device, steps: int) -> dict:
     vocab = model.config.vocab_size
 
     def step(rows):
-        return _timed(lambda: sft_update(backend, rows, micro_batch_size=len(rows), pad_id=0), device)
+        return gpu_check.timed(lambda: sft_update(backend, rows, micro_batch_size=len(rows), pad_id=0), device)
 
     step(gpu_check.sft_rows(vocab, 8, 2048, seed=1))                  # warm-up: allocator, cuBLAS
     out = {}
@@ -71,8 +59,6 @@ def sft(shape: str, device, steps: int) -> dict:
 
 
 def engine(shape: str, device, batch: int, new_tokens: int) -> dict:
-    import gpu_check
-
     model = gpu_check.build_model(shape, device, torch.bfloat16).eval()
     vocab = model.config.vocab_size
     out = {}
@@ -84,7 +70,7 @@ def engine(shape: str, device, batch: int, new_tokens: int) -> dict:
             runs = []
             for i in range(2):                 # cold (lengths not seen), then the same lengths again
                 prompts = gpu_check._random_batch(vocab, batch, prompt_len, device).tolist()
-                runs.append(_timed(lambda p=prompts, s=i, e=eng: asyncio.run(
+                runs.append(gpu_check.timed(lambda p=prompts, s=i, e=eng: asyncio.run(
                     gpu_check._engine_generate(e, p, new_tokens, seed=1000 * s)), device))
         finally:
             asyncio.run(eng.close())
@@ -96,27 +82,19 @@ def engine(shape: str, device, batch: int, new_tokens: int) -> dict:
     return out
 
 
-def main() -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", action="store_true")
-    ap.add_argument("--steps", type=int, default=3)
-    a = ap.parse_args()
-    if not torch.cuda.is_available():
-        ap.error("needs a CUDA device (what it measures, cuDNN plans and Triton kernels, exists only there)")
-    device = torch.device("cuda")
-    t0 = time.perf_counter()
-    res: dict = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
-                 "cudnn": torch.backends.cudnn.version(), "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
+def run(a, device) -> dict:
+    res: dict = {}
     try:
         for shape in ("tiny", "0.5b"):
             res[f"sft/{shape}"] = sft(shape, device, a.steps)
             res[f"engine/{shape}"] = engine(shape, device, 64, 128)
     finally:
         _arm("no_cudnn")
-    res["wall_s"] = time.perf_counter() - t0
-    if a.json:
-        print(json.dumps(res))
     return res
+
+
+def main() -> dict:
+    return gpu_check.gpu_probe(__doc__, run, lambda ap: ap.add_argument("--steps", type=int, default=3))
 
 
 if __name__ == "__main__":

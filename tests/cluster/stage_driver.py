@@ -39,7 +39,10 @@ def _probe(address: str) -> dict:
 
 def _gang(address: str, overrides: list[str]) -> dict:
     """Hold one worker node's GPU with a blocker group, then place the layout of `overrides`: one of its
-    groups waits. Prints `{"blocked": node}` and waits for the test to lose a node meanwhile."""
+    groups waits. Prints `{"blocked": node}`, then `{"waiting": n}` once the layout's groups exist and one
+    is pending (so the test loses a node while the gang waits, not before its first fit)."""
+    import threading
+
     import ray
     from ray.util.placement_group import placement_group, placement_group_table
 
@@ -52,6 +55,16 @@ def _gang(address: str, overrides: list[str]) -> dict:
         blocker = placement_group([{"GPU": 1.0}], strategy="STRICT_PACK", name="t-gang-blocker")
         ray.get(blocker.ready(), timeout=60)
         print(json.dumps({"blocked": placement_group_table(blocker)["bundles_to_node_id"][0]}), flush=True)
+
+        def report_waiting() -> None:
+            while True:
+                ours = [g["state"] for g in placement_group_table().values() if g["name"].startswith("t-gang-rstar2")]
+                if "PENDING" in ours:
+                    print(json.dumps({"waiting": len(ours)}), flush=True)
+                    return
+                time.sleep(0.2)
+
+        threading.Thread(target=report_waiting, daemon=True).start()
         t0 = time.monotonic()
         try:
             pgs = create_placement_groups(compute_layout(load_config("tiny", overrides)), timeout_s=300,

@@ -162,6 +162,13 @@ class LocalCluster:
                 return pid
         raise RuntimeError(f"node {index} has no running raylet")
 
+    def node_id(self, index: int) -> str:
+        """The Ray node id of node `index` (0: the head), read from its raylet's command line."""
+        import psutil
+
+        cmd = psutil.Process(self.raylet_pid(index)).cmdline()
+        return next(c.split("=", 1)[1] for c in cmd if c.startswith("--node_id="))
+
     def kill_node(self, index: int) -> None:
         """SIGKILL worker node `index`'s raylet and its actor workers (what a vanished machine looks like
         to Ray); its `ray start` process then stops the node's other processes and exits."""

@@ -129,20 +129,24 @@ def _lost_nodes(nodes: dict[str, str], e: BaseException) -> dict[str, list[str]]
     Ray's health check declares the node dead (~15 s by default: `health_check_period_ms` x
     `health_check_failure_threshold`), so when `may_be_node_loss(e)` this waits up to
     `NODE_DEATH_WAIT_S` for the verdict; any other death is checked once, without waiting."""
-    if not nodes:
+    try:
+        dead = _dead_nodes(set(nodes.values()), NODE_DEATH_WAIT_S if may_be_node_loss(e) else 0.0)
+    except Exception:  # noqa: BLE001 - naming the node must not mask the death being raised
         return {}
-    ours = set(nodes.values())
-    deadline = time.monotonic() + (NODE_DEATH_WAIT_S if may_be_node_loss(e) else 0.0)
-    while True:
-        try:
-            dead = {n["NodeID"]: n for n in ray.nodes() if not n.get("Alive") and n["NodeID"] in ours}
-        except Exception:  # noqa: BLE001 - naming the node must not mask the death being raised
-            return {}
-        if dead or time.monotonic() >= deadline:
-            break
-        time.sleep(0.5)
     return {f"node {nid[:8]} ({n.get('NodeManagerAddress', '?')})": sorted(a for a, x in nodes.items() if x == nid)
             for nid, n in dead.items()}
+
+
+def _dead_nodes(ids: set[str], wait_s: float) -> dict[str, dict]:
+    """{node id: Ray's record} of the nodes of `ids` that Ray reports dead, polling up to `wait_s` until
+    one is ({} if none by then)."""
+    deadline = time.monotonic() + wait_s
+    while ids:
+        dead = {n["NodeID"]: n for n in ray.nodes() if not n.get("Alive") and n["NodeID"] in ids}
+        if dead or time.monotonic() >= deadline:
+            return dead
+        time.sleep(0.25)
+    return {}
 
 
 def live_nodes() -> list[NodeResources]:
@@ -235,12 +239,8 @@ def kill_and_wait(handle: Any, timeout_s: float = 30.0) -> None:
 def wait_node_dead(node_id: str, timeout_s: float = NODE_DEATH_WAIT_S) -> None:
     """Return once Ray reports node `node_id` dead (its health check: seconds); `TimeoutError` after
     `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if any(n["NodeID"] == node_id and not n.get("Alive") for n in ray.nodes()):
-            return
-        time.sleep(0.25)
-    raise TimeoutError(f"node {node_id[:8]} still alive {timeout_s:.0f} s after its raylet was killed")
+    if not _dead_nodes({node_id}, timeout_s):
+        raise TimeoutError(f"node {node_id[:8]} still alive {timeout_s:.0f} s after its raylet was killed")
 
 
 def bundle_strategy(pg: PlacementGroup | None, bundle_index: int) -> dict[str, Any]:
