@@ -176,20 +176,21 @@ class LocalCluster:
             raise ValueError("kill_node takes a worker node (1..workers): the head holds the GCS")
         node = self.nodes[index]
         _kill_raylet(self.raylet_pid(index))
-        _wait_gone(node.pid, 30.0)
+        _wait_gone(node.pid, node.procs.get(node.pid), 30.0)
         _signal(node.procs, signal.SIGKILL)
 
     def restart_node(self, index: int) -> None:
         """Start worker node `index` again (a new raylet with the same resources)."""
         node = self.nodes[index]
-        if _alive(node.pid):
+        if _alive(node.pid, node.procs.get(node.pid)):
             raise RuntimeError(f"node {index} is still running (pid {node.pid})")
         self.nodes[index] = self._launch(self._spec(node.role, index))
 
     def restart_dead_nodes(self) -> list[int]:
         """Start again every worker node whose `ray start` process has exited (its raylet died); returns
-        their indices."""
-        dead = [n.index for n in self.nodes[1:] if not _alive(n.pid)]
+        their indices. The process is recognised by its start time: its PID may already be another
+        process's (the test suite's processes wrap a 32K PID space within minutes)."""
+        dead = [n.index for n in self.nodes[1:] if not _alive(n.pid, n.procs.get(n.pid))]
         for i in dead:
             self.restart_node(i)
         return dead
@@ -233,7 +234,7 @@ def stop_recorded(state: dict) -> list[int]:
     for pid, procs in nodes:
         signalled += _signal({p: t for p, t in procs.items() if p == pid}, signal.SIGTERM)
     for pid, procs in nodes:
-        _wait_gone(pid, 20.0)
+        _wait_gone(pid, procs.get(pid), 20.0)
         signalled += _signal(procs, signal.SIGKILL)
     return signalled
 
@@ -274,24 +275,35 @@ def _name(pid: int) -> str:
         return ""
 
 
-def _alive(pid: int) -> bool:
+def _alive(pid: int, started: float | None) -> bool:
+    """Whether `pid` runs (not a zombie) and is still the recorded process: started at `started` (its
+    `create_time`; None when unrecorded: any process with that PID)."""
     import psutil
 
     try:
         p = psutil.Process(pid)
-        return p.status() != psutil.STATUS_ZOMBIE
+        return (started is None or p.create_time() == started) and p.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
 
 
-def _wait_gone(pid: int, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while _alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
+def _wait_gone(pid: int, started: float | None, timeout_s: float) -> None:
+    """Wait until the recorded process `pid` has exited, then reap it if it is our child (only when the PID
+    was still that process: a reused PID may be another child of ours)."""
+    import psutil
+
     try:
-        os.waitpid(pid, os.WNOHANG)    # reap our own child, if it is one
-    except ChildProcessError:
-        pass
+        ours = started is None or psutil.Process(pid).create_time() == started
+    except psutil.NoSuchProcess:
+        return
+    deadline = time.monotonic() + timeout_s
+    while _alive(pid, started) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if ours:
+        try:
+            os.waitpid(pid, os.WNOHANG)    # reap our own child, if it is one
+        except ChildProcessError:
+            pass
 
 
 def _procs(pids: list[int]) -> dict[int, float]:
