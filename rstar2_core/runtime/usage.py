@@ -13,7 +13,9 @@ the rollout, after it, and after the update) and the step's phase times into `us
   `usage/sandbox_call_s` (their summed wall time),
   `usage/sandbox_cpu_s` (summed CPU time of the programs, from their rusage; calls the service could
   not run have none), `usage/sandbox_p50_ms`,
-  `usage/sandbox_p99_ms` (call latency as the agent loop saw it).
+  `usage/sandbox_p99_ms` (call latency as the agent loop saw it), `usage/sandbox_timeouts` (calls the
+  sandbox killed at `sandbox.timeout_s`: a rising count under load means the tool's answers, and so the
+  rollouts, depend on the cluster's load, not only on the model).
 - `usage/tokens_generated` (sampled tokens of every trajectory) vs `usage/tokens_trained` (those of the
   trajectories kept after RoC and the zero-variance drop) and `usage/trained_share`.
 
@@ -64,6 +66,7 @@ def step_usage_metrics(before: RuntimeUsage, after_rollout: RuntimeUsage, after_
            "usage/sandbox_calls": float(len(calls)), "usage/sandbox_call_s": float(sum(lat)),
            "usage/sandbox_p50_ms": 1000.0 * _percentile(lat, 0.5),
            "usage/sandbox_p99_ms": 1000.0 * _percentile(lat, 0.99),
+           "usage/sandbox_timeouts": float(sum(c.status == "timeout" for c in calls)),
            "usage/tokens_generated": generated, "usage/tokens_trained": trained,
            "usage/trained_share": trained / generated if generated else 0.0}
     measured = [x for x in cpu if x is not None]
@@ -73,7 +76,8 @@ def step_usage_metrics(before: RuntimeUsage, after_rollout: RuntimeUsage, after_
 
 
 TOTAL_KEYS = ("usage/engine_device_s", "usage/engine_busy_s", "usage/trainer_device_s", "usage/trainer_busy_s",
-              "usage/sandbox_calls", "usage/sandbox_call_s", "usage/sandbox_cpu_s", "usage/tokens_generated",
+              "usage/sandbox_calls", "usage/sandbox_call_s", "usage/sandbox_cpu_s", "usage/sandbox_timeouts",
+              "usage/tokens_generated",
               "usage/tokens_trained", "sync/seconds", "sync/bytes", "actor/skipped", "rollout/groups_kept",
               "rollout/groups_dropped_all_correct", "rollout/groups_dropped_all_wrong", "rollout/groups_dropped_too_few")
 """Per-step metrics the stage also sums over its steps (`total/<key>`), kept across resumes

@@ -1,5 +1,6 @@
 """A Ray driver process for the multi-node tests: runs one RL stage on a live cluster (the config's
-`cluster.ray_address`) and prints one JSON line per step, then `{"result": ...}` or `{"error": ...}`; or,
+`cluster.ray_address`) and prints one JSON line per step, the steps' rollouts (`{"trace": ...}` lines,
+tests/rollout_trace.py), then `{"result": ...}` or `{"error": ...}`; or,
 with `--probe`, prints what the cluster holds (live nodes, placement groups, live actors); with `--gang`,
 places a layout while a blocker holds one node's GPU (the test loses a node meanwhile).
 
@@ -16,6 +17,9 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # tests/: rollout_trace
 
 
 def _probe(address: str) -> dict:
@@ -93,6 +97,8 @@ def main() -> int:
     if a.gang:
         print(json.dumps({"gang": _gang(a.gang, json.loads(a.overrides))}), flush=True)
         return 0
+    from rollout_trace import recording, trace_lines
+
     from rstar2_core import storage
     from rstar2_core.config import load_config
     from rstar2_core.rl.stage import run_rl_stage
@@ -105,12 +111,16 @@ def main() -> int:
         print(json.dumps({"step": step, "metrics": {k: float(v) for k, v in metrics.items()}}), flush=True)
 
     t0 = time.monotonic()
+    trace: list = []
     try:
-        res = run_rl_stage(cfg, 0, init_checkpoint_url=a.init, data_url=a.data, out_url=a.out, log_metrics=log)
+        with recording(trace, cfg.rl.seed):
+            res = run_rl_stage(cfg, 0, init_checkpoint_url=a.init, data_url=a.data, out_url=a.out, log_metrics=log)
     except BaseException as e:  # noqa: BLE001 - reported to the test, which asserts on it
+        print("\n".join(trace_lines(trace)), flush=True)
         print(json.dumps({"error": type(e).__name__, "message": str(e), "retryable": is_infrastructure_error(e),
                           "nodes": getattr(e, "nodes", None), "seconds": time.monotonic() - t0}), flush=True)
         return 1
+    print("\n".join(trace_lines(trace)), flush=True)
     print(json.dumps({"result": {"checkpoint_url": res.checkpoint_url}, "seconds": time.monotonic() - t0}),
           flush=True)
     return 0

@@ -244,11 +244,14 @@ def test_full_recipe_through_the_deployment_on_a_multi_node_cluster(services_no_
             assert "NodeLost: Ray node lost mid-step: node " in failed and "RaySystemError" not in failed, failed
             assert "engine-1, trainer-1" in failed, failed
             asyncio.run(_attempt_process_exited(fid))
-            assert cluster.restart_dead_nodes()            # the node is back
+            assert cluster.restart_dead_nodes(), cluster.describe()      # the node is back
             asyncio.run(retry_flow_run(fid))  # the UI's Retry
             state = asyncio.run(watch(fid, timeout_s=1800, quiet=True))
             assert state == "Completed", _worker_log_tail(home)
-    finally:
+    except BaseException:
+        print(f"the cluster's node logs are kept in {root}")
+        raise
+    else:
         shutil.rmtree(root, ignore_errors=True)
     store = RunStore.for_run(cfg.resolved_storage_root(), str(fid))
     assert store.record("sft")["attempt"] == 1 and store.record("rl-stage-1")["attempt"] == 2

@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 HEALTH_CHECK = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
 OBJECT_STORE_BYTES = 128 * 1024 * 1024
 START_TIMEOUT_S = 120.0
+RESTART_WAIT_S = 30.0
 STARTED = "Ray runtime started"
 
 
@@ -179,21 +180,47 @@ class LocalCluster:
         _wait_gone(node.pid, node.procs.get(node.pid), 30.0)
         _signal(node.procs, signal.SIGKILL)
 
-    def restart_node(self, index: int) -> None:
-        """Start worker node `index` again (a new raylet with the same resources)."""
+    def node_down(self, index: int) -> bool:
+        """Whether worker node `index` is lost: its `ray start` process has exited, or its raylet is gone
+        (Ray has lost the node; its `ray start` notices within a second or two and exits)."""
         node = self.nodes[index]
-        if _alive(node.pid, node.procs.get(node.pid)):
+        if not _alive(node.pid, node.procs.get(node.pid)):
+            return True
+        return not any(_name(pid) == "raylet" for pid in _tree(node.pid))
+
+    def restart_node(self, index: int) -> None:
+        """Start worker node `index` again (a new raylet with the same resources). A node whose raylet is
+        gone but whose `ray start` has not exited yet is waited for (`RESTART_WAIT_S`), then killed."""
+        node = self.nodes[index]
+        if not self.node_down(index):
             raise RuntimeError(f"node {index} is still running (pid {node.pid})")
+        _wait_gone(node.pid, node.procs.get(node.pid), RESTART_WAIT_S)
+        _signal(node.procs, signal.SIGKILL)
         self.nodes[index] = self._launch(self._spec(node.role, index))
 
     def restart_dead_nodes(self) -> list[int]:
-        """Start again every worker node whose `ray start` process has exited (its raylet died); returns
-        their indices. The process is recognised by its start time: its PID may already be another
-        process's (the test suite's processes wrap a 32K PID space within minutes)."""
-        dead = [n.index for n in self.nodes[1:] if not _alive(n.pid, n.procs.get(n.pid))]
+        """Start again every worker node that is down (`node_down`: its raylet or its `ray start` process
+        died); returns their indices. The process is recognised by its start time: its PID may already be
+        another process's (the test suite's processes wrap a 32K PID space within minutes)."""
+        dead = [n.index for n in self.nodes[1:] if self.node_down(n.index)]
         for i in dead:
             self.restart_node(i)
         return dead
+
+    def describe(self, log_lines: int = 15) -> str:
+        """Each node's processes (alive or not, its raylet's PID) and the last `log_lines` lines of its log:
+        what a failing test prints so that a node's fate can be read from the CI output alone."""
+        out = []
+        for n in self.nodes:
+            raylets = [pid for pid in _tree(n.pid) if _name(pid) == "raylet"]
+            out.append(f"--- {n.role} {n.index}: ray start pid {n.pid} "
+                       f"{'alive' if _alive(n.pid, n.procs.get(n.pid)) else 'gone'}, raylet {raylets or 'none'}, "
+                       f"log {n.log}")
+            try:
+                out += n.log.read_text(errors="replace").splitlines()[-log_lines:]
+            except OSError as e:
+                out.append(f"(log unreadable: {e})")
+        return "\n".join(out)
 
     def stop(self) -> None:
         """Stop every node by its PIDs: SIGTERM (workers first, then the head), then SIGKILL what is left."""

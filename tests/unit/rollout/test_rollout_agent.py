@@ -139,8 +139,8 @@ def test_tool_calls_are_dispatched_without_waiting_for_other_trajectories(chat, 
     assert [g[0].finish for g in groups] == ["answer", "answer"]
     slow_first_turn_end = dict(engine.log)[f"gen_end:{ks[-1]}:0"]
     first_call_at = sandbox.calls[0][1]
-    assert first_call_at < slow_first_turn_end - 0.3      # the fast one's tool ran while the slow one generated
-    assert groups[0][0].tool_time_s < 0.5 and groups[1][0].gen_time_s >= 1.0
+    assert first_call_at < slow_first_turn_end            # the fast one's tool ran while the slow one generated
+    assert groups[1][0].gen_time_s >= 1.0                 # two turns of the slow engine's 0.5 s each
 
 
 def test_real_engine_trajectory_keeps_engine_tokens_and_logprobs(chat, tokenizer, model):

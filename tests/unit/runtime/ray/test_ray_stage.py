@@ -2,8 +2,10 @@
 the sandbox actor pool run the same steps as the local runtime, survive the failures a cluster has, and
 stop loudly when the infrastructure fails.
 
-- parity: 3 steps from one toy checkpoint and seeds give the same rollouts, pg_loss and grad-norm
-  within 1e-4 (relative) and final weights within 1e-5 as the local runtime, under ZeRO-2 and ZeRO-3;
+- parity: 3 steps from one toy checkpoint and seeds give the same prompts, seeds and cursor as the local
+  runtime and, up to a near-tie in sampling (tests/rollout_trace.py: the ZeRO-3 reduction order moves the
+  weights' last bits), the same rollouts, pg_loss and grad-norm within 1e-4 (relative) and final weights
+  within 1e-5, under ZeRO-2 and ZeRO-3;
 - a trainer shard killed at step 2 and, in the retry, engine actor 0 killed at step 3 each stop the stage
   with a retryable error and leave no actor process or placement group behind; the third attempt
   resumes and its step 3 equals the uninterrupted run's;
@@ -21,7 +23,8 @@ import torch
 
 pytest.importorskip("deepspeed")
 
-from stage_compare import OVERRIDES, assert_same_step
+from rollout_trace import recording
+from stage_compare import OVERRIDES, assert_same_steps
 
 from rstar2_core.config import load_config
 from rstar2_core.errors import InfraError, InfraFailureShareExceeded
@@ -40,16 +43,19 @@ def toy(toy_policy):
     return toy_policy[0], toy_policy[1]
 
 
-def _run(cfg, toy, out, **kw):
+def _run(cfg, toy, out, trace: list | None = None, **kw):
     stream: list = []
-    res = run_rl_stage(cfg, 0, init_checkpoint_url=toy[0], data_url=toy[1], out_url=out,
-                       log_metrics=lambda m, s: stream.append((s, dict(m))), **kw)
+    with recording(trace if trace is not None else [], cfg.rl.seed):
+        res = run_rl_stage(cfg, 0, init_checkpoint_url=toy[0], data_url=toy[1], out_url=out,
+                           log_metrics=lambda m, s: stream.append((s, dict(m))), **kw)
     return res, stream
 
 
 @pytest.fixture(scope="module")
 def local_run(toy, tmp_path_factory):
-    return _run(load_config("tiny", OVERRIDES), toy, tmp_path_factory.mktemp("local").as_uri())
+    trace: list = []
+    res, stream = _run(load_config("tiny", OVERRIDES), toy, tmp_path_factory.mktemp("local").as_uri(), trace)
+    return res, stream, trace
 
 
 def _live_actor_processes() -> list[str]:
@@ -77,20 +83,21 @@ def _weights(url):
 @pytest.mark.parametrize("zero", [2, 3])
 def test_ray_runtime_matches_the_local_runtime(ray_here, toy, local_run, tmp_path, zero):
     cfg = load_config("tiny", OVERRIDES + RAY + [f"rl.zero_stage={zero}"])
-    res, stream = _run(cfg, toy, (tmp_path / "ray").as_uri())
-    local_res, local_stream = local_run
+    trace: list = []
+    res, stream = _run(cfg, toy, (tmp_path / "ray").as_uri(), trace)
+    local_res, local_stream, local_trace = local_run
     assert [s for s, _ in stream] == [s for s, _ in local_stream] == [1, 2, 3]
     assert any(m.get("actor/skipped") == 0.0 for _, m in stream)        # an update really happened
-    for (_, a), (_, b) in zip(local_stream, stream):
-        assert_same_step(a, b)
+    near_tie = assert_same_steps(local_stream, stream, local_trace, trace)
     m = stream[-1][1]
     synced = [s for _, s in stream if "sync/bytes" in s]          # steps that took an update pushed weights
     assert synced and all(s["sync/bytes"] > 0 for s in synced)
     assert m["usage/engine_device_s"] > 0 and m["total/usage/trainer_device_s"] > 0
     assert 0.0 <= m["usage/engine_idle_frac"] <= 1.0 and m["usage/tokens_generated"] >= m["usage/tokens_trained"]
-    wl, wr = _weights(local_res.checkpoint_url), _weights(res.checkpoint_url)
-    for k in wl:
-        torch.testing.assert_close(wr[k], wl[k], rtol=0, atol=1e-5)
+    if near_tie is None:        # after a near-tie the runs trained on different samples
+        wl, wr = _weights(local_res.checkpoint_url), _weights(res.checkpoint_url)
+        for k in wl:
+            torch.testing.assert_close(wr[k], wl[k], rtol=0, atol=1e-5)
     _assert_nothing_left(ray_here)
 
 
@@ -98,18 +105,19 @@ def test_killed_trainer_then_killed_engine_resume_to_the_same_step(ray_here, toy
     cfg = load_config("tiny", OVERRIDES + RAY + ["rl.zero_stage=2"])
     monkeypatch.setenv("RSTAR2_FAULT_INJECT", "rl-stage-1:step=2:kill-trainer,rl-stage-1:step=3:kill-engine")
     out = (tmp_path / "faulty").as_uri()
+    trace: list = []                                  # the rollouts of all three attempts
     with pytest.raises(InfraError, match="trainer-1"):          # attempt 1: dies in step 2's update
-        _run(cfg, toy, out)
+        _run(cfg, toy, out, trace)
     _assert_nothing_left(ray_here)
     with pytest.raises(InfraError, match="engine-0"):           # attempt 2: resumes at 2, dies in step 3
-        _run(cfg, toy, out)
+        _run(cfg, toy, out, trace)
     _assert_nothing_left(ray_here)
-    res, stream = _run(cfg, toy, out)                             # attempt 3: resumes at 3 and finishes
+    res, stream = _run(cfg, toy, out, trace)                      # attempt 3: resumes at 3 and finishes
     assert [s for s, _ in stream] == [3]
-    assert_same_step(local_run[1][2][1], stream[0][1])
-    wl, wr = _weights(local_run[0].checkpoint_url), _weights(res.checkpoint_url)
-    for k in wl:
-        torch.testing.assert_close(wr[k], wl[k], rtol=0, atol=1e-5)
+    if assert_same_steps(local_run[1], stream, local_run[2], trace) is None:
+        wl, wr = _weights(local_run[0].checkpoint_url), _weights(res.checkpoint_url)
+        for k in wl:
+            torch.testing.assert_close(wr[k], wl[k], rtol=0, atol=1e-5)
 
 
 def test_an_engine_that_fails_every_request_stops_the_stage(ray_here, toy, tmp_path, monkeypatch):
