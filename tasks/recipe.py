@@ -25,19 +25,35 @@ from tasks.run_config import drift_notes, locate_store, read_snapshot, write_sna
 
 
 def preflight(cfg: Config) -> None:
-    """Fail fast, before any compute, on inputs that cannot work; the message names the fix."""
+    """Fail fast, before any compute, on inputs that cannot work: every source, SFT file, benchmark and
+    checkpoint the run will read, the storage root it writes, the MLflow server and the Ray address it
+    talks to. One `ConfigError` names each problem and the setting that points at it."""
     apply_storage_settings(cfg)
     problems = []
     for i, src in enumerate(cfg.data.sources):
         if not storage.exists(src.url):
             problems.append(f"data.sources.{i}.url = {src.url!r} does not exist; fix the URL or remove the source")
+    for i, url in enumerate(cfg.data.sft_sources):
+        if not storage.exists(url):
+            problems.append(f"data.sft_sources.{i} = {url!r} does not exist; fix the URL or remove the file")
+    if not (cfg.data.synthetic.enabled and cfg.data.synthetic.n_sft) and not cfg.data.sft_sources:
+        problems.append("the SFT set would be empty: data.synthetic is off (or n_sft = 0) and data.sft_sources "
+                        "lists no file; list the SFT data (function calling, instruction following, chat: "
+                        "JSONL/parquet in OpenAI `messages` or ShareGPT `conversations` form) in "
+                        "data.sft_sources, or enable data.synthetic")
     for i, b in enumerate(cfg.eval.benchmarks):
         if b.url and not storage.exists(b.url):
             problems.append(f"eval.benchmarks.{i}.url = {b.url!r} ({b.name}) does not exist; fix the URL "
                             "or drop the benchmark")
-    if cfg.model.kind == "hf" and "://" not in (cfg.model.name_or_path or "") and not storage.exists(
-            cfg.model.name_or_path or ""):
-        problems.append(f"model.name_or_path = {cfg.model.name_or_path!r} does not exist locally")
+    checkpoints = [("model.name_or_path", cfg.model.name_or_path)] if cfg.model.kind == "hf" else []
+    if cfg.data.label_check.enabled and cfg.data.label_check.model:
+        checkpoints.append(("data.label_check.model", cfg.data.label_check.model))
+    for field, path in checkpoints:
+        if "://" not in (path or "") and not storage.exists(path or ""):
+            problems.append(f"{field} = {path!r} does not exist locally")
+        elif "://" in (path or "") and not storage.is_complete(path):
+            problems.append(f"{field} = {path!r} is not a complete checkpoint (no {storage.COMPLETE_MARKER} "
+                            "marker: missing, or its upload did not finish); upload it (infra/README.md) or fix the URL")
     if not cfg.data.sources and not cfg.data.synthetic.enabled:
         problems.append("no training data: add data.sources or set data.synthetic.enabled = true")
     root = cfg.resolved_storage_root()
@@ -48,8 +64,40 @@ def preflight(cfg: Config) -> None:
     except Exception as e:  # noqa: BLE001 - whatever the cause, the run could not save anything: say so
         problems.append(f"storage root {root!r} is not writable ({type(e).__name__}: {e}); fix storage.root "
                         "or storage.s3_endpoint_url")
+    problems += endpoint_problems(cfg)
     if problems:
         raise ConfigError("the recipe cannot start:\n  " + "\n  ".join(problems))
+
+
+ENDPOINT_TIMEOUT_S = 5.0
+"""How long preflight waits for the MLflow server or the Ray head to answer."""
+
+
+def endpoint_problems(cfg: Config) -> list[str]:
+    """The MLflow server (`tracking.tracking_uri` over HTTP: its /health) and the Ray head
+    (`cluster.ray_address` as host:port: a TCP connection) answer within `ENDPOINT_TIMEOUT_S`, or a line
+    naming the endpoint, the setting and what went wrong."""
+    import socket
+    import urllib.request
+
+    out = []
+    uri = cfg.tracking.tracking_uri or ""
+    if uri.startswith(("http://", "https://")):
+        try:
+            with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=ENDPOINT_TIMEOUT_S) as r:
+                r.read()
+        except OSError as e:
+            out.append(f"tracking.tracking_uri = {uri!r}: the MLflow server does not answer ({e}); start it "
+                       "(infra/README.md) or fix the URI")
+    addr = cfg.cluster.ray_address or ""
+    if cfg.cluster.runtime == "ray" and addr and addr != "auto" and not addr.startswith("ray://"):
+        host, _, port = addr.rpartition(":")
+        try:
+            socket.create_connection((host or "127.0.0.1", int(port)), timeout=ENDPOINT_TIMEOUT_S).close()
+        except (OSError, ValueError) as e:
+            out.append(f"cluster.ray_address = {addr!r}: no Ray head answers there ({e}); start the cluster "
+                       "(`rstar2 cluster up`, infra/README.md) or fix the address")
+    return out
 
 
 def open_recipe(profile: str, overrides: list[str], run_id: str | None, flow_run_id: str | None,

@@ -216,6 +216,47 @@ class ChatFormat:
                 else:
                     add(plan, self._tool_response_pieces(results), 0)
             plans.append(plan)
+        return self._realise(plans, texts)
+
+    def render_chats(self, chats: Sequence[Sequence[tuple[str, str]]]) -> list[tuple[list[int], list[int]]]:
+        """(ids, loss_mask) of each ChatML conversation given as (role, text) turns, roles `system`, `user`
+        and `assistant`, texts as the model sees them (tool calls and `<tool_response>` blocks already
+        written out: rstar2_core/sft/formats.py). Every turn is `<|im_start|>{role}\\n{text}<|im_end|>`, with
+        `\\n` between turns; loss_mask is 1 exactly on the assistant texts and their `<|im_end|>`. The SFT
+        rows that are not the recipe's problems (function calling, instruction following, chat) take this
+        form; the texts of all conversations are tokenized in one `encode_texts` call."""
+        plans: list[list[tuple[list[int] | int, int]]] = []
+        texts: list[str] = []
+        index: dict[str, int] = {}
+
+        def text(t: str) -> int:
+            if t not in index:
+                index[t] = len(texts)
+                texts.append(t)
+            return index[t]
+
+        for chat in chats:
+            if not chat or chat[-1][0] != "assistant":
+                raise ValueError("render_chats: a conversation must end with an assistant turn")
+            plan: list[tuple[list[int] | int, int]] = []
+            for k, (role, body) in enumerate(chat):
+                if role not in ("system", "user", "assistant"):
+                    raise ValueError(f"render_chats: unknown role {role!r} (system, user, assistant)")
+                m = int(role == "assistant")
+                plan.append(([self.im_start_id], 0))
+                if m:       # the header apart from the text, as at generation (the prompt ends with it)
+                    plan += [(text("assistant\n"), 0), (text(body), 1)]
+                else:
+                    plan.append((text(f"{role}\n{body}"), 0))
+                plan.append(([self.im_end_id], m))
+                if k < len(chat) - 1:
+                    plan.append((text("\n"), 0))
+            plans.append(plan)
+        return self._realise(plans, texts)
+
+    def _realise(self, plans: list[list[tuple[list[int] | int, int]]], texts: list[str]
+                 ) -> list[tuple[list[int], list[int]]]:
+        """(ids, loss_mask) of each plan: pieces that are literal ids or indices into `texts`, encoded together."""
         encoded = self.encode_texts(texts)
         out = []
         for plan in plans:

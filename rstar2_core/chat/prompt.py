@@ -88,3 +88,21 @@ def system_prompt(with_tools: bool = True) -> str:
 def user_message(problem: str) -> str:
     """The user message text for one problem: the problem, a blank line, then the answer instruction."""
     return f"{problem.strip()}\n\n{USER_INSTRUCTION}"
+
+
+def tools_section(schemas: list[dict]) -> str:
+    """The system-prompt section that lists any tools (one JSON schema per line inside `<tools>`) and asks
+    for calls in the recipe's `<tool_call>` JSON form: how the SFT set's function-calling rows present
+    their own tools (rstar2_core/sft/formats.py), the same layout as the Python tool's section above."""
+    listed = "\n".join(json.dumps(s, ensure_ascii=False) for s in schemas)
+    return ("# Tools\n\nYou may call one or more functions to help with the user's request.\n\n"
+            f"The function signatures are given within {TOOLS_OPEN}{TOOLS_CLOSE} XML tags:\n"
+            f"{TOOLS_OPEN}\n{listed}\n{TOOLS_CLOSE}\n\n"
+            f"For each call, write a JSON object with the function name and arguments within "
+            f"{TOOL_CALL_OPEN}{TOOL_CALL_CLOSE} XML tags:\n"
+            f"{TOOL_CALL_OPEN}\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n{TOOL_CALL_CLOSE}")
+
+
+def tool_call_text(name: str, arguments: dict) -> str:
+    """One call as the model writes it: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`."""
+    return f"{TOOL_CALL_OPEN}\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n{TOOL_CALL_CLOSE}"

@@ -140,9 +140,12 @@ class DataConfig(_Section):
     synthetic: SyntheticConfig = Field(default_factory=SyntheticConfig)
     """The synthetic tool-use task."""
     sft_sources: list[str] = Field(default_factory=list)
-    """fsspec URLs of extra SFT conversations (JSONL rows {"problem", "turns": [[assistant_text,
-    [tool_response, ...] or null], ...]}) mixed into the SFT set; malformed rows are rejected and
-    counted. The paper: 165K function-call + 30K instruction-following + 27K chat samples."""
+    """fsspec URLs of SFT conversations (JSONL or parquet) mixed into the SFT set, rows in the formats such
+    sets are published in: OpenAI `messages` (with `tools`, assistant `tool_calls`, `tool` messages),
+    ShareGPT `conversations`, or the recipe's own {"problem", "turns"} (rstar2_core/sft/formats.py);
+    malformed rows are rejected and counted. The paper: 165K function-call + 30K instruction-following +
+    27K chat samples. With `synthetic` off this is the whole SFT set (the recipe's preflight refuses an
+    empty one)."""
     max_answer_digits: int = Field(30, ge=1)
     """Drop answers with more digits than this (huge answers time out the verifier)."""
     near_dup_threshold: float = Field(0.85, gt=0.0, le=1.0)

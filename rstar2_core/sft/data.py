@@ -8,14 +8,18 @@ tokenizer the base model has:
     (+ "direct", "mask_answer": bool on synthetic rows; `mask_answer` keeps the boxed answer's tokens out
     of the loss, see `sft.packing.encode_conversations`)
 
+    or, for the general rows (function calling, instruction following, chat):
+    {"id": ..., "messages": [[role, text], ...], "source": <url>, "format": "openai" | "sharegpt"}
+
 Sources: `cfg.data.synthetic` demonstrations (code actually executed in the sandbox, results rendered
-with `chat.render_tool_result` under the rollout's truncation settings) plus the JSONL files listed in
-`cfg.data.sft_sources` (rows validated; malformed ones rejected with a reason and counted in
+with `chat.render_tool_result` under the rollout's truncation settings) plus the files listed in
+`cfg.data.sft_sources` (JSONL or parquet; rows in the form above, OpenAI `messages` or ShareGPT
+`conversations`: rstar2_core/sft/formats.py; malformed ones rejected with a reason and counted in
 `DatasetRef.counts["rejected/<reason>"]`). The file is written atomically; its sha256 is the digest;
 a manifest JSON (counts, config) sits beside it.
 
-Departs from the paper: its SFT mix is 222K general function-calling/instruction/chat samples; the
-tiny profile uses only the synthetic task (external mixes go through `data.sft_sources`).
+The paper's SFT mix is 222K function-calling/instruction/chat samples (the production profile names its
+three parts); the tiny profile uses only the synthetic task.
 
     rstar2 sft data --profile tiny --out file:///tmp/sft.jsonl
 """
@@ -30,6 +34,7 @@ from rstar2_core import storage
 from rstar2_core.chat.tokens import REASON_OPEN
 from rstar2_core.config import Config
 from rstar2_core.results import DatasetRef
+from rstar2_core.sft.formats import validate_messages
 
 
 def validate_row(row: object) -> str | None:
@@ -55,21 +60,34 @@ def validate_row(row: object) -> str | None:
 
 
 def _external_rows(url: str, counts: Counter) -> list[dict]:
+    """The usable rows of one `data.sft_sources` file: the recipe's own form (`problem` + `turns`) as is,
+    OpenAI `messages` and ShareGPT `conversations` rows normalized (rstar2_core/sft/formats.py); every
+    other row rejected with its reason and counted (`rejected/<reason>`)."""
+    from rstar2_core.data.sources import Reject, iter_rows, read_raw
+    from rstar2_core.sft.formats import Rejected, normalize_row, row_format
+
     rows = []
-    for i, line in enumerate(storage.read_text(url).splitlines()):
-        if not line.strip():
+    for i, row in enumerate(iter_rows(url, read_raw(url)[0])):
+        if isinstance(row, Reject):
+            counts[f"rejected/{row.reason}"] += 1
             continue
+        rid = str(row.get("id", f"{url}#{i}"))
         try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            counts["rejected/invalid_json"] += 1
+            fmt = row_format(row)
+            if fmt != "rstar2":
+                rows.append({"id": rid, **normalize_row(row), "source": url, "format": fmt})
+                counts[f"format/{fmt}"] += 1
+                continue
+        except Rejected as e:
+            counts[f"rejected/{e.reason}"] += 1
             continue
         reason = validate_row(row)
         if reason:
             counts[f"rejected/{reason}"] += 1
             continue
-        rows.append({"id": str(row.get("id", f"{url}#{i}")), "problem": row["problem"], "turns": row["turns"],
+        rows.append({"id": rid, "problem": row["problem"], "turns": row["turns"],
                      "source": url, "answer": row.get("answer"), "failed_first": bool(row.get("failed_first"))})
+        counts["format/rstar2"] += 1
     return rows
 
 
@@ -102,7 +120,7 @@ def build_sft_dataset(cfg: Config, out_url: str) -> DatasetRef:
         counts[f"source/{url}"] = len(ext)
         rows.extend(ext)
     if not rows:
-        raise ValueError("the SFT set is empty: enable data.synthetic (n_sft > 0) or list JSONL files in "
+        raise ValueError("the SFT set is empty: enable data.synthetic (n_sft > 0) or list JSONL/parquet files in "
                          f"data.sft_sources (rejections: {dict(counts)})")
     body = "".join(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n" for r in rows).encode()
     digest = hashlib.sha256(body).hexdigest()
@@ -120,7 +138,7 @@ def read_sft_rows(url: str) -> list[dict]:
         if not line.strip():
             continue
         row = json.loads(line)
-        reason = validate_row(row)
+        reason = validate_messages(row) if "messages" in row else validate_row(row)
         if reason:
             raise ValueError(f"{url} line {i + 1}: bad SFT row ({reason}); rebuild it with build_sft_dataset")
         rows.append(row)

@@ -60,13 +60,23 @@ class PackedRow:
 
 def encode_conversations(rows: Sequence[dict], chat, max_seq_len: int) -> tuple[list[Doc], int]:
     """[(ids, loss_mask)] for rows in render_trajectory form (tokenized in one batch:
-    `ChatFormat.render_trajectories`); also the count of rows over max_seq_len. A row with `mask_answer`
+    `ChatFormat.render_trajectories`) or `messages` form (`ChatFormat.render_chats`), in the rows' order;
+    also the count of rows over max_seq_len. A row with `mask_answer`
     (and its `answer`) gets loss_mask 0 on the tokens of its last boxed answer."""
     docs, too_long = [], 0
-    items = [(r["problem"], [(t, res) for t, res in r["turns"]]) for r in rows]
-    for r, (_, turns), (ids, mask) in zip(rows, items, chat.render_trajectories(items)):
-        if r.get("mask_answer"):
-            mask = _mask_boxed_answer(chat, r, turns, ids, mask)
+    recipe = [r for r in rows if "messages" not in r]
+    items = [(r["problem"], [(t, res) for t, res in r["turns"]]) for r in recipe]
+    rendered = iter(chat.render_trajectories(items) if items else [])
+    chats = iter(chat.render_chats([[tuple(m) for m in r["messages"]] for r in rows if "messages" in r])
+                 if len(recipe) < len(rows) else [])
+    turns_of = iter(items)
+    for r in rows:
+        if "messages" in r:
+            ids, mask = next(chats)
+        else:
+            (_, turns), (ids, mask) = next(turns_of), next(rendered)
+            if r.get("mask_answer"):
+                mask = _mask_boxed_answer(chat, r, turns, ids, mask)
         if len(ids) > max_seq_len:
             too_long += 1
             continue

@@ -89,7 +89,8 @@ def test_external_sft_rows_validated_and_counted(tmp_path, sft_assets):
     cfg = small_cfg("data.synthetic.enabled=false", f'data.sft_sources=["{src.as_uri()}"]')
     out = build_sft_dataset(cfg, (tmp_path / "sft.jsonl").as_uri())
     assert out.n_rows == 2
-    assert out.counts == {f"source/{src.as_uri()}": 2, "rejected/invalid_json": 1, "rejected/missing_problem": 1,
+    assert out.counts == {f"source/{src.as_uri()}": 2, "format/rstar2": 2, "rejected/invalid_json": 1,
+                          "rejected/missing_problem": 1,
                           "rejected/last_turn_has_tool_results": 1, "rejected/missing_tool_results": 1,
                           "rejected/first_turn_repeats_reason_tag": 1}
     src.write_text("\n".join(bad) + "\n")

@@ -1,0 +1,55 @@
+"""The recipe's preflight on the production profile, its stores empty and its services down: one error, in
+seconds, naming every input the run would read (RL and SFT sources, benchmarks, the base model), the
+storage root it would write, the MLflow server and the Ray head, each with the setting that points at it
+(tasks/recipe.py `preflight`). Against a real S3 API (moto) and real closed ports."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+from s3_server import moto_s3
+
+from rstar2_core.config import ConfigError, load_config
+from tasks.recipe import preflight
+
+REGION = "eu-west-1"
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]            # nothing listens there once the socket is closed
+
+
+def test_preflight_names_every_missing_input_and_every_dead_endpoint():
+    with moto_s3("rstar2-artifacts", REGION) as s3:
+        cfg = load_config("qwen3-14b-mi300x", [
+            f'storage.s3_endpoint_url="{s3}"', f'storage.s3_region="{REGION}"',
+            f'tracking.tracking_uri="http://127.0.0.1:{_closed_port()}"',
+            f'cluster.ray_address="127.0.0.1:{_closed_port()}"'])
+        t0 = time.monotonic()
+        with pytest.raises(ConfigError) as e:
+            preflight(cfg)
+        took = time.monotonic() - t0
+    msg = str(e.value)
+    assert len(cfg.data.sft_sources) == 3                # function calling, instruction following, chat
+    for i, src in enumerate(cfg.data.sources):
+        assert f"data.sources.{i}.url = {src.url!r} does not exist" in msg
+    for i, url in enumerate(cfg.data.sft_sources):
+        assert f"data.sft_sources.{i} = {url!r} does not exist" in msg
+    for i, b in enumerate(cfg.eval.benchmarks):
+        assert f"eval.benchmarks.{i}.url = {b.url!r}" in msg
+    assert "model.name_or_path = 's3://rstar2-models/Qwen3-14B-Base' is not a complete checkpoint" in msg
+    assert "tracking.tracking_uri" in msg and "MLflow server does not answer" in msg
+    assert "cluster.ray_address" in msg and "no Ray head answers" in msg
+    assert "storage root" not in msg                     # the artifacts bucket exists: writable
+    assert took < 120, took                              # a bound that only catches a hang on a dead endpoint
+
+
+def test_an_empty_sft_set_is_refused_before_any_compute(tmp_path):
+    cfg = load_config("tiny", ["data.synthetic.enabled=false", f'storage.root="{tmp_path.as_uri()}"',
+                               f'data.sources=[{{url="{tmp_path}/none.jsonl", layout="generic", name="g"}}]'])
+    with pytest.raises(ConfigError, match="the SFT set would be empty"):
+        preflight(cfg)
