@@ -95,8 +95,9 @@ def _service(docs: list[dict], name: str) -> dict | None:
     return next((d for d in docs if d.get("kind") == "Service" and d["metadata"]["name"] == name), None)
 
 
-def infra_problems(cfg: Any, infra: Path = INFRA) -> list[str]:
-    """Where infra/ disagrees with the profile's cluster, image, tracking URI or services ([] = consistent)."""
+def infra_problems(cfg: Any, infra: Path = INFRA, prefect_yaml: Path = INFRA.parent / "prefect.yaml") -> list[str]:
+    """Where infra/ disagrees with the profile's cluster, image, tracking URI or services, or with the
+    deployments' pull steps ([] = consistent)."""
     cl, p = cfg.cluster, []
     image, tracking = cl.image, cfg.tracking.tracking_uri
 
@@ -167,8 +168,38 @@ def infra_problems(cfg: Any, infra: Path = INFRA) -> list[str]:
 
     if cl.runtime == "ray":
         p += _runtime_slot_problems(cfg, rc, up)
+    p += pull_step_problems(infra, env, prefect_yaml)
     tag = re.search(r"-t\s+(\S+)", (infra / "docker" / "Dockerfile.rocm").read_text())
     expect("infra/docker/Dockerfile.rocm build tag", tag.group(1) if tag else None, image)
+    return p
+
+
+def pull_step_problems(infra: Path, job_env: dict, prefect_yaml: Path) -> list[str]:
+    """prefect.yaml's pull steps run in the flow-run process the production worker starts: every
+    environment variable they name (`{{ $NAME }}`) must reach it, from the pool's base job template
+    (`job_env`) or the image (infra/docker/Dockerfile.rocm ENV), and a working directory must be the
+    image's WORKDIR (where the code is). Otherwise the flow run dies before the flow starts."""
+    import yaml
+
+    dockerfile = (infra / "docker" / "Dockerfile.rocm").read_text()
+    image_env = dict(re.findall(r"^\s*(?:ENV\s+)?([A-Z][A-Z0-9_]*)=(\S+?)\s*\\?$", dockerfile, flags=re.MULTILINE))
+    workdir = (re.search(r"^WORKDIR\s+(\S+)", dockerfile, flags=re.MULTILINE) or [None, None])[1]
+    pull = yaml.safe_load(prefect_yaml.read_text()).get("pull") or []
+    p = []
+    for step in pull:
+        for name, args in step.items():
+            for value in (args or {}).values():
+                if not isinstance(value, str):
+                    continue
+                for var in re.findall(r"\{\{\s*\$([A-Za-z_][A-Za-z0-9_]*)\s*\}\}", value):
+                    got = job_env.get(var) or image_env.get(var)
+                    if got is None:
+                        p.append(f"prefect.yaml pull step {name} needs ${var}, which neither "
+                                 "infra/prefect/base-job-template.json's env nor the image (Dockerfile ENV) sets: "
+                                 "the production worker's flow runs would fail before the flow starts")
+                    elif name.endswith("set_working_directory") and got != workdir:
+                        p.append(f"prefect.yaml pull step {name} changes into ${var} = {got!r}, but the image's "
+                                 f"code is in WORKDIR {workdir!r}")
     return p
 
 

@@ -66,6 +66,34 @@ def test_strict_passes_the_production_profile_and_fails_on_an_infra_mismatch(cap
     assert len(problems) == 1 and "rstar2_runtime" in problems[0]
 
 
+def test_the_pull_step_and_the_production_worker_agree(tmp_path):
+    """prefect.yaml's pull step changes into $RSTAR2_REPO: the production flow runs get it from the pool's
+    base job template and the image, and it is the image's WORKDIR; an infra/ that sets it nowhere (or
+    elsewhere) is refused by `rstar2 plan`."""
+    import json
+    import shutil
+
+    from rstar2_cli.plan import INFRA, infra_problems
+
+    cfg = load_config("qwen3-14b-mi300x")
+    assert "RSTAR2_REPO" in (INFRA.parent / "prefect.yaml").read_text()
+    assert infra_problems(cfg) == []
+    bad = tmp_path / "infra"
+    shutil.copytree(INFRA, bad)
+    for f in (bad / "docker").iterdir():
+        f.write_text(f.read_text().replace("    RSTAR2_REPO=/opt/rstar2 \\\n", ""))
+    tmpl = bad / "prefect" / "base-job-template.json"
+    t = json.loads(tmpl.read_text())
+    del t["variables"]["properties"]["env"]["default"]["RSTAR2_REPO"]
+    tmpl.write_text(json.dumps(t))
+    (problem,) = infra_problems(cfg, bad)
+    assert "needs $RSTAR2_REPO" in problem and "before the flow starts" in problem
+    t["variables"]["properties"]["env"]["default"]["RSTAR2_REPO"] = "/srv/elsewhere"
+    tmpl.write_text(json.dumps(t))
+    (problem,) = infra_problems(cfg, bad)
+    assert "'/srv/elsewhere'" in problem and "WORKDIR '/opt/rstar2'" in problem
+
+
 def test_layout_that_cannot_fit_exits_2_naming_the_field(capsys):
     rc = main(["plan", "--profile", "qwen3-14b-mi300x", "--set", "rollout.num_engines=40"])
     assert rc == 2
