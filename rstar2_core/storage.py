@@ -13,7 +13,7 @@ import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -207,8 +207,9 @@ def abort_dir(staging_url: str, url: str) -> None:
         remove(staging_url)
 
 
-def download_dir(url: str, local_dir: Path) -> Path:
-    """Copy a complete remote folder to `local_dir` (a local URL is returned as its own path)."""
+def download_dir(url: str, local_dir: Path, select: Callable[[str], bool] | None = None) -> Path:
+    """Copy a complete remote folder to `local_dir` (a local URL is returned as its own path); `select`:
+    only the files whose path relative to the folder it accepts."""
     local = to_local_path(url)
     if local is not None:
         return local
@@ -216,6 +217,8 @@ def download_dir(url: str, local_dir: Path) -> Path:
     local_dir.mkdir(parents=True, exist_ok=True)
     for rpath in fs.find(path):
         rel = rpath[len(path.rstrip("/")) + 1:]
+        if select is not None and not select(rel):
+            continue
         dst = local_dir / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
         fs.get_file(rpath, str(dst))

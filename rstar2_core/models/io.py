@@ -6,7 +6,8 @@ Readers ignore folders without the marker, so a crash mid-write leaves the previ
 latest complete one. `publish_checkpoint` is the one writer of that layout: `save_checkpoint` (a model
 in this process) and `runtime.checkpoint.publish_policy_checkpoint` (a runtime's trainer, one process or
 many ranks) both go through it. Remote URLs (s3://) are written in place with the marker last; reads of
-remote checkpoints are cached under $RSTAR2_HOME/cache/checkpoints.
+remote checkpoints are cached under $RSTAR2_HOME/cache/checkpoints, once per machine (a lock the node's
+processes share), and `load_tokenizer` fetches the tokenizer files only.
 
     save_checkpoint(model, tok, "file:///tmp/run/step-000050", extra={"trainer.pt": b"..."}, meta={"step": 50})
     url = latest_complete("file:///tmp/run")       # -> ".../step-000050" or None
@@ -15,6 +16,8 @@ remote checkpoints are cached under $RSTAR2_HOME/cache/checkpoints.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import re
@@ -48,26 +51,61 @@ def _cache_root() -> Path:
     return Path(home) / "cache"
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".npz")
+"""Files `load_tokenizer` never downloads (weights and trainer state, whatever their folder)."""
+
+
+def _is_tokenizer_file(rel: str) -> bool:
+    """A top-level checkpoint file that is not weights: tokenizer files, config.json, the marker."""
+    return "/" not in rel and not rel.endswith(WEIGHT_SUFFIXES)
+
+
+@contextlib.contextmanager
+def node_lock(path: Path):
+    """An exclusive lock on `path` shared by every process of this machine (`flock`): held while one
+    process fills a cache entry that the others wait for. The kernel drops it when its holder dies, so a
+    killed download leaves no stale lock (the next holder finds no complete entry and downloads again)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _cached_copy(checkpoint_url: str, kind: str, select=None) -> Path:
+    """The local copy of a complete remote checkpoint under `$RSTAR2_HOME/cache/<kind>/<key>` (the key: its
+    URL and marker), filled once per machine: the processes of a node (engine actors, trainer ranks, the
+    driver) take `node_lock` in turn, the first downloads (only the files `select(relative path)` keeps,
+    when given) into a temporary folder renamed into place, the others find it complete."""
+    key = hashlib.sha256((checkpoint_url + storage.read_text(storage.join(checkpoint_url, storage.COMPLETE_MARKER)))
+                         .encode()).hexdigest()[:16]
+    dst = _cache_root() / kind / key
+    if (dst / storage.COMPLETE_MARKER).exists():
+        return dst
+    with node_lock(dst.parent / f".{key}.lock"):
+        if not (dst / storage.COMPLETE_MARKER).exists():
+            tmp = dst.parent / f".{key}.{os.getpid()}.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            storage.download_dir(checkpoint_url, tmp, select=select)
+            shutil.rmtree(dst, ignore_errors=True)     # a copy without its marker: an interrupted rename
+            os.replace(tmp, dst)
+    return dst
+
+
 def local_checkpoint_dir(checkpoint_url: str) -> Path:
-    """Local folder holding a complete checkpoint (downloaded once for remote URLs)."""
+    """Local folder holding a complete checkpoint (a remote one downloaded once per machine: `_cached_copy`)."""
+    _require_complete(checkpoint_url)
+    local = storage.to_local_path(checkpoint_url)
+    return local if local is not None else _cached_copy(checkpoint_url, "checkpoints")
+
+
+def _require_complete(checkpoint_url: str) -> None:
     if not storage.is_complete(checkpoint_url):
         raise FileNotFoundError(f"{checkpoint_url} is not a complete checkpoint (no {storage.COMPLETE_MARKER} "
                                 "marker): it is missing or was interrupted mid-write; use latest_complete() "
                                 "on its parent folder to find the last good one")
-    local = storage.to_local_path(checkpoint_url)
-    if local is not None:
-        return local
-    key = hashlib.sha256((checkpoint_url + storage.read_text(storage.join(checkpoint_url, storage.COMPLETE_MARKER)))
-                         .encode()).hexdigest()[:16]
-    dst = _cache_root() / "checkpoints" / key
-    if not (dst / storage.COMPLETE_MARKER).exists():
-        tmp = dst.parent / f".{key}.{os.getpid()}.tmp"
-        storage.download_dir(checkpoint_url, tmp)
-        if dst.exists():  # another process finished first
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            os.replace(tmp, dst)
-    return dst
 
 
 def load_model_and_tokenizer(checkpoint_url: str, dtype=None, device: str = "cpu"):
@@ -83,10 +121,13 @@ def load_model_and_tokenizer(checkpoint_url: str, dtype=None, device: str = "cpu
 
 
 def load_tokenizer(checkpoint_url: str):
-    """The tokenizer saved in a complete checkpoint (no model weights are read)."""
+    """The tokenizer saved in a complete checkpoint. Of a remote checkpoint only its top-level files that
+    are not weights are downloaded (`cache/tokenizers`): the driver of a 14B run reads megabytes, not the
+    ~28 GB of weights."""
     from transformers import AutoTokenizer
 
-    path = local_checkpoint_dir(checkpoint_url)
+    _require_complete(checkpoint_url)
+    path = storage.to_local_path(checkpoint_url) or _cached_copy(checkpoint_url, "tokenizers", _is_tokenizer_file)
     with FROM_PRETRAINED_LOCK:
         return AutoTokenizer.from_pretrained(str(path))
 
