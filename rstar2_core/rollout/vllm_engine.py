@@ -22,8 +22,10 @@ endpoint settings this project does not configure.
 Weights reach the engine one of two ways, chosen by `rollout.weight_sync`:
 
 - Worker extension (`state_dict`, `object_store`, `checkpoint`; what runs on CPU): `update_weights(w)`
-  sends a state dict (as safetensors bytes: vLLM's RPC turns tensors nested in an argument into lists), or
-  a checkpoint URI each worker reads itself, to every worker through `collective_rpc`;
+  sends a state dict (as safetensors bytes: vLLM's RPC turns tensors nested in an argument into lists;
+  in chunks of `WEIGHT_CHUNK_BYTES`, since its msgpack encoder takes no bytes object of 4 GiB or more,
+  staged on each worker and loaded once all arrived), or a checkpoint URI each worker reads itself, to
+  every worker through `collective_rpc`;
   `WeightSyncExtension` reloads them in place there (the worker's `reload_weights`: checkpoint names in,
   q/k/v and gate/up fused and resharded for TP, kernel layouts rebuilt), then the prefix cache is reset
   (its KV was computed with the old weights). A state dict is a host copy per worker (~2 bytes x
@@ -55,6 +57,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -106,10 +109,21 @@ def _max_positions(model_dir: str | Path) -> int:
 class WeightSyncExtension:
     """Mixed into every vLLM worker (`worker_extension_cls`); methods run there through `collective_rpc`."""
 
-    def rstar2_load_safetensors(self, blob: bytes) -> int:
+    def rstar2_stage_safetensors(self, blob: bytes, first: bool) -> int:
+        """Add one chunk of a state dict (safetensors bytes) to what this worker holds for the next
+        `rstar2_load_staged`; `first` drops what an earlier, unfinished update left."""
         from safetensors.torch import load
 
-        return self._rstar2_load(load(blob))
+        staged = {} if first else getattr(self, "_rstar2_staged", None) or {}
+        staged.update(load(blob))
+        self._rstar2_staged = staged
+        return len(staged)
+
+    def rstar2_load_staged(self) -> int:
+        staged, self._rstar2_staged = getattr(self, "_rstar2_staged", None) or {}, None
+        if not staged:
+            raise RuntimeError("rstar2_load_staged: no staged weights (send the chunks first)")
+        return self._rstar2_load(staged)
 
     def rstar2_load_checkpoint(self, uri: str) -> int:
         return self._rstar2_load(load_state_dict_from_uri(uri))
@@ -197,6 +211,7 @@ class VLLMEngine:
         # unloaded state at the start and fills them as chunks arrive, so an update that fails or is left
         # open leaves a model that kills the engine core at its next forward
         self._half_loaded: str | None = None
+        self.weight_chunk_bytes = WEIGHT_CHUNK_BYTES
         self._inflight, self._busy_since, self._busy_s = 0, 0.0, 0.0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-engine-loop", daemon=True)
@@ -280,8 +295,10 @@ class VLLMEngine:
     async def _update_weights(self, weights: dict[str, Any] | str) -> None:
         if isinstance(weights, str):
             await self._engine.collective_rpc("rstar2_load_checkpoint", args=(weights,))
-        else:
-            await self._engine.collective_rpc("rstar2_load_safetensors", args=(_safetensors_blob(weights),))
+        else:   # in chunks: vLLM's RPC encoder (msgpack) takes no bytes object of 4 GiB or more
+            for i, blob in enumerate(safetensors_chunks(weights, self.weight_chunk_bytes)):
+                await self._engine.collective_rpc("rstar2_stage_safetensors", args=(blob, i == 0))
+            await self._engine.collective_rpc("rstar2_load_staged")
         await self._engine.reset_prefix_cache()
         self._half_loaded = None          # every layer was reloaded
 
@@ -370,20 +387,33 @@ async def _build(vllm, args):
     return vllm.AsyncLLMEngine.from_engine_args(args)
 
 
-def _safetensors_blob(state_dict: dict[str, Any]) -> bytes:
-    """A state dict as safetensors bytes: vLLM's RPC encoder (msgpack) keeps bytes as they are, while
-    tensors nested in a dict argument reach the worker as lists. Tensors sharing memory (tied input and
-    output embeddings) are copied apart: safetensors refuses aliases."""
+WEIGHT_CHUNK_BYTES = 1 << 30
+"""Bytes of tensors per message when a state dict goes to the workers (`update_weights` with a dict): a
+14B model in bf16 (~29.5 GB) is ~28 messages, each one safetensors blob below msgpack's 4 GiB limit."""
+
+
+def safetensors_chunks(state_dict: dict[str, Any], max_bytes: int) -> Iterator[bytes]:
+    """A state dict as safetensors blobs of at most `max_bytes` of tensors each (a larger tensor alone in
+    its own), in the dict's order: vLLM's RPC encoder (msgpack) keeps bytes as they are, while tensors
+    nested in a dict argument reach the worker as lists. Tensors sharing memory (tied input and output
+    embeddings) are copied apart: safetensors refuses aliases."""
     from safetensors.torch import save
 
     seen: set[int] = set()
-    out = {}
+    out: dict[str, Any] = {}
+    size = 0
     for k, v in state_dict.items():
         v = v.detach().contiguous()
         ptr = v.untyped_storage().data_ptr()
-        out[k] = v.clone() if ptr in seen else v
+        v = v.clone() if ptr in seen else v
         seen.add(ptr)
-    return save(out)
+        n = v.numel() * v.element_size()
+        if out and size + n > max_bytes:
+            yield save(out)
+            out, size = {}, 0
+        out[k], size = v, size + n
+    if out:
+        yield save(out)
 
 
 def _allocated_kv_tokens(engine: Any) -> int:

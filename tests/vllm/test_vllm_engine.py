@@ -138,6 +138,36 @@ def test_a_weight_update_changes_what_the_engine_serves(vllm_engine, toy_model, 
         vllm_engine.update_weights(model.state_dict())
 
 
+def test_a_state_dict_goes_to_the_workers_in_chunks_below_the_rpc_limit(vllm_engine, toy_model, monkeypatch):
+    """`update_weights(state_dict)` sends safetensors chunks of at most `weight_chunk_bytes` (vLLM's msgpack
+    RPC takes no bytes object of 4 GiB or more: a whole 14B state dict is ~29.5 GB) and loads them once all
+    arrived: the engine then serves the new weights exactly as a single message did."""
+    from rstar2_core.rollout import vllm_engine as ve
+
+    model, chat = toy_model
+    prompt = chat.prompt_ids("Toy problem 8: what does the program print?")
+    params = SamplingParams(max_new_tokens=16, temperature=1.0, seed=5)
+    new_sd = _perturbed(model)
+    sizes: list[int] = []
+    real = ve.safetensors_chunks
+
+    def counted(sd, max_bytes):
+        for blob in real(sd, max_bytes):
+            sizes.append(len(blob))
+            yield blob
+
+    monkeypatch.setattr(ve, "safetensors_chunks", counted)
+    monkeypatch.setattr(vllm_engine, "weight_chunk_bytes", 64 * 1024)
+    try:
+        vllm_engine.update_weights(new_sd)
+        out = _generate(vllm_engine, [prompt], [params])[0]
+        lp_new = _trainer_logprobs(_model_with(model, new_sd), chat, prompt, [out], 1.0)[0]
+        assert (torch.tensor(out.logprobs) - lp_new).abs().max().item() < 1e-3
+        assert len(sizes) > 3, sizes                  # several messages (tests/unit/rollout: how they are cut)
+    finally:
+        vllm_engine.update_weights(model.state_dict())
+
+
 def _model_with(model, state_dict):
     import copy
 

@@ -70,7 +70,8 @@ def test_engines_sleep_through_the_trainer_step_and_wake_around_the_transfer(eng
             rep = sync.push()
         step = log[start:]
         assert step == [("sleep", 1)] * 2 + ["trainer.step"] + [("wake_up", ["weights"])] * 2 + [
-            ("rpc", "rstar2_load_safetensors"), "reset"] * 2 + [("wake_up", ["kv_cache"])] * 2
+            ("rpc", "rstar2_stage_safetensors"), ("rpc", "rstar2_load_staged"), "reset"] * 2 + [
+            ("wake_up", ["kv_cache"])] * 2
         assert rep.bytes == 16 and not sync.asleep
 
 
@@ -91,7 +92,8 @@ def test_without_the_setting_nothing_sleeps(engines):
     with sync.training():
         sync.trainer.step()
         sync.push()
-    assert log == ["trainer.step"] + [("rpc", "rstar2_load_safetensors"), "reset"] * 2
+    assert log == ["trainer.step"] + [("rpc", "rstar2_stage_safetensors"), ("rpc", "rstar2_load_staged"),
+                                      "reset"] * 2
 
 
 # ------------------------------------------------------------------------------------------- rl_step
