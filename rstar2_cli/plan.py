@@ -46,12 +46,12 @@ def recipe_dag(cfg: Any) -> list[PlanTask]:
     """The full recipe's tasks in submission order, with dependencies and Ray resources."""
     out: list[PlanTask] = []
 
-    from rstar2_core.config.runtime_rules import STAGE_TASKS
+    from rstar2_core.config.runtime_rules import runtime_tasks
 
     def add(name: str, kind: str, label: str, *deps: str) -> str:
         r = cfg.cluster.resources.get(kind)
         out.append(PlanTask(name, kind, label, tuple(deps), float(r.num_cpus) if r else 1.0,
-                            float(r.num_gpus) if r else 0.0, cfg.cluster.runtime == "ray" and kind in STAGE_TASKS))
+                            float(r.num_gpus) if r else 0.0, cfg.cluster.runtime == "ray" and kind in runtime_tasks(cfg)))
         return name
 
     from tasks.context import stage_label
@@ -206,7 +206,7 @@ def pull_step_problems(infra: Path, job_env: dict, prefect_yaml: Path) -> list[s
 def _runtime_slot_problems(cfg: Any, rc: dict, up: dict) -> list[str]:
     """With cluster.runtime = "ray", the head must offer the one `rstar2_runtime` unit the stage tasks ask
     for (rstar2_core/runtime/ray/connect.py) and CPUs for the largest of them (they run there)."""
-    from rstar2_core.config.runtime_rules import STAGE_TASKS
+    from rstar2_core.config.runtime_rules import runtime_tasks
     from rstar2_core.runtime.ray.connect import RUNTIME_RESOURCE
 
     p = []
@@ -219,7 +219,8 @@ def _runtime_slot_problems(cfg: Any, rc: dict, up: dict) -> list[str]:
     if res.get(RUNTIME_RESOURCE) != 1:
         p.append(f"infra/k8s/raycluster.yaml head rayStartParams.resources lacks {{\"{RUNTIME_RESOURCE}\": 1}}: "
                  "stage tasks of the Ray runtime would never be scheduled")
-    need = max((cfg.cluster.resources[k].num_cpus for k in STAGE_TASKS if k in cfg.cluster.resources), default=1.0)
+    need = max((cfg.cluster.resources[k].num_cpus for k in runtime_tasks(cfg) if k in cfg.cluster.resources),
+               default=1.0)
     if float(head.get("num-cpus", 0)) < need:
         p.append(f"infra/k8s/raycluster.yaml head num-cpus = {head.get('num-cpus')} is below the {need:g} CPUs a "
                  "stage task asks for (cluster.resources.*.num_cpus); they run on the head")
@@ -258,6 +259,27 @@ def cluster_fit(cfg: Any, layout: Any, nodes: list) -> tuple[list[str], list[str
     return lines, problems
 
 
+ASSUMED_DECODE_TOKENS_PER_S_PER_GPU = 1500.0
+"""Generated tokens per second per engine GPU that the label check's time estimate assumes: an assumption,
+not a measurement of this project (peers report ~1.1-2.2K tokens/s/GPU for whole RL steps of 8B models on
+H100s, shared/PEERS.md); the estimate is an upper bound on tokens and a rough guide to hours."""
+
+
+def label_check_cost(cfg: Any) -> dict | None:
+    """The label check's budget as `rstar2 plan` prints it: problems (None: every curated one), samples,
+    tokens and turns per sample, the generated-token upper bound and hours at the assumed rate on the
+    runtime's engine GPUs; None when the check is off."""
+    lc = cfg.data.label_check
+    if not lc.enabled:
+        return None
+    tokens, turns = lc.max_response_tokens or cfg.eval.max_tokens, lc.max_turns or cfg.eval.max_turns
+    gpus = max(1, cfg.rollout.num_engines * cfg.rollout.tensor_parallel_size)
+    total = lc.max_problems * lc.k * tokens if lc.max_problems else None
+    hours = total / (ASSUMED_DECODE_TOKENS_PER_S_PER_GPU * gpus) / 3600 if total else None
+    return {"problems": lc.max_problems, "k": lc.k, "max_response_tokens": tokens, "max_turns": turns,
+            "max_generated_tokens": total, "engine_gpus": gpus, "hours_at_assumed_rate": hours}
+
+
 def build_plan(cfg: Any, nodes: list | None = None) -> dict:
     """Everything `rstar2 plan` prints, as a JSON-able dict; `nodes`: a live cluster's nodes to fit the
     layout to (`--address`). Raises ConfigError when the layout cannot fit the config's cluster."""
@@ -278,7 +300,8 @@ def build_plan(cfg: Any, nodes: list | None = None) -> dict:
     return {"profile": cfg.profile, "image": cfg.cluster.image, "ray_address": cfg.cluster.ray_address,
             "tracking_uri": cfg.resolved_tracking_uri(), "storage_root": cfg.resolved_storage_root(),
             "dag": [asdict(t) for t in recipe_dag(cfg)], "layout": layout.to_json(),
-            "layout_summary": layout.describe(), "live_cluster": live, "problems": problems}
+            "layout_summary": layout.describe(), "live_cluster": live, "label_check": label_check_cost(cfg),
+            "problems": problems}
 
 
 def _fmt_res(t: dict) -> str:
@@ -305,6 +328,18 @@ def render(plan: dict, cfg: Any) -> str:
     if cfg.cluster.runtime == "local":
         lines.append("  (runtime local: every stage runs in its task's process; the layout above is what "
                      "cluster.runtime = \"ray\" would place)")
+    lc = plan.get("label_check")
+    if lc:
+        where = "holds the runtime slot" if cfg.cluster.runtime == "ray" else "in the curate task"
+        per = (f"{lc['k']} samples x <= {lc['max_response_tokens']:,} tokens (<= {lc['max_turns']} turns)")
+        if lc["problems"]:
+            lines += ["", (f"label check (curate, {where}): <= {lc['problems']:,} problems x {per} = <= "
+                           f"{lc['max_generated_tokens'] / 1e9:.2f}B generated tokens; at an assumed "
+                           f"{ASSUMED_DECODE_TOKENS_PER_S_PER_GPU:,.0f} tokens/s per GPU on {lc['engine_gpus']} "
+                           f"engine GPU(s): <= {lc['hours_at_assumed_rate']:.1f} h")]
+        else:
+            lines += ["", (f"label check (curate, {where}): every curated problem x {per}; no budget on "
+                           "problems (data.label_check.max_problems): its cost grows with the sources")]
     if plan.get("live_cluster"):
         lines += [""] + plan["live_cluster"]
     lines.append("")

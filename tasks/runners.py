@@ -24,7 +24,7 @@ import os
 from collections.abc import Iterator
 
 from rstar2_core.config import Config
-from rstar2_core.config.runtime_rules import STAGE_TASKS
+from rstar2_core.config.runtime_rules import runtime_tasks
 from rstar2_core.config.sections import TASK_KINDS
 from rstar2_core.runtime.ray.connect import RUNTIME_RESOURCE, ray_init_kwargs
 
@@ -49,7 +49,7 @@ def resources(cfg: Config, kind: str) -> dict:
     out: dict = {} if r is None else {"num_cpus": r.num_cpus}
     if r is not None and r.num_gpus:
         out["num_gpus"] = r.num_gpus
-    if cfg.cluster.runtime == "ray" and kind in STAGE_TASKS:
+    if cfg.cluster.runtime == "ray" and kind in runtime_tasks(cfg):
         out["resources"] = {RUNTIME_RESOURCE: 1}   # one runtime-driving task at a time (rstar2_core/runtime/ray/connect.py)
     return out
 

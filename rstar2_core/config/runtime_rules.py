@@ -13,6 +13,13 @@ STAGE_TASKS = ("sft", "rl", "hard_subset", "eval")
 """Pipeline tasks that drive a stage through a runtime (their actors hold the GPUs)."""
 
 
+def runtime_tasks(cfg: Any) -> tuple[str, ...]:
+    """The task kinds that drive a runtime in this config: the stage tasks, and curation when its label
+    check samples a model (`data.label_check.enabled`). On the Ray runtime each holds the cluster's one
+    runtime slot while it runs, so a label check never competes with SFT for the GPUs."""
+    return STAGE_TASKS + (("curate",) if cfg.data.label_check.enabled else ())
+
+
 def computes_on_gpu(cluster: Any) -> bool:
     """Whether the Ray runtime's engines and trainer shards compute on GPUs: the nodes have GPUs and they
     are not logical ones (`cluster.logical_gpus`, the CPU rehearsal of a GPU layout)."""
@@ -147,7 +154,7 @@ def _ray_problems(cfg: Any, ws: str) -> list[str]:
         if cl.trainer_ranks != want:
             p.append(f"cluster.trainer_ranks = {cl.trainer_ranks} but the {cl.layout} layout has {want} trainer GPUs; "
                      "set cluster.trainer_ranks = 0 (one rank per trainer GPU)")
-    for kind in STAGE_TASKS:
+    for kind in runtime_tasks(cfg):
         r = cl.resources.get(kind)
         if r is not None and r.num_gpus:
             p.append(f"cluster.resources.{kind}.num_gpus = {r.num_gpus:g}: with cluster.runtime = \"ray\" the {kind} "

@@ -132,6 +132,17 @@ class LabelCheckConfig(_Section):
     """Keep a problem when at least this many samples agree with its label. Paper: 2."""
     model: str | None = None
     """Checkpoint URL of the checking model; default: the configured base model."""
+    max_problems: int | None = Field(None, ge=1)
+    """Budget: problems checked at most, a seeded sample of the candidates that pass the other filters; the
+    rest are not checked and dropped (`label_unchecked`), so the curated set holds checked problems only.
+    None: every candidate (the paper: ~42K kept of ~110K). The check costs about problems x k x the
+    response length in generated tokens (`rstar2 plan` prints it)."""
+    max_response_tokens: int | None = Field(None, ge=1)
+    """Budget: response tokens per sample (None: eval.max_tokens, 30K in production). A label is confirmed
+    by an answer, not by a long derivation: short samples cost a fraction and agree as often on the
+    problems a base model solves at all (the ones RL can learn from)."""
+    max_turns: int | None = Field(None, ge=1)
+    """Budget: assistant turns per sample (None: eval.max_turns)."""
 
 
 class DataConfig(_Section):

@@ -100,11 +100,12 @@ def _label_check(cfg: Config, cands: list[Candidate], sampler: Any):
     from rstar2_core.rollout.types import RolloutLimits
 
     lc = cfg.data.label_check
-    limits = RolloutLimits.from_config(cfg.rollout, cfg.eval.max_turns, cfg.eval.max_tokens,
-                                       cfg.eval.temperature, cfg.eval.top_p)
+    limits = RolloutLimits.from_config(cfg.rollout, lc.max_turns or cfg.eval.max_turns,
+                                       lc.max_response_tokens or cfg.eval.max_tokens, cfg.eval.temperature,
+                                       cfg.eval.top_p)
     with GraderPool(timeout_s=cfg.eval.grader_timeout_s) as pool:
         return label_check(cands, sampler, pool.grade_many, k=lc.k, min_agree=lc.min_agree,
-                           limits=limits, seed=cfg.seed)
+                           limits=limits, seed=cfg.seed, max_problems=lc.max_problems)
 
 
 def curate(cfg: Config, out_url: str, log_metrics: LogMetrics | None = None, *,

@@ -6,6 +6,8 @@ with a `PolicySampler` (the real agent loop, tools included), grades each final 
 label with `grade(items) -> list[GradeResult]` (a `GraderPool.grade_many`), and drops problems with
 fewer than `min_agree` correct samples (reason `label_disagree`). Returns the kept candidates, the
 drop counter and the number of agreeing samples per candidate id (written to the manifest).
+`max_problems` (the budget, `data.label_check.max_problems`): a seeded sample of that many candidates is
+checked, the others dropped as `label_unchecked`.
 
 Departure: the paper checks with a separate strong model; here the checking model is
 `data.label_check.model` or, by default, the configured base model.
@@ -13,6 +15,7 @@ Departure: the paper checks with a separate strong model; here the checking mode
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -24,12 +27,16 @@ GradeFn = Callable[[list[tuple[str, str]]], list[Any]]
 
 
 def label_check(cands: Sequence[Candidate], sampler: Any, grade: GradeFn, *, k: int, min_agree: int,
-                limits: Any, seed: int, batch_size: int = 64,
-                progress: bool = True) -> tuple[list[Candidate], Counter, dict[str, int]]:
+                limits: Any, seed: int, batch_size: int = 64, progress: bool = True,
+                max_problems: int | None = None) -> tuple[list[Candidate], Counter, dict[str, int]]:
     if min_agree > k:
         raise ValueError(f"data.label_check.min_agree={min_agree} exceeds k={k}: no problem could pass; "
                          "lower min_agree or raise k")
     kept, dropped, agree = [], Counter(), {}
+    if max_problems is not None and len(cands) > max_problems:    # the budget: a seeded sample, in order
+        chosen = set(random.Random(seed).sample(range(len(cands)), max_problems))
+        dropped["label_unchecked"] = len(cands) - max_problems
+        cands = [c for i, c in enumerate(cands) if i in chosen]
     bar = progress_bar(total=len(cands), desc="label check", unit="problem", disable=not progress)
     for start in range(0, len(cands), batch_size):
         batch = list(cands[start:start + batch_size])

@@ -128,3 +128,55 @@ def test_label_check_without_a_sampler_or_a_model_fails_before_work(tmp_path):
     assert not (tmp_path / "out").exists()
     with label_check_sampler(fixture_config()) as off:
         assert off is None
+
+
+class LimitsSampler(KnownLabelSampler):
+    """Every problem right on every sample; records the limits it was asked to sample with."""
+
+    def __init__(self, answers):
+        super().__init__({p: (99, a) for p, a in answers.items()})
+        self.limits = []
+
+    def sample(self, problems, n, limits, seed):
+        self.limits.append(limits)
+        return super().sample(problems, n, limits, seed)
+
+
+def test_the_label_check_runs_within_its_budget(tmp_path):
+    """`data.label_check` max_problems / max_response_tokens / max_turns: a seeded sample of that many
+    candidates is checked (the rest dropped as `label_unchecked`), each sample within the budget's limits
+    instead of the evaluation's (30K tokens, 30 turns in production)."""
+    from rstar2_core.data.curate import read_all_sources
+    from rstar2_core.data.label_check import label_check
+
+    cfg = fixture_config()
+    cands = [c for r in read_all_sources(cfg) for c in r.candidates]
+    sampler = KnownLabelSampler({c.problem: (2, c.answer) for c in cands})
+    kept, dropped, _ = label_check(cands, sampler, exact_grader, k=2, min_agree=1, limits=None, seed=3,
+                                   batch_size=64, progress=False, max_problems=3)
+    assert len(kept) == 3 and dropped == {"label_unchecked": len(cands) - 3}
+    assert [len(c[0]) for c in sampler.calls] == [3]
+    again = KnownLabelSampler(sampler.n_right)
+    kept2, _, _ = label_check(cands, again, exact_grader, k=2, min_agree=1, limits=None, seed=3, progress=False,
+                              max_problems=3)
+    assert [c.id for c in kept2] == [c.id for c in kept]        # the same seeded sample
+    budget = {"enabled": True, "k": 2, "min_agree": 1, "max_problems": 2, "max_response_tokens": 300, "max_turns": 4}
+    spy = LimitsSampler({c.problem: c.answer for c in cands})
+    ref = curate(fixture_config(label_check=budget), (tmp_path / "out").as_uri(), sampler=spy, progress=False)
+    assert {(lim.max_response_tokens, lim.max_turns) for lim in spy.limits} == {(300, 4)}
+    assert ref.n_rows == 2 and ref.counts["label_check"]["label_unchecked"] > 0
+
+
+def test_a_label_check_on_the_ray_runtime_holds_the_runtime_slot():
+    """Curation samples the checking model on the whole-cluster runtime: like an RL stage it takes the
+    cluster's one runtime slot, so it never competes with SFT for the GPUs (and `rstar2 plan` shows it)."""
+    from rstar2_cli.plan import recipe_dag
+    from rstar2_core.config import load_config
+    from rstar2_core.runtime.ray.connect import RUNTIME_RESOURCE
+    from tasks.runners import resources
+
+    prod = load_config("qwen3-14b-mi300x")
+    assert resources(prod, "curate")["resources"] == {RUNTIME_RESOURCE: 1}
+    assert next(t for t in recipe_dag(prod) if t.kind == "curate").runtime_slot
+    off = load_config("qwen3-14b-mi300x", ["data.label_check.enabled=false"])
+    assert "resources" not in resources(off, "curate")

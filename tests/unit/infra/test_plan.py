@@ -26,8 +26,11 @@ def test_production_plan(capsys):
     dag = {t["name"]: t for t in plan["dag"]}
     assert dag["rl-stage-3"]["deps"] == ["rl-stage-2", "rl-stage-3-hard-subset"]
     assert dag["register"]["deps"] == ["eval-sft", "eval-rl-stage-1", "eval-rl-stage-2", "eval-rl-stage-3"]
-    assert (dag["curate"]["num_cpus"], dag["sft"]["num_gpus"], dag["sft"]["num_cpus"]) == (32.0, 0.0, 8.0)
-    assert dag["rl-stage-1"]["runtime_slot"] and dag["eval-sft"]["runtime_slot"] and not dag["curate"]["runtime_slot"]
+    assert (dag["curate"]["num_cpus"], dag["sft"]["num_gpus"], dag["sft"]["num_cpus"]) == (8.0, 0.0, 8.0)
+    # the label check samples on the whole-cluster runtime: curate holds the slot like a stage task
+    assert dag["rl-stage-1"]["runtime_slot"] and dag["eval-sft"]["runtime_slot"] and dag["curate"]["runtime_slot"]
+    assert not dag["sft-data"]["runtime_slot"]
+    assert plan["label_check"]["max_generated_tokens"] == 20_000 * 16 * 4096
     lay = plan["layout"]
     assert lay["nodes"] * lay["gpus_per_node"] == 64 and len(lay["engines"]) == 32
     assert len(lay["trainer_shards"]) == 64 and len(lay["placement_groups"]) == 8
@@ -55,6 +58,9 @@ def test_strict_passes_the_production_profile_and_fails_on_an_infra_mismatch(cap
     out = capsys.readouterr().out
     assert "64 GPUs" in out and "rl-stage-2 (12K, 10 turns)" in out and "runtime ray: 32 vllm" in out
     assert "infra/ matches the profile" in out and "runtime slot" in out
+    # the label check's budget and cost (issue 41: unbounded it sampled the base model for days)
+    assert ("label check (curate, holds the runtime slot): <= 20,000 problems x 16 samples x <= 4,096 tokens "
+            "(<= 10 turns) = <= 1.31B generated tokens") in out
     # an infra/ whose head lacks the runtime slot: the stage tasks could never be scheduled
     from rstar2_cli.plan import INFRA, infra_problems
 
