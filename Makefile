@@ -1,12 +1,13 @@
 # rstar2: `make demo` runs the whole tiny recipe (it learns: RL beats SFT); `make demo-quick` runs the same DAG at
 # sizes that learn nothing (a machinery check); `make demo-fault` rehearses a failure and the UI's Retry;
+# `make rehearsal` runs the production profile scaled down through the production service stack;
 # `make test` lints, then runs the tests. All set up .venv first.
 SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 ENV := source scripts/env.sh &&
 
-.PHONY: setup lint test test-fast demo demo-quick demo-fault stop bench clean
+.PHONY: setup lint test test-fast demo demo-quick demo-fault rehearsal stop bench clean
 
 setup: $(VENV)/.setup-done
 
@@ -35,6 +36,10 @@ demo-quick:
 
 demo-fault:
 	@$(DEMO_T0) $(ENV) bash scripts/demo.sh --quick --fault $(FAULT)
+
+# the production profile scaled down, through the production service stack (docs/production.md)
+rehearsal: setup
+	$(ENV) $(VENV)/bin/rstar2 rehearsal
 
 stop:
 	$(ENV) bash scripts/stop.sh

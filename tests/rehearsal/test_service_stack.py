@@ -1,0 +1,76 @@
+"""The production service stack as infra/ describes it, on this machine (rstar2_cli/rehearsal_stack.py):
+PostgreSQL behind the Prefect and MLflow servers, the MLflow server's artifacts on a moto S3, the
+`rstar2-cluster` pool from infra's base job template, a worker started with infra's command and
+environment (no RSTAR2_REPO of ours), the deployments created as infra/README.md says, a local 2-node Ray
+cluster. A run of `rstar2/full-recipe` with the production profile scaled down (the rehearsal's overlay)
+reaches the flow through that worker, and, its stores still empty, fails at preflight in seconds naming
+every object the operator has not uploaded yet, while the MLflow server and the Ray head answer."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import tempfile
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.rehearsal]
+
+
+@pytest.fixture(scope="module")
+def stack():
+    from rstar2_cli.rehearsal import overlay_overrides
+    from rstar2_cli.rehearsal_stack import ServiceStack
+    from rstar2_core.config import load_config
+
+    root = tempfile.mkdtemp(prefix="rstar2-reh-", dir="/tmp")      # Ray's socket paths must stay short
+    cfg = load_config("qwen3-14b-mi300x", overlay_overrides())
+    try:
+        with ServiceStack(root, cfg.cluster) as st:
+            st.deploy()
+            yield st
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_flow_run_through_the_production_worker_reaches_preflight(stack):
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.client import start_run, watch
+    from rstar2_cli.rehearsal import overlay_overrides
+    from rstar2_cli.rehearsal_stack import pg_bin
+
+    assert "RSTAR2_REPO" not in stack.clean_env()
+    overrides = [*overlay_overrides(), *stack.endpoint_overrides()]
+
+    async def message() -> str:
+        async with get_client() as c:
+            return (await c.read_flow_run(fid)).state.message or ""
+
+    with temporary_settings({PREFECT_API_URL: stack.prefect_api}):
+        fid = asyncio.run(start_run("rstar2/full-recipe", {"profile": "qwen3-14b-mi300x", "overrides": overrides}))
+        state = asyncio.run(watch(fid, timeout_s=600, quiet=True))
+        assert state == "Failed", (stack.logs / "prefect-worker.log").read_text()[-4000:]
+        assert asyncio.run(message())
+
+    log = (stack.logs / "prefect-worker.log").read_text()
+    assert "the recipe cannot start" in log, log[-4000:]           # the flow ran: pull step and import worked
+    for missing in ("data.sources.0.url = 's3://rstar2-data/raw/dapo-math-17k.parquet' does not exist",
+                    "data.sft_sources.2 = 's3://rstar2-data/sft/chat.parquet' does not exist",
+                    "eval.benchmarks.4.url = 's3://rstar2-data/bench/gpqa_diamond.parquet'",
+                    "model.name_or_path = 's3://rstar2-models/SmolLM2-135M-Instruct' is not a complete checkpoint"):
+        assert missing in log, missing
+    assert "MLflow server does not answer" not in log and "no Ray head answers" not in log
+    # the servers keep their state in PostgreSQL: the flow run is a row there
+    rows = subprocess.run([pg_bin("psql"), "-h", "127.0.0.1", "-p",
+                           str(stack.pg_port), "-U", "rstar2", "-d", "prefect", "-tAc",
+                           f"select count(*) from flow_run where id = '{fid}'"],
+                          capture_output=True, text=True, check=True, env={**os.environ, "PGCONNECT_TIMEOUT": "10"})
+    assert rows.stdout.strip() == "1"
+    tables = subprocess.run([pg_bin("psql"), "-h", "127.0.0.1", "-p", str(stack.pg_port), "-U", "rstar2", "-d",
+                             "mlflow", "-tAc", "select count(*) from experiments"], capture_output=True, text=True,
+                            check=True)
+    assert int(tables.stdout.strip()) >= 1                           # the MLflow server's tables, on PostgreSQL
