@@ -52,6 +52,21 @@ _Piece = tuple[str, bool]  # (text, is_special_token)
 _BATCH_CHECK = 8   # texts `encode_texts` checks against `encode_text` before trusting the batch
 
 
+class _Texts:
+    """The distinct text pieces of a batch of rendering plans, numbered in first-seen order: a plan names a
+    piece by its number, and `ChatFormat._realise` tokenizes each piece once."""
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+        self._index: dict[str, int] = {}
+
+    def __call__(self, t: str) -> int:
+        if t not in self._index:
+            self._index[t] = len(self.texts)
+            self.texts.append(t)
+        return self._index[t]
+
+
 class ChatFormat:
     """Renders prompts, tool-response turns and SFT demonstrations for one tokenizer."""
 
@@ -185,14 +200,7 @@ class ChatFormat:
         """`render_trajectory` of each (problem, turns), with every text piece of all of them tokenized
         in one `encode_texts` call (the same ids: each piece is still tokenized on its own)."""
         plans: list[list[tuple[list[int] | int, int]]] = []   # (literal ids | index into texts, loss mask)
-        texts: list[str] = []
-        index: dict[str, int] = {}
-
-        def text(t: str) -> int:
-            if t not in index:
-                index[t] = len(texts)
-                texts.append(t)
-            return index[t]
+        text = _Texts()
 
         def add(plan: list, pieces: Sequence[_Piece], m: int) -> None:
             for t, special in pieces:
@@ -216,7 +224,7 @@ class ChatFormat:
                 else:
                     add(plan, self._tool_response_pieces(results), 0)
             plans.append(plan)
-        return self._realise(plans, texts)
+        return self._realise(plans, text.texts)
 
     def render_chats(self, chats: Sequence[Sequence[tuple[str, str]]]) -> list[tuple[list[int], list[int]]]:
         """(ids, loss_mask) of each ChatML conversation given as (role, text) turns, roles `system`, `user`
@@ -226,14 +234,7 @@ class ChatFormat:
         rows that are not the recipe's problems (function calling, instruction following, chat) take this
         form; the texts of all conversations are tokenized in one `encode_texts` call."""
         plans: list[list[tuple[list[int] | int, int]]] = []
-        texts: list[str] = []
-        index: dict[str, int] = {}
-
-        def text(t: str) -> int:
-            if t not in index:
-                index[t] = len(texts)
-                texts.append(t)
-            return index[t]
+        text = _Texts()
 
         for chat in chats:
             if not chat or chat[-1][0] != "assistant":
@@ -252,7 +253,7 @@ class ChatFormat:
                 if k < len(chat) - 1:
                     plan.append((text("\n"), 0))
             plans.append(plan)
-        return self._realise(plans, texts)
+        return self._realise(plans, text.texts)
 
     def _realise(self, plans: list[list[tuple[list[int] | int, int]]], texts: list[str]
                  ) -> list[tuple[list[int], list[int]]]:

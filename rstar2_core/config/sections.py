@@ -287,7 +287,7 @@ class RolloutConfig(_Section):
     cache by kv_capacity_tokens instead; the HF engine refuses it too (its cache is slots x length)."""
     weight_sync: Literal["auto", "state_dict", "object_store", "checkpoint", "nccl", "ipc"] = "auto"
     """How new policy weights reach the engines after each optimizer step
-    (rstar2_core/runtime/weight_sync.py). `state_dict`: in-process copy of the trainer's tensors (local
+    (rstar2_core/runtime/ray/weight_sync.py). `state_dict`: in-process copy of the trainer's tensors (local
     runtime). `object_store`: trainer rank 0 puts one full state dict in Ray's object store, every engine
     actor loads the same object (Ray runtime; one host copy per node: fine on CPU and for small models,
     ~29.5 GB per node per step for 14B; a vLLM engine takes it in 1 GiB messages). `checkpoint`: engines reload the checkpoint the step just

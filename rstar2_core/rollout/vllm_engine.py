@@ -302,7 +302,7 @@ class VLLMEngine:
         await self._engine.reset_prefix_cache()
         self._half_loaded = None          # every layer was reloaded
 
-    # ------------------------------------------- vLLM's weight-transfer protocol (runtime/weight_sync.py)
+    # ------------------------------------ vLLM's weight-transfer protocol (runtime/ray/weight_sync.py)
     def init_weight_transfer(self, init_info: dict) -> None:
         """Join the trainer's transfer (nccl: the rendezvous with trainer rank 0, blocking until it joins)."""
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
