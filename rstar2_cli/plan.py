@@ -182,7 +182,8 @@ def pull_step_problems(infra: Path, job_env: dict, prefect_yaml: Path) -> list[s
     import yaml
 
     dockerfile = (infra / "docker" / "Dockerfile.rocm").read_text()
-    image_env = dict(re.findall(r"^\s*(?:ENV\s+)?([A-Z][A-Z0-9_]*)=(\S+?)\s*\\?$", dockerfile, flags=re.MULTILINE))
+    env_blocks = re.findall(r"^ENV\s+((?:.*\\\n)*.*)$", dockerfile, flags=re.MULTILINE)   # ENV and its continuations
+    image_env = dict(re.findall(r"([A-Z][A-Z0-9_]*)=(\S+)", " ".join(env_blocks).replace("\\\n", " ")))
     workdir = (re.search(r"^WORKDIR\s+(\S+)", dockerfile, flags=re.MULTILINE) or [None, None])[1]
     pull = yaml.safe_load(prefect_yaml.read_text()).get("pull") or []
     p = []

@@ -24,11 +24,32 @@ from tasks.retry import retry_on_infrastructure_error
 from tasks.run_config import drift_notes, locate_store, read_snapshot, write_snapshot
 
 
-def preflight(cfg: Config) -> None:
+def preflight(cfg: Config, kind: str = "recipe") -> None:
     """Fail fast, before any compute, on inputs that cannot work: every source, SFT file, benchmark and
-    checkpoint the run will read, the storage root it writes, the MLflow server and the Ray address it
-    talks to. One `ConfigError` names each problem and the setting that points at it."""
+    checkpoint the run will read (`kind` "recipe": the whole recipe; another kind, an evaluation, reads
+    only the benchmarks), the storage root it writes, the MLflow server and the Ray address it talks to.
+    One `ConfigError` names each problem and the setting that points at it."""
     apply_storage_settings(cfg)
+    problems = [*_recipe_input_problems(cfg)] if kind == "recipe" else []
+    for i, b in enumerate(cfg.eval.benchmarks):
+        if b.url and not storage.exists(b.url):
+            problems.append(f"eval.benchmarks.{i}.url = {b.url!r} ({b.name}) does not exist; fix the URL "
+                            "or drop the benchmark")
+    root = cfg.resolved_storage_root()
+    try:
+        probe = storage.join(root, ".preflight")
+        storage.write_text_atomic(probe, "ok")
+        storage.remove(probe)
+    except Exception as e:  # noqa: BLE001 - whatever the cause, the run could not save anything: say so
+        problems.append(f"storage root {root!r} is not writable ({type(e).__name__}: {e}); fix storage.root "
+                        "or storage.s3_endpoint_url")
+    problems += endpoint_problems(cfg)
+    if problems:
+        raise ConfigError("the recipe cannot start:\n  " + "\n  ".join(problems))
+
+
+def _recipe_input_problems(cfg: Config) -> list[str]:
+    """What only the whole recipe reads: the RL and SFT sources, the base and label-check models."""
     problems = []
     for i, src in enumerate(cfg.data.sources):
         if not storage.exists(src.url):
@@ -41,32 +62,20 @@ def preflight(cfg: Config) -> None:
                         "lists no file; list the SFT data (function calling, instruction following, chat: "
                         "JSONL/parquet in OpenAI `messages` or ShareGPT `conversations` form) in "
                         "data.sft_sources, or enable data.synthetic")
-    for i, b in enumerate(cfg.eval.benchmarks):
-        if b.url and not storage.exists(b.url):
-            problems.append(f"eval.benchmarks.{i}.url = {b.url!r} ({b.name}) does not exist; fix the URL "
-                            "or drop the benchmark")
     checkpoints = [("model.name_or_path", cfg.model.name_or_path)] if cfg.model.kind == "hf" else []
     if cfg.data.label_check.enabled and cfg.data.label_check.model:
         checkpoints.append(("data.label_check.model", cfg.data.label_check.model))
     for field, path in checkpoints:
         if "://" not in (path or "") and not storage.exists(path or ""):
             problems.append(f"{field} = {path!r} does not exist locally")
-        elif "://" in (path or "") and not storage.is_complete(path):
+        elif "://" in (path or "") and not storage.is_complete(path) and not (
+                field == "model.name_or_path" and storage.exists(storage.join(path, "config.json"))):
+            # a base model may be a plain HF folder (models/prepare.py copies it); a checkpoint needs its marker
             problems.append(f"{field} = {path!r} is not a complete checkpoint (no {storage.COMPLETE_MARKER} "
                             "marker: missing, or its upload did not finish); upload it (infra/README.md) or fix the URL")
     if not cfg.data.sources and not cfg.data.synthetic.enabled:
         problems.append("no training data: add data.sources or set data.synthetic.enabled = true")
-    root = cfg.resolved_storage_root()
-    try:
-        probe = storage.join(root, ".preflight")
-        storage.write_text_atomic(probe, "ok")
-        storage.remove(probe)
-    except Exception as e:  # noqa: BLE001 - whatever the cause, the run could not save anything: say so
-        problems.append(f"storage root {root!r} is not writable ({type(e).__name__}: {e}); fix storage.root "
-                        "or storage.s3_endpoint_url")
-    problems += endpoint_problems(cfg)
-    if problems:
-        raise ConfigError("the recipe cannot start:\n  " + "\n  ".join(problems))
+    return problems
 
 
 ENDPOINT_TIMEOUT_S = 5.0
@@ -134,7 +143,7 @@ def open_recipe(profile: str, overrides: list[str], run_id: str | None, flow_run
                      f"({failed['error'][:200]}); attempt {attempt} freezes it from the profile")
         try:
             cfg = load_config(profile, overrides)
-            preflight(cfg)
+            preflight(cfg, kind)
             rc = write_snapshot(store, cfg, profile, overrides)
         except BaseException as e:
             why = store.record_open_failure(attempt, e)

@@ -74,33 +74,39 @@ def _first_diff(x: dict, y: dict) -> str | None:
              f" after {n} identical tokens; tool calls {x['tools']} vs {y['tools']}")
     if n < len(x["ids"]) and n < len(y["ids"]) and x["mask"][n] == y["mask"][n] == 1 and x["mask"][:n] == y["mask"][:n]:
         return "sampled " + where
+    if x["ids"] == y["ids"]:
+        return f"tool status: calls {x['tools']} vs {y['tools']} with the same tokens"
     kind = "tool response" if n < min(len(x["mask"]), len(y["mask"])) and not (x["mask"][n] and y["mask"][n]) \
         else "length"
     return f"{kind} {where}"
 
 
 def first_divergence(a: list[dict], b: list[dict]) -> Divergence | None:
-    """Compare the steps of `b` with the same steps of `a` (every step of `b` must be in `a`); see the
-    module docstring for what is asserted and what is returned."""
+    """Compare the steps of `b` with the same steps of `a` (every step of `b` must be in `a`; a step `b`
+    rolled out twice, a retry's, counts with its last record); see the module docstring for what is
+    asserted and what is returned."""
     by_step = {r["step"]: r for r in a}
     for r in a + b:
         timed_out = [(r["step"], gi, ti) for gi, g in enumerate(r["groups"]) for ti, t in enumerate(g)
                      if "timeout" in t["tools"]]
         assert not timed_out, (f"tool calls hit the sandbox timeout at (step, group, rollout) {timed_out}: "
                                "rollouts of a loaded machine are not comparable; raise sandbox.timeout_s")
-    for rb in sorted(b, key=lambda r: r["step"]):
+    latest = {r["step"]: r for r in b}      # a step rolled out again by a retry: its last attempt counts
+    for rb in latest.values():              # what the design keeps exact, for every step first
         ra = by_step.get(rb["step"])
         assert ra is not None, f"step {rb['step']} was not rolled out by the run compared with"
         assert (ra["seed"], ra["problems"]) == (rb["seed"], rb["problems"]), f"step {rb['step']}: seed or prompts differ"
         assert [len(g) for g in ra["groups"]] == [len(g) for g in rb["groups"]], f"step {rb['step']}: group sizes"
+    for step in sorted(latest):
+        ra, rb = by_step[step], latest[step]
         diffs = [(gi, ti, d) for gi, (ga, gb) in enumerate(zip(ra["groups"], rb["groups"]))
                  for ti, (x, y) in enumerate(zip(ga, gb)) if (d := _first_diff(x, y)) is not None]
         if not diffs:
             continue
         text = "; ".join(f"problem {ra['problems'][gi]} rollout {ti}: {d}" for gi, ti, d in diffs)
         assert all(d.startswith("sampled ") for _, _, d in diffs) and len(diffs) <= MAX_NEAR_TIES, (
-            f"step {rb['step']}: {len(diffs)} rollouts differ, not a near-tie: {text}")
-        return Divergence(rb["step"], text)
+            f"step {step}: {len(diffs)} rollouts differ, not a near-tie: {text}")
+        return Divergence(step, text)
     return None
 
 

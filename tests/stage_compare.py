@@ -40,6 +40,8 @@ def assert_same_steps(a: list[tuple[int, dict]], b: list[tuple[int, dict]], trac
     trajectory counts, the data cursor, zero sandbox timeouts and zero infrastructure failures always;
     the rollout metrics exactly (`assert_same_step`) for the steps before the first near-tie. Returns that
     near-tie (None: the runs sampled the same tokens throughout, and the caller may compare weights)."""
+    assert {s for s, _ in b} <= {r["step"] for r in trace_b} and {s for s, _ in a} <= {r["step"] for r in trace_a}, (
+        "the rollout traces miss steps the runs logged (a pipelined stage, rl.max_staleness > 0, is not traced)")
     div = first_divergence(trace_a, trace_b)
     steps_a = dict(a)
     assert {s for s, _ in b} <= set(steps_a), (sorted(steps_a), [s for s, _ in b])

@@ -86,9 +86,14 @@ def _cached_copy(checkpoint_url: str, kind: str, select=None) -> Path:
         return dst
     with node_lock(dst.parent / f".{key}.lock"):
         if not (dst / storage.COMPLETE_MARKER).exists():
+            for stale in dst.parent.glob(f".{key}.*.tmp"):     # what a killed download left: no one owns it now
+                shutil.rmtree(stale, ignore_errors=True)
             tmp = dst.parent / f".{key}.{os.getpid()}.tmp"
-            shutil.rmtree(tmp, ignore_errors=True)
-            storage.download_dir(checkpoint_url, tmp, select=select)
+            try:
+                storage.download_dir(checkpoint_url, tmp, select=select)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
             shutil.rmtree(dst, ignore_errors=True)     # a copy without its marker: an interrupted rename
             os.replace(tmp, dst)
     return dst

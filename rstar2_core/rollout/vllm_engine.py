@@ -389,7 +389,9 @@ async def _build(vllm, args):
 
 WEIGHT_CHUNK_BYTES = 1 << 30
 """Bytes of tensors per message when a state dict goes to the workers (`update_weights` with a dict): a
-14B model in bf16 (~29.5 GB) is ~28 messages, each one safetensors blob below msgpack's 4 GiB limit."""
+14B model in bf16 (~29.5 GB) is ~28 messages, each one safetensors blob below msgpack's 4 GiB limit. A
+tensor larger than this goes alone (Qwen3-14B's largest, the embedding, is ~1.5 GB); one of 4 GiB or more
+would still be refused by the encoder."""
 
 
 def safetensors_chunks(state_dict: dict[str, Any], max_bytes: int) -> Iterator[bytes]:

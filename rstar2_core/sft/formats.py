@@ -142,7 +142,7 @@ def normalize_row(row: Any) -> dict:
     turns, schemas = _turns(row, fmt)
     if not turns:
         raise Rejected("empty_conversation")
-    system = ""
+    system = _text(row["system"]) if fmt == "sharegpt" and row.get("system") else ""   # LLaMA-Factory's column
     if turns[0][0] == "system":
         system = turns.pop(0)[1]
     if any(k == "system" for k, _ in turns):

@@ -36,6 +36,7 @@ def stack():
 
 
 def test_a_flow_run_through_the_production_worker_reaches_preflight(stack):
+    import psutil
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -43,7 +44,8 @@ def test_a_flow_run_through_the_production_worker_reaches_preflight(stack):
     from rstar2_cli.rehearsal import overlay_overrides
     from rstar2_cli.rehearsal_stack import pg_bin
 
-    assert "RSTAR2_REPO" not in stack.clean_env()
+    worker_env = psutil.Process(stack.procs["prefect-worker"].pid).environ()
+    assert "RSTAR2_REPO" not in worker_env and worker_env["PREFECT_API_URL"] == stack.prefect_api
     overrides = [*overlay_overrides(), *stack.endpoint_overrides()]
 
     async def message() -> str:

@@ -212,9 +212,10 @@ class LocalCluster:
         what a failing test prints so that a node's fate can be read from the CI output alone."""
         out = []
         for n in self.nodes:
-            raylets = [pid for pid in _tree(n.pid) if _name(pid) == "raylet"]
+            alive = _alive(n.pid, n.procs.get(n.pid))       # a dead node's PID may be another process's now
+            raylets = [pid for pid in _tree(n.pid) if _name(pid) == "raylet"] if alive else []
             out.append(f"--- {n.role} {n.index}: ray start pid {n.pid} "
-                       f"{'alive' if _alive(n.pid, n.procs.get(n.pid)) else 'gone'}, raylet {raylets or 'none'}, "
+                       f"{'alive' if alive else 'gone'}, raylet {raylets or 'none'}, "
                        f"log {n.log}")
             try:
                 out += n.log.read_text(errors="replace").splitlines()[-log_lines:]
