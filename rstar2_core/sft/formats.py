@@ -23,18 +23,11 @@ from typing import Any
 
 from rstar2_core.chat.prompt import tool_call_text, tools_section
 from rstar2_core.chat.tokens import TOOL_RESPONSE_CLOSE, TOOL_RESPONSE_OPEN
+from rstar2_core.data.sources import Reject as Rejected  # one bad row; `reason` is the counter's name
 
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "function_call": "call", "observation": "tool", "tool": "tool", "function_response": "tool"}
 """ShareGPT `from` values and what they are (`call`: a turn whose value is one call's JSON)."""
-
-
-class Rejected(ValueError):
-    """A row that cannot be read; `reason` is the counter's name."""
-
-    def __init__(self, reason: str):
-        super().__init__(reason)
-        self.reason = reason
 
 
 def row_format(row: Any) -> str:
