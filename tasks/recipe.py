@@ -30,6 +30,9 @@ def preflight(cfg: Config, kind: str = "recipe") -> None:
     only the benchmarks), the storage root it writes, the MLflow server and the Ray address it talks to.
     One `ConfigError` names each problem and the setting that points at it."""
     apply_storage_settings(cfg)
+    dead_s3 = s3_endpoint_problem(cfg)
+    if dead_s3:     # every object check would wait out botocore's retries against it: name the endpoint once
+        raise ConfigError("the recipe cannot start:\n  " + "\n  ".join([dead_s3, *endpoint_problems(cfg)]))
     problems = [*_recipe_input_problems(cfg)] if kind == "recipe" else []
     for i, b in enumerate(cfg.eval.benchmarks):
         if b.url and not storage.exists(b.url):
@@ -80,6 +83,26 @@ def _recipe_input_problems(cfg: Config) -> list[str]:
 
 ENDPOINT_TIMEOUT_S = 5.0
 """How long preflight waits for the MLflow server or the Ray head to answer."""
+
+
+def s3_endpoint_problem(cfg: Config) -> str | None:
+    """A line naming `storage.s3_endpoint_url` when it is set and nothing answers HTTP there within
+    `ENDPOINT_TIMEOUT_S` (any HTTP status is an answer: S3 APIs refuse anonymous requests), else None."""
+    import urllib.error
+    import urllib.request
+
+    url = cfg.storage.s3_endpoint_url
+    if not url:
+        return None
+    try:
+        with urllib.request.urlopen(url, timeout=ENDPOINT_TIMEOUT_S) as r:
+            r.read(0)
+    except urllib.error.HTTPError:
+        return None
+    except (OSError, ValueError) as e:
+        return (f"storage.s3_endpoint_url = {url!r}: the S3 endpoint does not answer ({e}); every dataset, "
+                "checkpoint and the storage root are read through it: start it or fix the URL")
+    return None
 
 
 def endpoint_problems(cfg: Config) -> list[str]:

@@ -5,7 +5,7 @@ A retried stage resumes from its own last checkpoint (the core stages do that wh
 `out_url`), so retrying is cheap and safe for flaky infrastructure: any `rstar2_core.errors.InfraError`
 (an injected fault `RSTAR2_FAULT_INJECT`, a dead engine or trainer actor, a step over
 `rl.max_infra_failure_share`, stale engine weights), a Ray worker or actor that died, an
-OS/connection/timeout error (a storage read that failed included). Bad config
+OS/connection/timeout error (a storage read that failed included, botocore's endpoint errors too). Bad config
 (`ConfigError`), bad data (`ValueError`, `KeyError`, `TypeError`) and a checkpoint marked complete that
 lacks its trainer state (`rstar2_core.errors.CorruptCheckpoint`, a `ValueError`) fail at once: a retry
 would only fail again, later.
@@ -33,12 +33,23 @@ def is_infrastructure_error(exc: BaseException) -> bool:
         return True                                       # weights; an SFT draw that missed convergence
     if isinstance(exc, _NEVER):
         return False
-    if isinstance(exc, (OSError, ConnectionError, TimeoutError)):
+    if isinstance(exc, (OSError, ConnectionError, TimeoutError, *_botocore_connection_errors())):
         return True
     cause = ray_task_error_cause(exc)
     if cause is not None:
         return is_infrastructure_error(cause)
     return isinstance(exc, ray_infra_errors())
+
+
+def _botocore_connection_errors() -> tuple[type[BaseException], ...]:
+    """botocore's endpoint errors that are no OSError (`EndpointConnectionError`, `ConnectionClosedError`:
+    an S3 endpoint down or dropping connections), when botocore is installed."""
+    try:
+        from botocore.exceptions import ConnectionError as BotoConnectionError
+        from botocore.exceptions import HTTPClientError
+    except ImportError:
+        return ()
+    return (BotoConnectionError, HTTPClientError)
 
 
 def retry_on_infrastructure_error(task, task_run, state) -> bool:

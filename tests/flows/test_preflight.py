@@ -53,3 +53,25 @@ def test_an_empty_sft_set_is_refused_before_any_compute(tmp_path):
                                f'data.sources=[{{url="{tmp_path}/none.jsonl", layout="generic", name="g"}}]'])
     with pytest.raises(ConfigError, match="the SFT set would be empty"):
         preflight(cfg)
+
+
+def test_a_stopped_s3_server_is_named_once_without_waiting_on_each_object():
+    """moto started, then stopped: its port is closed. Preflight names the endpoint and its setting once
+    (each object check would otherwise wait out botocore's retries against it), with the other endpoints."""
+    with moto_s3("rstar2-preflight-stopped", REGION) as s3:      # moto's buckets are per process: a new name
+        pass
+    cfg = load_config("qwen3-14b-mi300x", [f'storage.s3_endpoint_url="{s3}"', f'storage.s3_region="{REGION}"',
+                                           f'tracking.tracking_uri="http://127.0.0.1:{_closed_port()}"'])
+    with pytest.raises(ConfigError) as e:
+        preflight(cfg)
+    msg = str(e.value)
+    assert f"storage.s3_endpoint_url = {s3!r}: the S3 endpoint does not answer" in msg
+    assert "MLflow server does not answer" in msg
+    assert "does not exist" not in msg and "is not writable" not in msg
+
+
+def test_a_running_s3_server_that_refuses_anonymous_requests_is_an_answer():
+    from tasks.recipe import s3_endpoint_problem
+
+    with moto_s3("rstar2-preflight-running", REGION) as s3:
+        assert s3_endpoint_problem(load_config("tiny", [f'storage.s3_endpoint_url="{s3}"'])) is None

@@ -34,6 +34,10 @@ def test_retry_rule_retries_infrastructure_only():
     assert is_infrastructure_error(PermissionError("s3: 503 Slow Down"))
     assert not is_infrastructure_error(CorruptCheckpoint("step-000010 has no RL trainer state; delete it"))
     assert is_infrastructure_error(TimeoutError())
+    # an S3 endpoint down or dropping connections, as s3fs lets botocore's errors through (no OSError)
+    from botocore.exceptions import ConnectionClosedError, EndpointConnectionError
+    assert is_infrastructure_error(EndpointConnectionError(endpoint_url="http://127.0.0.1:9/b/k"))
+    assert is_infrastructure_error(ConnectionClosedError(endpoint_url="http://127.0.0.1:9/b/k"))
     assert is_infrastructure_error(rex.WorkerCrashedError())
     assert not is_infrastructure_error(ConfigError("bad profile"))
     assert not is_infrastructure_error(ValueError("bad row"))
