@@ -212,6 +212,42 @@ def _is_ready(pg: PlacementGroup) -> bool:
         return False
 
 
+RUNTIME_GROUP_PREFIX = "rt-"
+"""Name prefix of a runtime's placement groups (`RayRuntime`: `rt-<6 hex>-<group name>`)."""
+_LIVE_STATES = ("CREATED", "PENDING", "RESCHEDULING")
+
+
+def holds_runtime_slot() -> bool:
+    """True in a Ray task or actor that was assigned the cluster's single runtime resource
+    (connect.RUNTIME_RESOURCE): the one process that may have a runtime's groups on the cluster."""
+    from rstar2_core.runtime.ray.connect import RUNTIME_RESOURCE
+
+    try:
+        return RUNTIME_RESOURCE in (ray.get_runtime_context().get_assigned_resources() or {})
+    except Exception:  # noqa: BLE001 - the driver, or no Ray: no slot
+        return False
+
+
+def remove_stale_runtime_groups(own_prefix: str, holds_slot: bool | None = None) -> list[str]:
+    """Remove the live `rt-*` placement groups that are not `own_prefix`'s, when this process holds the
+    runtime slot (`holds_slot`, default: `holds_runtime_slot()`); returns their names.
+
+    A stage task killed by the OS or Ray's memory monitor leaves its groups behind: they live as long
+    as the job (the flow's driver), not the task, and hold the GPUs, so the task's retry would wait for
+    its own gang until `cluster.placement_timeout_s`. Only one process holds the slot, so while it does
+    every other runtime group is a leftover. Without the slot (a driver, a test) nothing is removed."""
+    if not (holds_runtime_slot() if holds_slot is None else holds_slot):
+        return []
+    from ray.util.placement_group import placement_group_table
+
+    stale = [(v["name"], v["placement_group_id"]) for v in placement_group_table().values()
+             if v.get("name", "").startswith(RUNTIME_GROUP_PREFIX) and not v["name"].startswith(own_prefix)
+             and v.get("state") in _LIVE_STATES]
+    for _, pg_id in stale:
+        remove_placement_groups([PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id)))])
+    return sorted(name for name, _ in stale)
+
+
 def remove_placement_groups(pgs: Iterable[PlacementGroup]) -> None:
     for pg in pgs:
         try:

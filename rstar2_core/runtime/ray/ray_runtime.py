@@ -46,7 +46,13 @@ from rstar2_core.config.sections import ClusterConfig, SandboxConfig
 from rstar2_core.runtime.protocol import OwnedGrader, RuntimeUsage, WeightSyncReport
 from rstar2_core.runtime.ray.connect import ensure_ray
 from rstar2_core.runtime.ray.engine_actors import RemoteEngine, start_engines
-from rstar2_core.runtime.ray.placement import ActorGroup, kill_and_wait, wait_node_dead
+from rstar2_core.runtime.ray.placement import (
+    RUNTIME_GROUP_PREFIX,
+    ActorGroup,
+    kill_and_wait,
+    remove_stale_runtime_groups,
+    wait_node_dead,
+)
 from rstar2_core.runtime.ray.trainer_shards import TrainerGroup
 from rstar2_core.runtime.ray.weight_sync import make_weight_sync
 from rstar2_core.runtime.specs import RuntimeSpec
@@ -108,7 +114,12 @@ class RayRuntime:
             if (spec.trainer is not None or spec.engines) and not spec.shared_storage:
                 _refuse_node_local_storage()     # ranks write shards, engines read the policy, on their nodes
             self.layout = spec.layout
-            self.group = ActorGroup(self.layout, timeout_s=timeout, prefix=f"rt-{uuid.uuid4().hex[:6]}-")
+            prefix = f"{RUNTIME_GROUP_PREFIX}{uuid.uuid4().hex[:6]}-"
+            stale = remove_stale_runtime_groups(prefix)
+            if stale:
+                log.warning("removed %d placement groups a killed runtime left behind (%s): they held the "
+                            "cluster this runtime needs", len(stale), ", ".join(stale))
+            self.group = ActorGroup(self.layout, timeout_s=timeout, prefix=prefix)
             threads = actor_threads(cluster)
             if spec.trainer is not None:
                 t = spec.trainer

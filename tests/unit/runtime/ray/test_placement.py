@@ -309,3 +309,26 @@ def test_two_threads_failing_one_group_get_one_error_and_one_shutdown():
         t.join()
     assert len(out) == 2 and out[0] is out[1] and isinstance(out[0], ActorFailure)
     assert group.actors == {} and group.nodes == {}
+
+
+def test_a_runtime_holding_the_slot_removes_the_groups_a_killed_runtime_left(local_ray):
+    """A stage task OOM-killed mid-step leaves its `rt-*` groups (they live as long as the job): the retry
+    holding the runtime slot removes them instead of waiting for its own gang; its own groups, groups of
+    other names and a process without the slot leave them alone (found by the production rehearsal)."""
+    ray = local_ray
+    from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+
+    from rstar2_core.runtime.ray.placement import holds_runtime_slot, remove_stale_runtime_groups
+
+    left = placement_group([{"CPU": 1}], name="rt-dead01-rstar2-node0")
+    other = placement_group([{"CPU": 0.1}], name="t-other")
+    ray.get([left.ready(), other.ready()], timeout=60)
+    try:
+        assert not holds_runtime_slot()                          # the driver holds no slot: nothing removed
+        assert remove_stale_runtime_groups("rt-new002-") == []
+        assert remove_stale_runtime_groups("rt-dead01-", holds_slot=True) == []      # its own groups
+        assert remove_stale_runtime_groups("rt-new002-", holds_slot=True) == ["rt-dead01-rstar2-node0"]
+        states = {v["name"]: v["state"] for v in placement_group_table().values()}
+        assert states["rt-dead01-rstar2-node0"] == "REMOVED" and states["t-other"] == "CREATED"
+    finally:
+        remove_placement_group(other)
