@@ -106,6 +106,26 @@ def write_bytes_atomic(url: str, data: bytes) -> None:
         f.write(data)
 
 
+def write_file_atomic(url: str, local_file: Path) -> None:
+    """Publish a local file at `url` without reading it into memory: a local target is copied beside it
+    and renamed into place; a remote one is one streamed upload (s3fs: a multipart upload past its block
+    size, which the store shows only once complete)."""
+    fs, path = fs_for(url)
+    local = to_local_path(url)
+    if local is not None:
+        local.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=local.parent, prefix=f".{local.name}.", suffix=".tmp")
+        os.close(fd)
+        try:
+            shutil.copyfile(local_file, tmp)
+            os.replace(tmp, local)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return
+    fs.put_file(str(local_file), path)
+
+
 def write_text_atomic(url: str, text: str) -> None:
     write_bytes_atomic(url, text.encode("utf-8"))
 

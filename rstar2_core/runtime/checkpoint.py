@@ -44,12 +44,14 @@ def rank_file(checkpoint_url: str, rank: int) -> str:
 
 
 def write_rank_state(staging_url: str, rank: int, world: int, backend_state: dict) -> int:
-    """Write one rank's state (torch.save) into a checkpoint being published; returns its bytes."""
-    buf = io.BytesIO()
-    torch.save({"rank": rank, "world_size": world, "backend": backend_state}, buf)
-    data = buf.getvalue()
-    storage.write_bytes_atomic(rank_file(staging_url, rank), data)
-    return len(data)
+    """Write one rank's state (torch.save) into a checkpoint being published; returns its bytes. The state
+    goes through a local file, not memory: the optimizer partition is the largest thing a rank saves, and
+    two in-memory copies of it (a buffer and its bytes) doubled a rank's memory while saving."""
+    with storage.staging_dir() as d:
+        f = d / "rank-state.pt"
+        torch.save({"rank": rank, "world_size": world, "backend": backend_state}, f)
+        storage.write_file_atomic(rank_file(staging_url, rank), f)
+        return f.stat().st_size
 
 
 def saved_world_size(checkpoint_url: str) -> int | None:

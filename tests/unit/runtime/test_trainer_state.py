@@ -36,3 +36,19 @@ def test_a_checkpoint_without_trainer_state_gives_none_and_legacy_state_loads_at
     storage.write_bytes_atomic(storage.join(tmp_path.as_uri(), "rl_state.pt"), buf.getvalue())
     assert read_rank_state(tmp_path.as_uri(), 0, 1) == {"step": 3, "optimizer": {}}
     assert read_rank_state(tmp_path.as_uri(), 0, 2) is None
+
+
+def test_rank_state_reaches_an_s3_store_through_a_file_and_reads_back():
+    """A rank's state is streamed from a local file (no in-memory copy of the partition), to S3 too."""
+    import torch
+    from s3_server import moto_s3
+
+    from rstar2_core import storage
+
+    with moto_s3("rstar2-rank-state", "eu-west-1") as endpoint:
+        storage.configure_s3(endpoint, "eu-west-1")              # moto_s3 restores the settings on exit
+        url = "s3://rstar2-rank-state/ckpt/step-000001"
+        big = torch.arange(300_000, dtype=torch.float32)          # ~1.2 MB, a tensor like an Adam moment
+        n = write_rank_state(url, 0, 1, {"step": 1, "exp_avg": big})
+        back = read_rank_state(url, 0, 1)
+        assert n > big.numel() * 4 and back["step"] == 1 and torch.equal(back["exp_avg"], big)
