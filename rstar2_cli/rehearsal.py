@@ -12,16 +12,20 @@ schedule's shape, the benchmark list and metrics, promotion and the registry run
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
+import json
+import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 OVERLAY = Path(__file__).resolve().parents[1] / "configs" / "production-rehearsal.overrides"
 
 ALLOWED: dict[str, str] = {
-    "model.name_or_path": "SmolLM2-135M-Instruct (what a package ships here) for Qwen3-14B-Base",
+    "model.name_or_path": ("SmolLM2-135M-Instruct (what a package ships here) taught the recipe's answer format "
+                           "(rehearsal_model.py) for Qwen3-14B-Base"),
     "model.dtype": "float32: vLLM's CPU build and CPU training",
-    "model.gradient_checkpointing": "activation memory is no constraint at 135M",
     "cluster.nodes": "a local multi-node Ray cluster of 2 worker nodes for 8 machines",
     "cluster.gpus_per_node": "1 logical GPU per node for 8 MI300X",
     "cluster.logical_gpus": "the GPUs are logical: every actor computes on the CPU",
@@ -29,7 +33,8 @@ ALLOWED: dict[str, str] = {
     "cluster.cpus_per_gpu": "a 2-core machine's share per GPU bundle",
     "cluster.ray_address": "the local cluster's address (endpoint)",
     "cluster.resources.*.num_cpus": "the stage tasks' CPU reservations on a small head",
-    "rollout.num_engines": "one engine per logical GPU",
+    "rollout.num_engines": ("one engine (on node 0) for 32: with two, the engines, their vLLM processes and a weight "
+                            "push do not fit beside two trainer ranks in 24 GB (measured: Ray OOM-killed them)"),
     "rollout.tensor_parallel_size": "one device per engine",
     "rollout.gpu_memory_utilization": "GPUs only (vLLM on CPU refuses it)",
     "rollout.kv_capacity_tokens": "the KV budget of a CPU engine",
@@ -46,11 +51,9 @@ ALLOWED: dict[str, str] = {
     "sft.max_seq_len": "row length",
     "sft.epochs": "passes",
     "sft.max_steps": "steps",
-    "sft.checkpoint_every": "steps between checkpoints (every one is rehearsed)",
     "rl.prompts_per_step": "prompts per step",
     "rl.grpo.group_size": "rollouts kept per prompt (the oversampling factor stays)",
     "rl.micro_batch_size": "trajectories per micro-batch",
-    "rl.checkpoint_every": "steps between checkpoints (every one is rehearsed)",
     "rl.stages.*.steps": "steps per stage",
     "rl.stages.*.max_response_tokens": "response lengths (still growing across the stages)",
     "rl.stages.*.max_turns": "turns (still growing into stage 3)",
@@ -97,62 +100,103 @@ def not_allowed(diffs: list[tuple[str, Any, Any]]) -> list[tuple[str, Any, Any]]
 
 
 def run_rehearsal(root: Path, timeout_s: float = 5400, log=print) -> dict:
-    """The whole rehearsal: the production service stack (rehearsal_stack.py), the stores filled
-    (rehearsal_data.py), the deployments on the `rstar2-cluster` pool, then `rstar2/full-recipe` with
-    profile qwen3-14b-mi300x, this overlay and the stack's endpoints, watched to its end. Returns what
-    happened: the flow run's state and message, seconds per phase, the registered versions and artifacts."""
-    import asyncio
-    import os
+    """The whole rehearsal: the production service stack (rehearsal_stack.py) started, `rehearse` on it,
+    the stack stopped. Returns what `rehearse` returns, with the services' start-up seconds."""
     import time
 
-    from rstar2_cli.rehearsal_data import fill
     from rstar2_cli.rehearsal_stack import ServiceStack
     from rstar2_core.config import load_config
 
     cfg = load_config("qwen3-14b-mi300x", overlay_overrides())
-    times: dict[str, float] = {}
     t0 = time.monotonic()
     with ServiceStack(root, cfg.cluster) as stack:
-        times["services"] = time.monotonic() - t0
-        log(f"[rehearsal] services up in {times['services']:.0f} s: Prefect {stack.prefect_api} (PostgreSQL), "
+        up = time.monotonic() - t0
+        log(f"[rehearsal] services up in {up:.0f} s: Prefect {stack.prefect_api} (PostgreSQL), "
             f"MLflow {stack.tracking_uri} (PostgreSQL, artifacts on S3), S3 {stack.s3_endpoint}, Ray "
             f"{stack.cluster.address} ({cfg.cluster.nodes} worker nodes); logs in {stack.logs}")
-        overrides = [*overlay_overrides(), *stack.endpoint_overrides()]
-        run_cfg = load_config("qwen3-14b-mi300x", overrides)
-        t = time.monotonic()
-        for k, v in stack.s3_env().items():
-            os.environ.setdefault(k, v)
-        fill(run_cfg)
-        times["fill"] = time.monotonic() - t
-        t = time.monotonic()
-        deployed = stack.deploy()
-        times["deploy"] = time.monotonic() - t
-        log(f"[rehearsal] stores filled ({times['fill']:.0f} s), deployed {deployed} on the rstar2-cluster pool")
-        os.environ["PREFECT_API_URL"] = stack.prefect_api
-        from flows.client import start_run, watch
+        out = rehearse(stack, timeout_s, log)
+    out["seconds"] = {"services": up, **out["seconds"], "total": time.monotonic() - t0}
+    return out
 
+
+def rehearse(stack: Any, timeout_s: float = 5400, log=print, deploy: bool = True) -> dict:
+    """On a running `ServiceStack`: fill the stores (rehearsal_data.py), create the deployments on the
+    `rstar2-cluster` pool (unless `deploy=False`: done already), run `rstar2/full-recipe` with profile
+    qwen3-14b-mi300x, this overlay and the stack's endpoints, and watch it to its end. Returns the flow
+    run's id, state and message, seconds per phase and per task run, the registered versions, the count of
+    artifacts the MLflow server wrote to S3, the eval settings and the recipe's summary (the eval table),
+    also written to `$RSTAR2_HOME/rehearsal/<flow run id>.json`."""
+    import asyncio
+    import time
+
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.client import start_run, watch
+    from rstar2_cli.rehearsal_data import fill
+    from rstar2_core import storage
+    from rstar2_core.config import load_config
+    from rstar2_core.config.root import resolve_state_dir
+
+    overrides = [*overlay_overrides(), *stack.endpoint_overrides()]
+    run_cfg = load_config("qwen3-14b-mi300x", overrides)
+    times: dict[str, float] = {}
+    t = time.monotonic()
+    with _env(stack.s3_env()):
+        fill(run_cfg)
+    storage.configure_s3()                      # the driver's S3 settings back to the environment's
+    times["fill"] = time.monotonic() - t
+    t = time.monotonic()
+    deployed = stack.deploy() if deploy else []
+    times["deploy"] = time.monotonic() - t
+    log(f"[rehearsal] stores filled ({times['fill']:.0f} s), deployed {deployed} on the rstar2-cluster pool")
+    with temporary_settings({PREFECT_API_URL: stack.prefect_api}):
         t = time.monotonic()
         fid = asyncio.run(start_run("rstar2/full-recipe", {"profile": "qwen3-14b-mi300x", "overrides": overrides}))
         log(f"[rehearsal] flow run {fid}: prefect deployment run rstar2/full-recipe -p profile=qwen3-14b-mi300x "
             f"(+ {len(overrides)} overrides); the UI is at {stack.prefect_api[:-4]}")
         state = asyncio.run(watch(fid, timeout_s=timeout_s))
         times["flow_run"] = time.monotonic() - t
-        out = {"flow_run_id": str(fid), "state": state, "seconds": times, "message": _message(fid)}
+        message, tasks = asyncio.run(_flow_run(fid))
+    out = {"flow_run_id": str(fid), "state": state, "seconds": times, "task_seconds": tasks, "message": message}
+    with _env(stack.s3_env()):
         out.update(_results(run_cfg, str(fid), stack))
-    out["seconds"]["total"] = time.monotonic() - t0
+    storage.configure_s3()
+    report = resolve_state_dir(None) / "rehearsal" / f"{fid}.json"     # kept after the stack stops
+    report.parent.mkdir(parents=True, exist_ok=True)
+    report.write_text(json.dumps(out, indent=2, default=str))
+    log(f"[rehearsal] report: {report}")
     return out
 
 
-def _message(fid: Any) -> str:
-    import asyncio
+@contextlib.contextmanager
+def _env(values: dict[str, str]) -> Iterator[None]:
+    """Environment variables set for a block (the S3 credentials the stores need), restored after it."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
+
+async def _flow_run(fid: Any) -> tuple[str, dict[str, float]]:
+    """The flow run's state message and the seconds of each task run of it and of its subflows (by name)."""
     from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterParentFlowRunId
 
-    async def read() -> str:
-        async with get_client() as c:
-            return (await c.read_flow_run(fid)).state.message or ""
-
-    return asyncio.run(read())
+    async with get_client() as c:
+        run = await c.read_flow_run(fid)
+        subflows = await c.read_flow_runs(flow_run_filter=FlowRunFilter(
+            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[fid])))     # the recipe's stages subflow
+        ids = [fid, *(r.id for r in subflows)]
+        tasks = await c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=ids)))
+    seconds = {t.name: round(t.total_run_time.total_seconds(), 1) for t in
+               sorted(tasks, key=lambda t: t.start_time or t.expected_start_time)}
+    return run.state.message or "", seconds
 
 
 def _results(cfg: Any, fid: str, stack: Any) -> dict:
@@ -160,6 +204,7 @@ def _results(cfg: Any, fid: str, stack: Any) -> dict:
     import boto3
     from mlflow import MlflowClient
 
+    from tasks.context import apply_storage_settings
     from tasks.run_store import RunStore
 
     client = MlflowClient(stack.tracking_uri)
@@ -169,9 +214,12 @@ def _results(cfg: Any, fid: str, stack: Any) -> dict:
                                                                if k.startswith("AWS_") and "REGION" not in k},
                       region_name=cfg.storage.s3_region)
     listed = s3.list_objects_v2(Bucket="rstar2-mlflow", Prefix="artifacts/")
+    apply_storage_settings(cfg)
     store = RunStore.for_run(cfg.resolved_storage_root(), fid)
     summary = store.load("summary")
     return {"model_versions": [v.version for v in versions], "mlflow_artifacts_on_s3": listed.get("KeyCount", 0),
+            "eval": {"benchmarks": {b.name: b.limit for b in cfg.eval.benchmarks}, "k": cfg.eval.k,
+                     "temperature": cfg.eval.temperature, "top_p": cfg.eval.top_p},
             "summary": (summary or {}).get("markdown")}
 
 

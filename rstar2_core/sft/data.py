@@ -5,8 +5,8 @@ tokenizer the base model has:
 
     {"id": ..., "problem": ..., "turns": [[assistant_text, [tool_response_text, ...] | null], ...],
      "source": "synthetic" | <url>, "answer": ..., "failed_first": bool}
-    (+ "direct", "mask_answer": bool on synthetic rows; `mask_answer` keeps the boxed answer's tokens out
-    of the loss, see `sft.packing.encode_conversations`)
+    (+ "direct" on synthetic rows; "mask_answer": bool on any row of this form keeps the boxed
+    answer's tokens out of the loss, see `sft.packing.encode_conversations`)
 
     or, for the general rows (function calling, instruction following, chat):
     {"id": ..., "messages": [[role, text], ...], "source": <url>, "format": "openai" | "sharegpt"}
@@ -86,7 +86,8 @@ def _external_rows(url: str, counts: Counter) -> list[dict]:
             counts[f"rejected/{reason}"] += 1
             continue
         rows.append({"id": rid, "problem": row["problem"], "turns": row["turns"],
-                     "source": url, "answer": row.get("answer"), "failed_first": bool(row.get("failed_first"))})
+                     "source": url, "answer": row.get("answer"), "failed_first": bool(row.get("failed_first")),
+                     "mask_answer": bool(row.get("mask_answer"))})
         counts["format/rstar2"] += 1
     return rows
 

@@ -63,7 +63,7 @@ def test_a_flow_run_through_the_production_worker_reaches_preflight(stack):
     for missing in ("data.sources.0.url = 's3://rstar2-data/raw/dapo-math-17k.parquet' does not exist",
                     "data.sft_sources.2 = 's3://rstar2-data/sft/chat.parquet' does not exist",
                     "eval.benchmarks.4.url = 's3://rstar2-data/bench/gpqa_diamond.parquet'",
-                    "model.name_or_path = 's3://rstar2-models/SmolLM2-135M-Instruct' is not a complete checkpoint"):
+                    "model.name_or_path = 's3://rstar2-models/SmolLM2-135M-Instruct-recipe-format' is not a complete checkpoint"):
         assert missing in log, missing
     assert "MLflow server does not answer" not in log and "no Ray head answers" not in log
     # the servers keep their state in PostgreSQL: the flow run is a row there
@@ -76,3 +76,28 @@ def test_a_flow_run_through_the_production_worker_reaches_preflight(stack):
                              "mlflow", "-tAc", "select count(*) from experiments"], capture_output=True, text=True,
                             check=True)
     assert int(tables.stdout.strip()) >= 1                           # the MLflow server's tables, on PostgreSQL
+
+
+@pytest.mark.timeout(2700)
+def test_the_production_profile_runs_to_a_registered_model(stack):
+    """`make rehearsal` on the shared stack: the stores filled as an operator would (rehearsal_data.py, the
+    base model included), then `rstar2/full-recipe` with the production profile and the overlay through
+    the production worker, to its end: every stage ran, a model version is registered in MLflow (PostgreSQL)
+    with its artifacts on S3, and the eval table has every benchmark the profile lists."""
+    from rstar2_cli.rehearsal import rehearse
+
+    res = rehearse(stack, timeout_s=2400, log=print, deploy=False)
+    log = (stack.logs / "prefect-worker.log").read_text(errors="replace")
+    assert res["state"] == "Completed", (res["message"], log[-6000:])
+    names = list(res["task_seconds"])          # task runs of the flow and its stages subflow, by name
+    for task in ("curate", "sft-data", "sft (", "rl-stage-3 hard subset", "register best"):
+        assert any(n.startswith(task) for n in names), (task, names)
+    assert sum(n.startswith("rl-stage-") and "turns" in n for n in names) == 3, names
+    assert sum(n.startswith("eval ") for n in names) >= 4, names             # every checkpoint evaluated
+    assert res["model_versions"] and res["mlflow_artifacts_on_s3"] > 0, res
+    table = res["summary"]
+    for bench in res["eval"]["benchmarks"]:
+        assert f"{bench} pass@1" in table.splitlines()[0], (bench, table)
+    for stage in ("sft", "rl-stage-1", "rl-stage-2", "rl-stage-3"):
+        assert f"| {stage} |" in table, (stage, table)
+    print(res["summary"])

@@ -35,7 +35,7 @@ def test_every_file_the_profile_names_is_made_in_its_layout(tmp_path):
                                | {b.url for b in base.eval.benchmarks})
     for b in cfg.eval.benchmarks:
         bench = load_benchmark(b, cfg)
-        assert len(bench.problems) == 4 and not bench.rejected, (b.name, bench.rejected)    # the overlay limit
+        assert len(bench.problems) == 2 and not bench.rejected, (b.name, bench.rejected)    # the overlay limit
     nolabel = cfg.model_copy(update={"data": cfg.data.model_copy(update={
         "label_check": cfg.data.label_check.model_copy(update={"enabled": False})})})
     ref = curate(nolabel, (tmp_path / "curated").as_uri(), progress=False)

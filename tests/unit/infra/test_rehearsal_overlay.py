@@ -32,8 +32,8 @@ def test_a_change_outside_the_allow_list_is_named():
     assert all(why for why in ALLOWED.values())
 
 
-def test_the_rehearsed_layout_fits_two_nodes_of_one_logical_gpu():
+def test_the_rehearsed_layout_spans_two_nodes_of_one_logical_gpu():
     from rstar2_core.runtime.ray.layout import compute_layout
 
     layout = compute_layout(load_config("qwen3-14b-mi300x", overlay_overrides()))
-    assert layout.nodes * layout.gpus_per_node == 2 and len(layout.engines) == 2 and len(layout.trainer_shards) == 2
+    assert layout.nodes * layout.gpus_per_node == 2 and len(layout.trainer_shards) == 2 and len(layout.engines) == 1
