@@ -70,12 +70,16 @@ workflow switch instead read `?workflowType=machine_learning` in the link the de
 
 
 def experiment_id(cfg: Config) -> str:
-    """Id of `cfg.tracking.experiment`, created with its artifacts under the state folder and tagged as
-    a model-training experiment (`EXPERIMENT_KIND`)."""
+    """Id of `cfg.tracking.experiment`, tagged as a model-training experiment (`EXPERIMENT_KIND`). Created
+    with its artifacts where the tracking store keeps them: a tracking server (http/https) its own artifact
+    root (production: `--serve-artifacts` to S3, so that a plot logged on any node reaches the server's
+    store; the production rehearsal found them in each node's local folder), a local store (sqlite, a
+    folder) the state folder's `mlartifacts`."""
     c = client(cfg)
     exp = c.get_experiment_by_name(cfg.tracking.experiment)
     if exp is None:
-        location = (cfg.resolved_state_dir() / "mlartifacts").as_uri()
+        server = cfg.resolved_tracking_uri().startswith(("http://", "https://"))
+        location = None if server else (cfg.resolved_state_dir() / "mlartifacts").as_uri()
         from mlflow.exceptions import MlflowException
 
         err: MlflowException | None = None
