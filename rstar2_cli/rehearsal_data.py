@@ -25,11 +25,8 @@ import json
 import random
 from typing import Any
 
+from rstar2_cli.rehearsal_model import DAPO_HEAD, DAPO_TAIL
 from rstar2_core import storage
-
-DAPO_HEAD = ("Solve the following math problem step by step. The last line of your response should be of "
-             "the form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n")
-DAPO_TAIL = "\n\nRemember to put your answer on its own line after \"Answer:\"."
 
 
 def _parquet(rows: list[dict]) -> bytes:

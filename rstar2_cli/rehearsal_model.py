@@ -31,6 +31,10 @@ from types import SimpleNamespace
 from rstar2_core import storage
 
 BASE_URL = "s3://rstar2-models/SmolLM2-135M-Instruct-recipe-format"
+DAPO_HEAD = ("Solve the following math problem step by step. The last line of your response should be of "
+             "the form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n")
+DAPO_TAIL = "\n\nRemember to put your answer on its own line after \"Answer:\"."
+"""DAPO's instruction around each problem (rehearsal_data.py's DAPO parquet and the demonstrations here)."""
 SFT_OVERRIDES = ("data.synthetic.enabled=false", "sft.epochs=1", "sft.batch_size=4", "sft.micro_batch_size=4",
                  "sft.lr=5e-5", "sft.schedule=\"constant\"", "sft.warmup_ratio=0.0", "sft.max_seq_len=1024",
                  "sft.checkpoint_every=0", "sft.backend=\"torch\"")
@@ -43,7 +47,6 @@ N_ROWS = 120
 def format_rows(n: int = N_ROWS, seed: int = 12) -> list[dict]:
     """Recipe SFT rows ({"problem", "turns"}) of the three RL sources' wordings with two-digit numbers:
     every third row calls the tool and boxes its output, the others answer directly (`mask_answer`)."""
-    from rstar2_cli.rehearsal_data import DAPO_HEAD, DAPO_TAIL
     from rstar2_core.chat import render_tool_result
     from rstar2_core.chat.tokens import REASON_CLOSE
     from rstar2_core.data.synthetic import DIRECT_REASON, answer_text, demonstration_turns

@@ -85,3 +85,13 @@ def probe_cluster(address: str) -> list:
     finally:
         ray.shutdown()
 
+
+def holds_runtime_slot() -> bool:
+    """True in a Ray task or actor that was assigned the cluster's single `RUNTIME_RESOURCE`: the one
+    process that may have a runtime's placement groups on the cluster."""
+    import ray
+
+    try:
+        return RUNTIME_RESOURCE in (ray.get_runtime_context().get_assigned_resources() or {})
+    except Exception:  # noqa: BLE001 - the driver, or no Ray: no slot
+        return False

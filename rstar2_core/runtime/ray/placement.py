@@ -217,26 +217,15 @@ RUNTIME_GROUP_PREFIX = "rt-"
 _LIVE_STATES = ("CREATED", "PENDING", "RESCHEDULING")
 
 
-def holds_runtime_slot() -> bool:
-    """True in a Ray task or actor that was assigned the cluster's single runtime resource
-    (connect.RUNTIME_RESOURCE): the one process that may have a runtime's groups on the cluster."""
-    from rstar2_core.runtime.ray.connect import RUNTIME_RESOURCE
-
-    try:
-        return RUNTIME_RESOURCE in (ray.get_runtime_context().get_assigned_resources() or {})
-    except Exception:  # noqa: BLE001 - the driver, or no Ray: no slot
-        return False
-
-
-def remove_stale_runtime_groups(own_prefix: str, holds_slot: bool | None = None) -> list[str]:
+def remove_stale_runtime_groups(own_prefix: str, holds_slot: bool) -> list[str]:
     """Remove the live `rt-*` placement groups that are not `own_prefix`'s, when this process holds the
-    runtime slot (`holds_slot`, default: `holds_runtime_slot()`); returns their names.
+    runtime slot (`holds_slot`: connect.holds_runtime_slot()); returns their names.
 
     A stage task killed by the OS or Ray's memory monitor leaves its groups behind: they live as long
     as the job (the flow's driver), not the task, and hold the GPUs, so the task's retry would wait for
     its own gang until `cluster.placement_timeout_s`. Only one process holds the slot, so while it does
     every other runtime group is a leftover. Without the slot (a driver, a test) nothing is removed."""
-    if not (holds_runtime_slot() if holds_slot is None else holds_slot):
+    if not holds_slot:
         return []
     from ray.util.placement_group import placement_group_table
 

@@ -44,7 +44,7 @@ from rstar2_core.config import ConfigError
 from rstar2_core.config.runtime_rules import computes_on_gpu
 from rstar2_core.config.sections import ClusterConfig, SandboxConfig
 from rstar2_core.runtime.protocol import OwnedGrader, RuntimeUsage, WeightSyncReport
-from rstar2_core.runtime.ray.connect import ensure_ray
+from rstar2_core.runtime.ray.connect import ensure_ray, holds_runtime_slot
 from rstar2_core.runtime.ray.engine_actors import RemoteEngine, start_engines
 from rstar2_core.runtime.ray.placement import (
     RUNTIME_GROUP_PREFIX,
@@ -115,7 +115,7 @@ class RayRuntime:
                 _refuse_node_local_storage()     # ranks write shards, engines read the policy, on their nodes
             self.layout = spec.layout
             prefix = f"{RUNTIME_GROUP_PREFIX}{uuid.uuid4().hex[:6]}-"
-            stale = remove_stale_runtime_groups(prefix)
+            stale = remove_stale_runtime_groups(prefix, holds_runtime_slot())
             if stale:
                 log.warning("removed %d placement groups a killed runtime left behind (%s): they held the "
                             "cluster this runtime needs", len(stale), ", ".join(stale))

@@ -318,14 +318,15 @@ def test_a_runtime_holding_the_slot_removes_the_groups_a_killed_runtime_left(loc
     ray = local_ray
     from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
-    from rstar2_core.runtime.ray.placement import holds_runtime_slot, remove_stale_runtime_groups
+    from rstar2_core.runtime.ray.connect import holds_runtime_slot
+    from rstar2_core.runtime.ray.placement import remove_stale_runtime_groups
 
     left = placement_group([{"CPU": 1}], name="rt-dead01-rstar2-node0")
     other = placement_group([{"CPU": 0.1}], name="t-other")
     ray.get([left.ready(), other.ready()], timeout=60)
     try:
         assert not holds_runtime_slot()                          # the driver holds no slot: nothing removed
-        assert remove_stale_runtime_groups("rt-new002-") == []
+        assert remove_stale_runtime_groups("rt-new002-", holds_runtime_slot()) == []
         assert remove_stale_runtime_groups("rt-dead01-", holds_slot=True) == []      # its own groups
         assert remove_stale_runtime_groups("rt-new002-", holds_slot=True) == ["rt-dead01-rstar2-node0"]
         states = {v["name"]: v["state"] for v in placement_group_table().values()}
