@@ -12,13 +12,12 @@ schedule's shape, the benchmark list and metrics, promotion and the registry run
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from unittest.mock import patch
 
 OVERLAY = Path(__file__).resolve().parents[1] / "configs" / "production-rehearsal.overrides"
 
@@ -141,7 +140,7 @@ def rehearse(stack: Any, timeout_s: float = 5400, log=print, deploy: bool = True
     run_cfg = load_config("qwen3-14b-mi300x", overrides)
     times: dict[str, float] = {}
     t = time.monotonic()
-    with _env(stack.s3_env()):
+    with patch.dict(os.environ, stack.s3_env()):   # the stores' credentials, restored after
         fill(run_cfg)
     storage.configure_s3()                      # the driver's S3 settings back to the environment's
     times["fill"] = time.monotonic() - t
@@ -158,7 +157,7 @@ def rehearse(stack: Any, timeout_s: float = 5400, log=print, deploy: bool = True
         times["flow_run"] = time.monotonic() - t
         message, tasks = asyncio.run(_flow_run(fid))
     out = {"flow_run_id": str(fid), "state": state, "seconds": times, "task_seconds": tasks, "message": message}
-    with _env(stack.s3_env()):
+    with patch.dict(os.environ, stack.s3_env()):   # the stores' credentials, restored after
         out.update(_results(run_cfg, str(fid), stack))
     storage.configure_s3()
     report = resolve_state_dir(None) / "rehearsal" / f"{fid}.json"     # kept after the stack stops
@@ -166,21 +165,6 @@ def rehearse(stack: Any, timeout_s: float = 5400, log=print, deploy: bool = True
     report.write_text(json.dumps(out, indent=2, default=str))
     log(f"[rehearsal] report: {report}")
     return out
-
-
-@contextlib.contextmanager
-def _env(values: dict[str, str]) -> Iterator[None]:
-    """Environment variables set for a block (the S3 credentials the stores need), restored after it."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 async def _flow_run(fid: Any) -> tuple[str, dict[str, float]]:
