@@ -37,7 +37,7 @@ demo-quick:
 demo-fault:
 	@$(DEMO_T0) $(ENV) bash scripts/demo.sh --quick --fault $(FAULT)
 
-# the production profile scaled down, through the production service stack (docs/production.md)
+# the production profile scaled down, through the production service stack (docs/rehearsal.md)
 rehearsal: setup
 	$(ENV) $(VENV)/bin/rstar2 rehearsal
 

@@ -2,36 +2,11 @@
 
     .venv/bin/python bench/async_rl.py [--quick] [--json] [--steps 6] [--skip-ray]
 
-Two parts, each a side-by-side comparison:
-
-1. **Simulated GPU cluster** (`sim_*`): the stage's own scheduler of asynchronous steps
-   (`rl.pipelined.run_pipelined`, the code `rl.max_staleness` runs) drives a stand-in runtime in scaled
-   wall time. Each step's rollout lasts what bench/engine_sim.py's model of 8 paged engines takes for a
-   long-tailed multi-turn workload (GPU-like costs, KV-aware admission: the figures of bench/scheduler.py);
-   its update lasts `--train-ratio` x the mean rollout (1.0: a separate layout whose trainer GPUs take
-   as long per step as its engine GPUs), in proportion to the step's generated tokens; a weight push
-   lasts `--sync-s` (14B in bf16 over NCCL: a few seconds). The synchronous arm runs the same three
-   phases one after another, as `rl_step` does. `sim_ratio_k1`, `sim_ratio_k2` = synchronous / async
-   seconds per step, each the median interval between consecutive steps' ends (the pipeline's steady
-   state; its first step cannot overlap anything). What it leaves out: the engines' and trainer's own slow-down when they share
-   nothing (they do not, in the separate layout), and a staleness cost in learning.
-2. **Measured on the Ray runtime, this machine** (`sync.step_s`, `async1.step_s`, `async2.step_s`):
-   `run_rl_stage` on the tiny profile's from-scratch model with 2 HF engine actors, 2 DeepSpeed ZeRO-2
-   trainer shards and the sandbox pool on a local Ray, `rl.max_staleness` = 0, 1, 2, the same batches and
-   seeds. The reward is a timing-only one (1 when a completion has an even number of characters, as in
-   bench/runtime.py: every group has reward variance, so every step updates and pushes weights). Seconds
-   per step = the median interval between consecutive steps' records (the runtime's start-up excluded).
-   On 2 CPU cores the engines and the trainer compete for the same cores: these ratios show the
-   machinery works, not what a cluster gains (docs/rl.md).
-
-Keys (JSON printed last with --json): `sync.step_s`, `async1.step_s`, `async2.step_s`, `ratio_k1`,
-`ratio_k2`, `sim_ratio_k1`, `sim_ratio_k2`, `sim.*` (the simulation's settings and seconds per step),
-`mean_staleness` (of the k = 1 and k = 2 Ray arms), `stale_dropped` (steps, simulated or measured,
-whose batch was older than the bound: the producer never launches one, so a batch is never dropped for
-age and this counts violations; it must be 0), the load average before and after. With `--learning`:
-`pass1_sft`, `pass1_sync`, `pass1_k1`, `pass1_grpo` and the eval failed-call ratios among correct
-answers (`pos_tool_error_ratio`), from bench/learning.py --async-k 1 (same SFT checkpoint, seed and
-eval set for every arm).
+Two comparisons: a simulated GPU cluster (the stage's own scheduler of asynchronous steps,
+`rl.pipelined.run_pipelined`, driving a stand-in runtime in scaled wall time) and the Ray runtime on this
+machine (`run_rl_stage` at `rl.max_staleness` = 0, 1, 2, the same batches and seeds). Invariant: no batch
+is older than the bound (`stale_dropped` counts violations and must be 0).
+See docs/benchmarks-training.md, "bench/async_rl.py".
 """
 
 from __future__ import annotations

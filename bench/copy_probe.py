@@ -2,21 +2,10 @@
 
     .venv/bin/python bench/copy_probe.py CHECKPOINT_URL [CHECKPOINT_URL ...] [--n 60] [--json]
 
-The tiny model's pass@1 depends on one skill a pretrained LM has and a from-scratch ~0.2M-parameter model
-must grow: copying digit strings. For `--n` held-out eval problems this renders the demonstration the
-SFT data would contain (a failing first call, its real error, the fixed call, its real output, the
-answer; every tool response produced by actually running the code) and scores, teacher-forced, the
-digit tokens of three spans:
-
-- `problem_to_code`: the numbers of the first call, copied from the problem text (a mapping: the
-  order and template depend on the family and phrasing);
-- `code_to_code`: the numbers of the fixed call, copied verbatim from the failed call above it;
-- `output_to_answer`: the answer digits, copied verbatim from the tool output.
-
-For each: mean NLL (nats; ~2.3 is chance over 10 digits) and greedy accuracy; plus `calls_exact`, the
-share of problems whose first-call digits are all argmax-correct. A model whose induction circuit has
-formed scores near 1.0 on the two verbatim spans; docs/models-and-sft.md has the measured figures.
-`--json` prints one JSON object (checkpoint -> figures) as the last line.
+For `--n` held-out eval problems it renders the demonstration the SFT data would contain (every tool
+response produced by running the code) and scores, teacher-forced, the digit tokens of three spans:
+`problem_to_code`, `code_to_code`, `output_to_answer` (mean NLL, greedy accuracy), plus `calls_exact`.
+See docs/benchmarks-training.md, "bench/copy_probe.py"; the figures are in docs/sft-learning.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
 """Benchmark of the curation filters: MinHash/LSH near-duplicate removal against the exact pairwise
 baseline, and 8-gram decontamination, side by side in one run.
 
-Workload: N problems = DAPO-like word problems built from a fixed vocabulary (deterministic, seed 0),
-of which 10% are planted near-duplicates of an earlier problem (one word of the last five replaced,
-or a short clause appended: word 5-shingle Jaccard 0.8-0.95) and 5% exact duplicates after case and
-punctuation changes; plus 30 benchmark problems, 1% of the training problems embedding an 8-word span
-of one of them.
-
-Contenders for near-duplicates (same data, same threshold 0.85, word 5-shingles):
-- ours: `filters.near_duplicates` (datasketch MinHash, 128 permutations, LSH, estimate >= threshold);
-- exact: every pair's exact Jaccard on the shingle sets (O(N^2); the ground truth for recall).
-Reported: problems/s, dropped, recall and precision of ours against exact (on which problems are
-dropped), and decontamination problems/s with the number of planted contaminations found.
-
 Run:  python bench/curation.py [--quick] [--json] [--n N]
-`--json` prints one JSON object as the last line: {"n", "near_dup": {"ours": {"problems_per_s",
-"dropped", "wall_s"}, "exact": {...}, "recall", "precision", "speedup"}, "decontam": {"problems_per_s",
-"found", "planted"}, "machine"}.
+
+A deterministic workload (seed 0) with planted near-duplicates, exact duplicates and contaminations;
+recall and precision of ours are measured against the exact pairwise Jaccard on the same data and
+threshold (0.85, word 5-shingles). See docs/benchmarks.md, "bench/curation.py".
 """
 
 from __future__ import annotations

@@ -2,24 +2,10 @@
 
     .venv/bin/python bench/demo_profile.py [--home .rstar2] [--flow-run ID] [--baseline HOME[:ID]] [--json]
 
-Reads what the run left behind, nothing re-timed: the demo's phase timestamps (`<home>/demo-timings.jsonl`,
-written by scripts/demo.sh: set-up, services, deploy, flow run) and the stage timings of the run's MLflow
-parent run (`tasks.summary.stage_timings`, the code the run's own summary uses: each nested stage run's start
-and end). Phases:
-
-- `setup_s`, `services_s`, `deploy_s`: `make setup`, scripts/services.sh up, `prefect deploy --all`;
-- `flow_start_s`: the deploy's end to the parent MLflow run's start (the client creates the flow run, the
-  worker starts its process, the flow imports the pipeline and opens the recipe: snapshot, preflight, MLflow);
-- `dispatch_s`: the parent run's start to the first stage's start (Ray start-up, first task dispatch);
-- `stages_s`: the first stage's start to the last stage's end, with the critical path (the chain of stages that
-  decided it; `tasks.summary.critical_path`) and the stages that ran beside it;
-- `tail_s`: the last stage's end to the client seeing the run finished (summary, plot, flow teardown).
-
-`--baseline HOME[:ID]` puts another finished demo run (e.g. one from a clone of main, run just before or after
-this one on the same machine) beside this one and prints this/baseline ratios per phase and stage: speed
-claims compare two runs measured back to back, each with the load average it ran under (`load`).
-The JSON object (last line with `--json`): `flow_run_id`, `total_s`, `phases`, `stages` ([{stage, start_s,
-wall_s, critical}]), `critical_path`, `pass1`, `load`, and with --baseline `baseline` and `ratios`.
+Reads what the run left behind, nothing re-timed: `<home>/demo-timings.jsonl` (scripts/demo.sh) and the
+stage timings of the run's MLflow parent run (`tasks.summary.stage_timings`, the code the run's own summary
+uses). `--baseline` puts another finished run beside it: speed claims compare two runs measured back to
+back, each with its load average. See docs/benchmarks-training.md, "bench/demo_profile.py".
 """
 
 from __future__ import annotations

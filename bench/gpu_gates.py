@@ -1,23 +1,12 @@
 """Correctness gates of the GPU check (bench/gpu_check.py): does HFEngine compute what the model computes?
 
-- `greedy_gate`: on a fixed set of prompts, the engine's greedy tokens (continuous batching: more
-  prompts than slots, so requests join mid-batch; each engine variant asked for) equal `model.generate`
-  greedy run on each prompt alone. Run once more on `shared_prompts` (one 96-token prefix, then
-  different tails, as a GRPO step's prompts share their system turn), where the default engine's decode
-  steps read the prefix once per step (`rollout/shared_prefix.py`; the gate fails if no step did). A divergence counts as a *near tie* (and passes) only when, under a
-  teacher-forced forward of the reference, the two tokens' logits differ by less than `TIE_GAP`: there
-  argmax is decided by rounding, not by the engine. Run in fp32 (TF32 off), where rounding is ~1e-6.
-- `logprob_gate`: sampled outputs (temperature 1, per-request seeds), whose engine logprobs must match
-  `log_softmax` of a teacher-forced forward of prompt + output at every sampled position within `tol`.
-- `rng_gate`: the engine's counter-based uniforms computed on the device equal the pure-Python
-  SplitMix64 reference (int64 multiplication must wrap modulo 2^64 on the device).
-- `head_kernel_gate`: `token_logprobs` through Liger's fused linear cross-entropy (`model.head_kernel =
-  "liger"`) equals the chunked torch path on the same LM head: the log-probs, and the gradients of
-  sum(upstream x log-probs) w.r.t. the hidden states and the head's weight with a random per-token
-  upstream gradient (the RL loss's shape: `reduction="none"`, where older Liger releases took the
-  upstream gradient as one scalar). fp32, TF32 off; the caller decides that Liger is usable.
-
-Each returns a dict with `ok`. Needs only torch + rstar2_core's rollout and token_logprobs modules.
+`greedy_gate` (engine greedy == `model.generate` greedy, also on prompts sharing a 96-token prefix; a
+divergence passes only at a near tie, logits within `TIE_GAP`), `logprob_gate` (engine logprobs ==
+a teacher-forced forward within `tol`), `rng_gate` (the device's counter-based uniforms == the
+pure-Python SplitMix64 reference) and `head_kernel_gate` (Liger's fused head == the chunked torch path:
+log-probs and both gradients). Each returns a dict with `ok`. Run in fp32 with TF32 off.
+Invariant: needs only torch + rstar2_core's rollout and token_logprobs modules.
+See docs/production.md, "GPU check".
 """
 
 from __future__ import annotations

@@ -1,22 +1,12 @@
 """Benchmark of the answer grader: `GraderPool` against the usual alternatives, side by side in one run.
 
-Workloads: `clean`, a mix of 60% integer answers (half right, half wrong, with `1,234`-style
-spellings), 15% fractions (`\\dfrac{3}{4}` vs `0.75`), 15% symbolic answers that only math-verify can
-match (`x^2+2x+1` vs `(x+1)^2`), 10% responses without a box; `hang`, the same mix with 2% of items
-`\\boxed{(10^{8})!}` (sympy spends minutes evaluating 10^8! to compare it).
-Contenders (each warmed up before timing, same worker count; on `clean` the best of 3 passes):
-- ours: `GraderPool(workers, timeout_s)`: worker processes, hard per-item timeout (kill + replace);
-- in_process: `grade_response` in a loop in this process (one core, no timeout);
-- naive_pool: `concurrent.futures.ProcessPoolExecutor` (spawn) with `future.result(timeout)`: the
-  timeout stops the wait but not the work, so hung items keep their workers busy; it gets a wall-clock
-  budget of 30 s (quick: 15 s) on `hang`, after which the items not answered are counted as lost.
-
 Run:  python bench/grading.py [--quick] [--json] [--workers N] [--timeout-s T]
-`--json` prints one JSON object as the last line: {"clean": {"ours": {"items_per_s", "wall_s",
-"correct_share"}, "in_process": {...}, "naive_pool": {...}}, "hang": {"ours": {..., "timeouts",
-"answered_share", "agree_share"}, "naive_pool": {...}}, "ratio_clean_vs_naive": ..,
-"ratio_clean_vs_in_process": .., ...}. agree_share = share of items whose reward equals the
-in-process reward of the same item (hang items excepted: their reference is "timeout, reward 0").
+
+Workloads `clean` (integers, fractions, symbolic answers, no box) and `hang` (the same with 2% of items
+that sympy takes minutes over); contenders ours (worker processes, a hard per-item timeout), in-process
+`grade_response`, and a `ProcessPoolExecutor` whose timeout stops the wait but not the work. Invariant:
+every item is answered (`agree_share` against the in-process reward). See docs/benchmarks.md,
+"bench/grading.py".
 """
 
 from __future__ import annotations

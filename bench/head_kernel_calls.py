@@ -1,14 +1,10 @@
 """Per-call cost of the LM-head kernels on a GPU as the token count changes from call to call (as it does in
 the SFT step: label positions per micro-batch vary), and how many Triton variants Liger compiled.
 
-The GPU check's first run (2026-12-04, H200) timed the head alone at a fixed token count (Liger 1.6x faster
-than the chunked torch path, 3.4x less memory) but the SFT step 8x slower with Liger than with the torch
-head. This probe separated a per-call cost from a per-token-count cost and found neither: the SFT step on
-new rows was slow with either head (cuDNN attention plans; the 8x was the torch-head arm reusing the first
-arm's rows and their plans). The SFT half of that run now lives in bench/sdpa_shapes.py; what stays here:
-for each head kernel, one forward + backward of `token_logprobs` (bench/gpu_gates.head_forward_backward, the
+For each head kernel, one forward + backward of `token_logprobs` (bench/gpu_gates.head_forward_backward, the
 code the steps run) per token count in a sequence that repeats some counts, each call timed alone, with the
-number of compiled variants of Liger's kernels after it.
+number of compiled variants of Liger's kernels after it. What it found on an H200 (2026-12-04), and why the
+SFT half of its first form moved to bench/sdpa_shapes.py: docs/production.md, "Figures from an H200".
 
     python bench/head_kernel_calls.py --json      # one GPU, ~15 s; last line = JSON"""
 
@@ -21,8 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-import gpu_check
 import gpu_gates
+import gpu_probes
 import torch
 
 COUNTS = [4096, 4096, 4100, 4100, 4111, 4096, 8000, 7993, 8000, 4100]
@@ -52,12 +48,12 @@ def compiled_variants() -> dict[str, int | None]:
 
 
 def head_calls(shape: str, mode: str, device) -> list[dict]:
-    s = gpu_check.SHAPES[shape]
+    s = gpu_probes.SHAPES[shape]
     head = gpu_gates.LMHead(s["hidden_size"], s["vocab_size"], device, torch.bfloat16)
     rows = []
     for n in COUNTS:
         args = (head, mode, *gpu_gates.head_inputs(head, n, seed=n))
-        ms = 1000 * gpu_check.timed(lambda a=args: gpu_gates.head_forward_backward(*a), device)
+        ms = 1000 * gpu_probes.timed(lambda a=args: gpu_gates.head_forward_backward(*a), device)
         rows.append({"tokens": n, "ms": ms, "variants": compiled_variants()})
     return rows
 
@@ -68,13 +64,13 @@ def run(_a, device) -> dict:
         for mode in ("torch", "liger"):
             rows = head_calls(shape, mode, device)
             res[f"{shape}/{mode}"] = rows
-            gpu_check.log(f"{shape} {mode}: " + ", ".join(f"{r['tokens']}:{r['ms']:.1f}ms" for r in rows)
+            gpu_probes.log(f"{shape} {mode}: " + ", ".join(f"{r['tokens']}:{r['ms']:.1f}ms" for r in rows)
                           + f"; Liger variants after: {rows[-1]['variants']}")
     return res
 
 
 def main() -> dict:
-    return gpu_check.gpu_probe(__doc__, run)
+    return gpu_probes.gpu_probe(__doc__, run)
 
 
 if __name__ == "__main__":

@@ -3,36 +3,10 @@ does RoC make its successful trajectories cleaner than plain GRPO's?
 
     .venv/bin/python bench/learning.py [--quick] [--json] [--set rl.lr=2e-4 ...] [--sft-url URL] [--async-k K]
 
-On the `tiny` profile, from scratch, in one run: base model -> SFT -> pass@1 on the held-out synthetic
-eval set; then RL stage 1 twice from the same SFT checkpoint and seed: GRPO-RoC (the profile's
-`rl.grpo`, oversample x G rollouts, RoC keeps G) and plain GRPO (`resample = "none"`, `oversample = 1`:
-G rollouts, all kept, the paper's baseline); each arm evaluated with exactly the same eval set,
-protocol and sampling seed (`rstar2_core.eval.evaluate`, `cfg.eval`).
-
-Keys of the JSON object (the last line with `--json`):
-- `sft_pass1`, `rl_pass1` (RoC arm), `grpo_pass1`: mean pass@1 (avg@k) on the eval set;
-- `roc_pos_tool_error_ratio`, `grpo_pos_tool_error_ratio`: failed tool calls / tool calls among the
-  *correct* eval trajectories of each arm's final policy (same eval samples as pass@1);
-- `*_train_pos_tool_error_ratio`: the same ratio over the positives each arm sampled during training
-  (mean over the second half of its steps), as plotted per step;
-- `evals.<arm>.pass1_seen_phrasing` / `pass1_unseen_phrasing`: pass@1 on the eval problems phrased as
-  in SFT / in the phrasing SFT never shows (RL sees it, on other numbers);
-- `wall_s`: the whole run (SFT included unless `--sft-url` reuses a checkpoint; `sft_reused` says so);
-- `sft_late_loss`: mean SFT loss over its last 5% of steps (None when SFT was reused); above
-  `SFT_CROSSED_LOSS` (0.1) SFT did not cross the copying phase change and a warning says so;
-- `targets`: rl_pass1 >= sft_pass1 + 0.15; roc ratio < grpo ratio with rl_pass1 >= grpo_pass1 - 0.02;
-  wall_s < 900.
-
-With `--async-k K` a third RL arm runs GRPO-RoC asynchronously (`rl.max_staleness = K`, `rl.tis_cap = 2`,
-rl/pipelined.py) from the same SFT checkpoint and seed: keys `async_pass1`, `async_pos_tool_error_ratio`,
-`async_train_pos_tool_error_ratio`, `async_mean_staleness`, and the target `async_within_0.03` (|async_pass1 - rl_pass1| <= 0.03 at the same
-number of steps).
-
-A plot (training pass rate and failed-call ratio per step for both arms, among the sampled positives
-and among the positives each arm trains on, and the eval pass@1 bars) is saved under `.rstar2/bench/`
-and its path printed. `--quick` runs 2 RL steps and 20 eval problems: a smoke run of the whole path,
-not a measurement.
-
+On the `tiny` profile, from scratch, in one run: base model -> SFT -> eval; then RL stage 1 from the same
+SFT checkpoint and seed as GRPO-RoC and as plain GRPO (and, with `--async-k`, asynchronous GRPO-RoC).
+Invariant: every arm is evaluated with exactly the same eval set, protocol and sampling seed.
+See docs/benchmarks-training.md, "bench/learning.py" (arms, keys, targets).
 """
 
 from __future__ import annotations
@@ -197,7 +171,7 @@ def main(argv=None) -> int:
         if sft_late_loss is not None and sft_late_loss > SFT_CROSSED_LOSS:
             log(f"WARNING: SFT did not cross the copying phase change (late loss {sft_late_loss:.3f} > "
                 f"{SFT_CROSSED_LOSS}): the SFT policy cannot copy the problem's numbers, so the RL figures of "
-                "this run say little (docs/models-and-sft.md, 'Measured')")
+                "this run say little (docs/sft-learning.md)")
     rl_data = curate(cfg, storage.join(root, "data"), progress=False)
     rl_data_url = rl_data.url
     log(f"RL problems: {rl_data.n_rows}")

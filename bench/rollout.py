@@ -1,40 +1,12 @@
 """Benchmark: synchronous turn-by-turn rollout vs our continuous engine with asynchronous tool dispatch.
 
-The sync and async runs use the same HFEngine (tiny random Qwen2: hidden 256, 4 layers, 4 heads, vocab
-of a byte-level BPE trained here), the same real sandbox (`LocalSandbox`, default config), the same
-prompts and the same per-trajectory seeds, so both produce the same turns of the same lengths
-(checked; the token ids after the first tool response differ only because the tool output
-includes its measured execution time) and tokens/s differ only by how the work is scheduled:
+Run:  python bench/rollout.py [--quick] [--json] [--tool-latency-s MEAN]
 
-- sync (verl v0.2 style): every live trajectory generates its turn (one batch, waiting for the
-  longest), then all tool calls of the turn run as one `run_batch`, then the next turn;
-- async (ours, `rollout_groups` + `run_trajectory`): each trajectory calls its tool the moment its
-  turn ends and goes on generating, while the engine keeps decoding the others (continuous batching).
-
-Workload: a random model rarely writes tool calls, so the model's *behaviour* is scripted around
-real sampling: in each turn the engine samples a number of tokens drawn from a long-tailed
-(lognormal) distribution seeded by the turn's seed, then the text of a tool call is appended as if
-the model had written it (3/4 trivial arithmetic, 1/4 a sympy factorisation, each executed for real),
-and after the last tool turn an answer. tokens/s counts only the sampled tokens (the scripted call
-text is prefilled on the next turn, not decoded).
-
-`--tool-latency-s MEAN` makes the sandbox behave like a remote tool service (production: the calls run
-on CPU nodes apart from the GPUs; the paper reports ~0.3 s mean latency per call under load): each call
-still runs for real here, and its answer is released once a latency drawn for it has passed (lognormal
-with that mean and `--tool-latency-sigma`, seeded by the call's code, so both modes wait the same
-time for the same call). The latency is a wait, not CPU work: on the GPU cluster the decode device
-does not pay for the tool service's CPU. Default 0: the calls' own local run time only.
-
-A third run, `async_plain`, is the async rollout on an engine with `shared_prefix=False` (every row
-reads its own copy of the system prompt's KV in each decode step): `shared_prefix_ratio` = async /
-async_plain is what reading the shared prompt once per step buys, in the same run.
-
-Run:  python bench/rollout.py [--quick] [--json]
-`--json` prints one JSON object as the last line with `sync_tokens_per_s`, `async_tokens_per_s`,
-`ratio` (= async / sync, median over repeats), `shared_prefix_ratio`, per mode the engine's figures
-(`engine`: decode steps, rows and ms per step, prefill forwards, seconds, tokens and padded tokens, prompt
-tokens reused from a slot or copied from another, summed over repeats), plus
-the workload and engine figures used by bench/scheduler.py's calibration (`decode_step_ms`, ...).
+Modes `sync` (verl v0.2 style: each turn waits for the longest, then all tool calls run as one batch),
+`async` (`rollout_groups` + `run_trajectory`) and `async_plain` (async without the shared-prefix decode
+step). Invariant: every mode uses the same HFEngine, the same real sandbox, prompts and per-trajectory
+seeds, so all produce the same turns of the same lengths (checked) and tokens/s differ only by how the
+work is scheduled. See docs/benchmarks.md, "bench/rollout.py", and docs/rollout-benchmarks.md, "bench/rollout.py".
 """
 
 from __future__ import annotations

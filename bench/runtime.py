@@ -2,23 +2,10 @@
 
     .venv/bin/python bench/runtime.py [--quick] [--json] [--steps 4] [--prompts 4] [--engines 2] [--trainers 2]
 
-Both arms run `rl.step.rl_step` (rollout -> grade -> build_step_batch -> update -> weight sync) on the
-tiny profile's from-scratch model and synthetic RL problems, from the same checkpoint, seeds and
-batches: `local` = one in-process HF engine and one TorchBackend (cluster.runtime = "local"); `ray` =
-`--engines` HF engine actors, `--trainers` DeepSpeed ZeRO-2 trainer shards (gloo) and the sandbox
-actor pool on a local Ray (cluster.runtime = "ray", weight sync through the object store). The reward
-is a timing-only one (`ParityGrader`: 1 when the completion has an even number of characters): it is
-right about half the time whatever the random-init model writes, so every group has reward variance,
-survives the zero-variance drop, and every step really updates and syncs. (A reward on the answer's
-last digit, as in vs_trl.py, is met by almost every 96-token random completion: all groups then drop
-and the steps measure rollouts only.)
-
-Keys (JSON object printed last with --json): `local.step_s`, `ray.step_s` (medians over the steps after
-the first), `local.rollout_tokens_per_s`, `ray.rollout_tokens_per_s` (sampled tokens / rollout seconds),
-`ray.engines`, `ray.trainers`, `ray.start_s` (actor start-up), `parity_max_rel_diff` (largest relative
-difference of pg_loss and grad-norm between the arms over the steps that updated), `sync_s`,
-`sync_bytes` (the Ray arm's weight sync per step), `ratio` (= ray.step_s / local.step_s) and the
-machine's load average. What these CPU figures do and do not predict for GPUs: docs/production.md.
+Both arms run `rl.step.rl_step` on the tiny profile's from-scratch model from the same checkpoint, seeds
+and batches, with a timing-only reward (`ParityGrader`) so that every step updates and syncs; the JSON
+has each arm's seconds per step, the weight sync's seconds and bytes, and the largest relative
+difference of pg_loss and grad-norm between the arms. See docs/benchmarks-training.md, "bench/runtime.py".
 """
 
 from __future__ import annotations

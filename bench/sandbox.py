@@ -1,28 +1,12 @@
 """Benchmark of the Python tool service against the naive baseline, measured side by side in one run.
 
-Workloads (issue 4): A trivial `print(sum(range(1000)))`; B realistic math
-`import sympy; print(sympy.factorint(2**64+1))`; C adversarial mix (10% infinite loops, 5% 2 GB
-allocations, 5% 10 MB prints, the rest trivial). Each at 1, 64 and 256 calls in flight, for
-- ours: `LocalSandbox` (default config; `--workers`), through its async API, confined (the default:
-  minimal root, per-call /tmp and /proc, per-slot network namespace, seccomp filter);
-- unconfined (A and B): the same service with `confine=False`, measured alternately with ours in the
-  same run (ABBA halves, so drift in the machine's load hits both), for the cost of the confinement;
-- naive: `subprocess.run([sys.executable, "-c", code], timeout=...)` from a thread pool of 8.
-Latency is per call from submission to result (queueing included), for both. Timeouts: ours 4 s
-(the default); the naive baseline gets 60 s on A and B so that its calls complete (a timed-out call
-would otherwise count as answered); on C both get the same timeout.
-For C the naive baseline's programs get `resource.setrlimit(RLIMIT_AS, memory)` prepended so that
-its 2 GB allocations do not take memory from the other users of a shared machine.
-
 Run:  python bench/sandbox.py [--quick] [--json] [--workers N]
-`--quick` (~1 minute) uses fewer calls and a 1 s timeout on workload C (4 s elsewhere, for both); `--json` prints one JSON object as the
-last line: {"ours": {"A": {"1": {"calls_per_s", "p50_ms", "p99_ms"}, "64": ..., "256": ...}, "B": ..., "C": ...},
-"unconfined": {"A": ..., "B": ...}, "naive": {...}, "ratio_A": .., "ratio_B": .., "confinement_cost_A": ..,
-"confinement_cost_B": .., "C_all_answered": .., "service_alive": .., ...}
-with ratio_X = ours/naive calls per second on workload X at concurrency 64, confinement_cost_X =
-1 - ours/unconfined calls per second on X, over the three concurrencies together (target <= 0.10), and
-confinement_cpu_cost_X the same from the services' CPU time per call (`cpu_ms_per_call`: templates,
-their calls and helpers), which other jobs on a shared machine disturb less than calls/s.
+
+Workloads (issue 4): A trivial, B `sympy.factorint`, C an adversarial mix (loops, 2 GB allocations,
+10 MB prints), each at 1, 64 and 256 calls in flight, for `LocalSandbox` confined (the default), the same
+service unconfined (A and B, alternating with ours: the confinement's cost) and `subprocess.run` from a
+thread pool. Latency is per call from submission to result, queueing included.
+See docs/benchmarks.md, "bench/sandbox.py" (timeouts, keys).
 """
 
 from __future__ import annotations

@@ -1,38 +1,12 @@
 """Benchmark: rollout scheduling on 8 simulated engines, static vs KV-aware, through the core's policies.
 
-Each workload is replayed by `bench/engine_sim.py` `simulate` (a model of paged, vLLM-like
-engines: continuous batching, prefix cache, LRU eviction, preempt-and-recompute) under the policy
-objects `rollout_groups` uses (`rstar2_core.rollout.admission`), so the figures measure that code:
-
-- `static`: `StaticAdmission`, verl's allocation (contiguous chunks of the problem-major batch, all
-  launched at once; each engine admits by current KV use and recomputes what it had to drop);
-- `kv_aware`: `KVAdmission` as `rollout_groups` builds it, with the stage's `LengthModel` warm from
-  the previous step (a workload of another seed: what every step but a stage's first sees);
-- `kv_aware_cold`: the same with a fresh `LengthModel` (a stage's first step);
-- `paper`: `KVAdmission(reserve="max")`, the paper's rule (reserve prompt + max length per trajectory);
-- `group_affinity`: `KVAdmission(group_affinity=True)`, a GRPO group's samples on one engine.
-
-The workload is the paper's regime scaled: GRPO groups of `--group-size` 32 samples, 256 trajectories
-per engine (the paper: 512 prompts x 32 rollouts on 64 GPUs), lognormal response lengths (mean
-~`--mean-len`, capped at `--max-len`), 1-10 turns, tool waits with mean 0.3 s, 120 tool tokens per
-call. `--problem-share` (0.25) of the log-length variance comes from the problem, calibrated so static
-allocation's per-engine token loads spread like those reported on verl (max/min ~1.5, verl issue #658).
-Figures are medians over `--seeds` workloads (5).
-
-Costs (`Cost`: decode step `a + b * batch + c * kv_tokens`, prefill `p` per token):
-- default: fitted by least squares on a real HFEngine on this machine (tiny model; `--quick` smaller);
-- `--gpu-like`: 5 ms + 0.02 ms/sequence + 0.03 us/KV token, prefill 0.05 ms/token: Qwen3-14B (bf16)
-  on one MI300X: ~29.5 GB of weights read per step at up to 5.3 TB/s, 160 KiB of KV read per token,
-  ~28 GFLOP per prefilled token at ~600 TFLOP/s. A decode step costs about the same at any batch size;
-- `--cost a_ms,b_ms,c_us,p_ms`: given.
-KV capacity per engine: `--capacity-seqs` (24) full-length sequences (Qwen3-14B on an 80 GB GPU holds
-~20-25; one MI300X ~70: `--capacity-seqs 70`).
-
 Run:  python bench/scheduler.py [--quick] [--json] [--gpu-like | --cost a,b,c,p] [--capacity-seqs N] ...
-`--json` prints one JSON object last: `ratio` (= static / kv_aware makespan, median) with
-`ratio_min`/`ratio_max`, `recomputed_tokens` (kv_aware, summed over all workloads),
-`static_recomputed_tokens` (median), `cold_ratio`, `paper_ratio`, `group_affinity_ratio`, their
-recomputed tokens, `holds` (kv_aware, summed), per-workload `runs`, the costs and the workload.
+
+Each workload (the paper's regime scaled: GRPO groups of 32, 256 trajectories per engine, long-tailed
+lengths, 1-10 turns) is replayed by `bench/engine_sim.py` `simulate` under the policy objects
+`rollout_groups` uses (`rstar2_core.rollout.admission`), so the figures measure that code; they are
+medians over `--seeds` workloads (5). Costs fitted on a real HFEngine here, or GPU-like (`--gpu-like`).
+See docs/benchmarks.md, "bench/scheduler.py" (arms, costs, keys), and docs/rollout-scheduling.md, "Benchmark".
 """
 
 from __future__ import annotations
@@ -50,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine_sim import Cost, simulate, workload
 
-from rstar2_core.rollout.admission import KVAdmission, LengthModel, StaticAdmission, static_assignment
+from rstar2_core.rollout.admission import KVAdmission, StaticAdmission, static_assignment
+from rstar2_core.rollout.length_model import LengthModel
 
 GPU_LIKE = "5,0.02,0.03,0.05"
 PREVIOUS_STEP = 10_000      # seed offset of the workload that warms the length model

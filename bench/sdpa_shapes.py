@@ -2,12 +2,9 @@
 the SFT step on new rows vs the same rows again, and a cold HF engine generating at lengths it has not
 seen vs the same lengths again. Both call the code that runs (`sft.step.sft_update`, `HFEngine`).
 
-Found on an H200 (2026-12-04; bench/head_kernel_calls.py, then this probe with a profile): an SFT step on
-new rows took ~2 s more than on the same rows again, whatever the LM-head kernel, the time in
-`aten::_cudnn_attention_forward/backward` on the host (plan building: ~15 ms per call on new shapes).
-`rollout.model_call.disable_cudnn_attention` (called by the segment attention and the engine) now keeps
-SDPA off cuDNN; arm `cudnn` sets `ALLOW_CUDNN_ATTENTION` and re-enables it to measure what that saves.
-Each arm uses its own rows and lengths, so no arm reuses another's plans.
+`rollout.model_call.disable_cudnn_attention` keeps SDPA off cuDNN; arm `cudnn` sets `ALLOW_CUDNN_ATTENTION`
+and re-enables it to measure what that saves. Each arm uses its own rows and lengths, so no arm reuses
+another's plans. The H200 finding behind it: docs/production.md, "Figures from an H200".
 
     python bench/sdpa_shapes.py --json      # one GPU, ~2 minutes (over 75 s on an H200); last line = JSON
 """
@@ -22,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-import gpu_check
+import gpu_probes
 import torch
 
 ARMS = ("cudnn", "no_cudnn")
@@ -39,19 +36,19 @@ def sft(shape: str, device, steps: int) -> dict:
     from rstar2_core.models.backend import TorchBackend
     from rstar2_core.sft.step import sft_update
 
-    model = gpu_check.build_model(shape, device, torch.bfloat16)
+    model = gpu_probes.build_model(shape, device, torch.bfloat16)
     backend = TorchBackend(model, lr=1e-5, total_steps=100, warmup_steps=0, schedule="constant", head_kernel="torch")
     vocab = model.config.vocab_size
 
     def step(rows):
-        return gpu_check.timed(lambda: sft_update(backend, rows, micro_batch_size=len(rows), pad_id=0), device)
+        return gpu_probes.timed(lambda: sft_update(backend, rows, micro_batch_size=len(rows), pad_id=0), device)
 
-    step(gpu_check.sft_rows(vocab, 8, 2048, seed=1))                  # warm-up: allocator, cuBLAS
+    step(gpu_probes.sft_rows(vocab, 8, 2048, seed=1))                  # warm-up: allocator, cuBLAS
     out = {}
     for k, arm in enumerate(ARMS):
         _arm(arm)
-        new = [step(gpu_check.sft_rows(vocab, 8, 2048, seed=100 * (k + 1) + i)) for i in range(steps)]
-        same = [step(gpu_check.sft_rows(vocab, 8, 2048, seed=100 * (k + 1))) for _ in range(2)]
+        new = [step(gpu_probes.sft_rows(vocab, 8, 2048, seed=100 * (k + 1) + i)) for i in range(steps)]
+        same = [step(gpu_probes.sft_rows(vocab, 8, 2048, seed=100 * (k + 1))) for _ in range(2)]
         out[arm] = {"new_rows_s": new, "same_rows_s": same}
         print(f"SFT {shape} {arm}: new rows " + ", ".join(f"{x:.3f}" for x in new) + " s; same rows "
               + ", ".join(f"{x:.3f}" for x in same) + " s", flush=True)
@@ -59,19 +56,19 @@ def sft(shape: str, device, steps: int) -> dict:
 
 
 def engine(shape: str, device, batch: int, new_tokens: int) -> dict:
-    model = gpu_check.build_model(shape, device, torch.bfloat16).eval()
+    model = gpu_probes.build_model(shape, device, torch.bfloat16).eval()
     vocab = model.config.vocab_size
     out = {}
     for k, arm in enumerate(ARMS):
         _arm(arm)
         prompt_len = 100 + 300 * k             # disjoint KV lengths per arm: no plan is shared between arms
-        eng = gpu_check.make_engine(model, batch, prompt_len + new_tokens + 8)
+        eng = gpu_probes.make_engine(model, batch, prompt_len + new_tokens + 8)
         try:
             runs = []
             for i in range(2):                 # cold (lengths not seen), then the same lengths again
-                prompts = gpu_check._random_batch(vocab, batch, prompt_len, device).tolist()
-                runs.append(gpu_check.timed(lambda p=prompts, s=i, e=eng: asyncio.run(
-                    gpu_check._engine_generate(e, p, new_tokens, seed=1000 * s)), device))
+                prompts = gpu_probes._random_batch(vocab, batch, prompt_len, device).tolist()
+                runs.append(gpu_probes.timed(lambda p=prompts, s=i, e=eng: asyncio.run(
+                    gpu_probes._engine_generate(e, p, new_tokens, seed=1000 * s)), device))
         finally:
             asyncio.run(eng.close())
         toks = batch * new_tokens
@@ -94,7 +91,7 @@ def run(a, device) -> dict:
 
 
 def main() -> dict:
-    return gpu_check.gpu_probe(__doc__, run, lambda ap: ap.add_argument("--steps", type=int, default=3))
+    return gpu_probes.gpu_probe(__doc__, run, lambda ap: ap.add_argument("--steps", type=int, default=3))
 
 
 if __name__ == "__main__":

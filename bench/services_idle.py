@@ -3,12 +3,9 @@ process tree (Prefect server, Prefect worker, MLflow UI) over an idle window.
 
     .venv/bin/python bench/services_idle.py [--home .rstar2] [--seconds 60] [--json]
 
-Reads the PIDs scripts/services.sh wrote (`<home>/pids/*.pid`) and sums utime + stime + reaped children's
-times (/proc/<pid>/stat) of each one and all its descendants at the start and end of the window; processes that start or end inside it
-count for the part they were seen. On a 2-core machine 1.0 would be a whole core. Run it with the services up
-and nothing scheduled (a flow run in the window counts as the worker's): compare two settings by running it
-once under each, back to back (`--json`: {"seconds", "cpu_per_s": {service: ...}, "total_cpu_per_s",
-"processes": {service: n}, "load"}).
+Reads the PIDs scripts/services.sh wrote and sums each process tree's CPU times (/proc/<pid>/stat) at the
+start and end of the window. Run it with the services up and nothing scheduled.
+See docs/benchmarks-training.md, "bench/services_idle.py".
 """
 
 from __future__ import annotations

@@ -1,28 +1,11 @@
 """Benchmark: SFT step throughput with segment attention vs the dense block mask, and RL log-probs chunked vs plain.
 
-1. SFT (the code that runs: `sft.step.sft_update`, the step every trainer runs, on the profile's backend). The tiny
-   profile's model (`configs/tiny.toml`: 64 wide, 3 layers, vocab 1,024) and packed rows built from
-   real synthetic demonstrations (1,024 tokens, the shared system turn once per row, 4 rows a step as
-   the profile's batch). The same rows run three ways, in turn step by step so machine load hits all
-   alike: `merged` (what SFT runs: the micro-batch as one row with the system turn once,
-   `packing.merge_shared_prefix`, then segment attention), `segments` (`merge_prefix=False`: the rows as
-   they are, segment attention: one SDPA per conversation, `models/packed_attention.py`) and `dense`
-   (`dense_mask=True`: the dense (B, 1, T, T) additive mask). tokens/s counts the rows' real
-   (non-padding) tokens, the same count for all three; each figure is the median step time.
-2. An RL update micro-batch (`bench_rl_prefix`): the profile's 16 trajectories on real prompts through
-   `rl.logprobs.collate` + `batch_logprobs` forward and backward, the system turn once vs each
-   trajectory whole.
-3. RL log-probs at a long length: one micro-batch of `--lp-trajectories` trajectories totalling
-   `--lp-tokens` tokens, a small model with a Llama-2-sized vocabulary (32,000), forward + backward of
-   `rl.logprobs.batch_logprobs` (packed, chunked) against the plain computation it replaced (padded
-   batch, full (B, L, V) logits, log-softmax, gather), each in its own subprocess: peak resident
-   memory above the process's baseline (getrusage high-water mark minus RSS before the computation),
-   and seconds.
-
 Run:  python bench/sft.py [--quick] [--json] [--threads N]
-`--json` prints one JSON object last: `sft.{merged,segments,dense}_tokens_per_s`, `sft.ratio` (segments / dense),
-`sft.merge_ratio` (merged / segments), `rl_prefix.{shared_prefix,whole}_ms` and `rl_prefix.ratio` (whole / shared), `logprobs.{chunked,plain}_peak_mb`, `logprobs.{chunked,plain}_s`,
-`logprobs.memory_ratio` (plain / chunked), `logprobs.max_abs_diff`, and the setup.
+
+Three parts: the SFT step (`sft.step.sft_update`) on the same packed rows three ways (merged prefix,
+segment attention, dense mask), in turn step by step; an RL update micro-batch with the system turn once
+vs whole; RL log-probs at a long length, packed and chunked vs the plain computation, each in its own
+subprocess (peak memory and seconds). See docs/benchmarks-training.md, "bench/sft.py".
 """
 
 from __future__ import annotations

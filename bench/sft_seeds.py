@@ -3,29 +3,10 @@
     .venv/bin/python bench/sft_seeds.py [--seeds 0 1 2] [--set sft.lr=5e-3 ...] [--json]
         [--stop-after 50] [--cap 1200] [--sft-data file:///.../sft-data] [--parallel 2 --threads 1]
 
-The tiny profile's SFT policy can copy the problem's numbers into its code only once a sharp drop of the
-loss (the copying phase change, docs/models-and-sft.md) has happened within its one pass; whether and
-when it happens depends on the run. This builds the profile's SFT set once (`build_sft_dataset`), then for
-each seed in `--seeds` (the global `seed`: the model's initialisation) prepares the base model and runs
-`run_sft` (the code the pipeline runs) with the profile plus `--set` overrides, and scores the result
-with the copy probe (`bench/copy_probe.py`, teacher-forced, seconds). A schedule is judged by how many
-seeds cross and how early: the later the crossing, the less margin a run has.
-
-Keys of the JSON object (last line with `--json`): `runs` (per seed: `seed`, `steps`, `stopped` (a screening
-stop ended it), `cross_step` = the
-first step whose 50-step mean loss is below `SFT_CROSSED_LOSS` (0.1; None: never), `late_loss` = mean
-loss of the last 5% of steps, `sft_s`, `probe` = the copy probe's figures), `crossed` (how many runs
-crossed), `overrides`, `plot` (loss curves, PNG) and the load average before/after. Each run costs an
-SFT to its profile's stop (the tiny profile: ~950-1,300 steps, 3-4 minutes on 2 quiet cores with 2
-threads). `--parallel 2 --threads 1` runs two seeds at once, each in its own process (the 12 seeds of
-docs/models-and-sft.md took 35 minutes that way on 2 cores); the crossing steps do not depend on it.
-
-Screening (`--stop-after N`, `--cap N`): a run stops N steps after its crossing, or at step `--cap` when
-it has not crossed by then (a cap at the pass's length stops at its last step: no final checkpoint, no
-probe), so that a schedule's crossing steps over six seeds cost minutes, not an hour.
-A stopped run has no final checkpoint: its `probe` is None and its `late_loss` is that of the steps it
-ran. `--sft-data URL` reuses an SFT set an earlier run built (`<RSTAR2_HOME>/bench/sft-seeds-*/sft-data`),
-so that runs in separate invocations train on the same conversations.
+Builds the profile's SFT set once, then per seed runs `run_sft` (the code the pipeline runs) and scores
+the result with the copy probe. A schedule is judged by how many seeds cross and how early.
+See docs/benchmarks-training.md, "bench/sft_seeds.py" (screening, keys), and docs/sft-learning.md,
+"Model seeds".
 """
 
 from __future__ import annotations

@@ -1,27 +1,11 @@
 """Benchmark: the same rollout workload on the HF engine and on vLLM (its CPU build here), in one run, plus
 what the RL step needs from vLLM: its log-probs against the trainer's, and a weight sync that lands.
 
-Workload: `rollout_groups` (the RL step's own scheduler and agent loop, the real sandbox) over
-`--problems` synthetic problems x `--n` samples at temperature 1, each engine built by `build_engine`
-from the same checkpoint (the `tiny` profile's base model, prepared here: random weights, so trajectories
-mostly run to `--max-tokens` in one turn; or `--model URL`, e.g. an SFT checkpoint that calls the tool).
-Each engine gets a warm-up on other problems first; tokens/s counts sampled tokens (loss_mask 1) over the
-timed rollout's wall time.
-
-Then, on the vLLM engine:
-- `logprob_gap_mean` / `logprob_gap_max`: |vLLM log-prob - trainer log-prob| over the sampled tokens of the
-  timed rollout, the trainer's recomputed by `rl.logprobs.sequence_logprobs` (float32 both sides);
-- `sync_s`: one `update_weights` of a state dict of different weights (every tensor moved by noise,
-  `faults.stale_weights`), the worker-extension path the CPU runtimes use; `post_sync_gap_max`: the largest
-  |vLLM - trainer| log-prob of fresh samples afterwards, the trainer holding the new weights.
-
     python bench/vllm.py [--quick] [--json] [--model URL]      (this file: bench/vllm_bench.py)
 
-With `--json` the last line is one JSON object: `hf.tokens_per_s`, `vllm.tokens_per_s`, `ratio` (vLLM / HF),
-`engine_start_s` (building the vLLM engine: three processes import vLLM, load the model, size the KV
-cache), `logprob_gap_mean`, `logprob_gap_max`, `post_sync_gap_max`, `sync_s`, the workload and the load.
-No speed target on CPU: vLLM's CPU build runs eager float32 kernels with one thread bound to a core, and
-is here to check correctness (docs/production.md).
+Both engines are built by `build_engine` from the same checkpoint and run `rollout_groups` (the RL step's
+scheduler and agent loop, the real sandbox) on the same problems. No speed target on CPU: vLLM's CPU build
+is here to check correctness. See docs/benchmarks.md, "bench/vllm.py and bench/vllm_bench.py".
 """
 
 from __future__ import annotations

@@ -2,22 +2,10 @@
 
     .venv/bin/python bench/vs_trl.py [--quick] [--json] [--model URL] [--prompts 8] [--group 8] [--tokens 64]
 
-Both sides get the same tiny model (the `tiny` profile's from-scratch Qwen2 and tokenizer, or `--model`),
-the same prompts (synthetic RL problems rendered by `ChatFormat.prompt_text`), the same group size G,
-prompts per step P, max new tokens, temperature 1.0, lr, no KL term, clip 0.2/0.28, one optimizer step
-per RL step, and the same reward function. Single-turn (no tool execution; TRL's tool loop needs a
-template TRL can parse back, see MEASUREMENTS.md, so it is left out here).
-
-The reward is a timing-only reward, not a learning signal: 1 when the completion contains the last
-digit of the problem's gold answer. A random-init model gets it about half the time, so both sides
-have non-degenerate groups and really run their update (a 0/1 correctness reward would be all zeros
-for this model, and our loop would then skip the update while TRL's would not).
-
-Ours per step = `rl.step.rl_step` on the local runtime, the function the RL stage runs: rollout on
-`HFEngine` (continuous batching, KV cache) + reward + `build_step_batch` (plain GRPO: `resample =
-"none"`) + `rl_update` (recomputed old log-probs, micro-batches) + weight sync to the engine. TRL per step = its `training_step` (generation with `model.generate`, reward, loss,
-optimizer), timed by a callback. Figures are medians over steps after the first (warm-up), on CPU.
-Key `ratio` = ours / TRL (target <= 0.7). Prints one JSON object as the last line with `--json`.
+Both sides get the same tiny model, prompts, group size, prompts per step, max new tokens, sampling, lr,
+clip, one optimizer step per RL step and the same timing-only reward (single-turn: no tool execution).
+Ours = `rl.step.rl_step` on the local runtime; TRL = its `training_step`. Key `ratio` = ours / TRL
+(target <= 0.7). See docs/benchmarks-training.md, "bench/vs_trl.py".
 """
 
 from __future__ import annotations

@@ -7,17 +7,8 @@ progress while it runs, retry a failed run exactly as the UI's Retry button does
     python -m flows.client retry <flow-run-id>
     python -m flows.client summary <flow-run-id>
 
-The UI's Retry sets the failed run's state to Scheduled named "AwaitingRetry" with the message "Retry
-from the UI": the new UI (`/v2/...`, what http://127.0.0.1:4200 opens; flow run page -> the "..." menu
--> Retry -> confirm) sends it with force=True, the classic UI (`/runs/flow-run/<id>` -> "Retry") with
-force=False. Either way a worker then runs the same flow run again (same id, run_count + 1) with the
-run's frozen config snapshot, not the profile on disk (docs/pipeline.md, "What a retry runs").
-`retry_flow_run(id, ui="v2" | "classic")` sends exactly what that UI sends; the deployment test
-retries through both and checks they resume the same way.
-
-`--env NAME=VALUE` sets an environment variable of this flow run's process only (the deployment's job
-variable `env`; the worker and other runs do not see it), so a fault can be injected into one run
-without restarting the worker; a retry of the run keeps it (the fault still fires once per run).
+Invariant: `retry_flow_run(id, ui="v2" | "classic")` sends exactly what that UI sends (state Scheduled named
+"AwaitingRetry"). See docs/pipeline.md, "Retry from the UI" and "Try it" (`--env`).
 """
 
 from __future__ import annotations

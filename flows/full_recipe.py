@@ -1,20 +1,13 @@
 """`full_recipe`: the whole rStar2-Agent recipe as one Prefect flow (deployment `rstar2/full-recipe`).
 
-    curate ─┬─────────────────────────────┬──> rl-stage-1 ──> rl-stage-2 ──> hard subset ──> rl-stage-3
-    sft-data ─┐                           │        │              │                              │
-    base-model ┴─> sft ───────────────────┘      eval            eval                           eval
-                    └─> eval (sft)                   └──────────────┴──> register best <──────────┘
+Curate, SFT data and the base model, then SFT, the RL stages of `cfg.rl.stages` (one of them on the hard
+subset), an evaluation of every stage's checkpoint, and register-best with promotion. Invariant: every
+task reads the run's frozen config snapshot (tasks/run_config.py), so the UI's Retry runs what the first
+attempt ran; the flow only composes tasks (validation, lineage and persistence live in tasks/), and the
+stage DAG runs as a subflow so that its task runner can be chosen per run from the profile.
 
-The RL stages (and which one trains on the hard subset) come from `cfg.rl.stages`; every stage's
-checkpoint is evaluated (`cfg.pipeline.eval_stages`), the best one is registered (the paper saw
-training collapse past step 510, so the last checkpoint is not assumed best) and promoted only when it
-beats the SFT checkpoint (always evaluated: it is the baseline) beyond noise. Every task reads the
-run's frozen config snapshot (tasks/run_config.py), so the UI's Retry runs what the first attempt ran.
-The flow only composes tasks: validation, lineage and persistence live in tasks/. The stage DAG runs as
-a subflow so that its task runner (Ray or threads) can be chosen per run from the profile.
-
-Run: `prefect deployment run rstar2/full-recipe -p profile=tiny` (see docs/pipeline.md), or locally
-`python -m flows.full_recipe --profile tiny --set rl.stages.0.steps=2`.
+Run: `prefect deployment run rstar2/full-recipe -p profile=tiny` (see docs/pipeline.md, "What runs"), or
+locally `python -m flows.full_recipe --profile tiny --set rl.stages.0.steps=2`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`rstar2 cluster up|status|down`: a multi-node Ray cluster on this machine, to rehearse a cluster run.
+"""`rstar2 cluster up|status|restart|down`: a multi-node Ray cluster on this machine, to rehearse a cluster run.
 
     rstar2 cluster up                  # head + the rehearsal's worker nodes (scripts/cluster-rehearsal.overrides)
     rstar2 cluster up --profile tiny --set cluster.nodes=3 --set cluster.gpus_per_node=2 ...
@@ -6,11 +6,9 @@
     rstar2 cluster restart             # start again the worker nodes that died (a rehearsed node loss)
     rstar2 cluster down                # stops every node by its PIDs
 
-`up` sizes the nodes from the config's cluster section (the tiny profile with the rehearsal overrides
-unless `--profile`/`--set` say otherwise): `cluster.nodes` workers of `cluster.gpus_per_node` logical GPUs
-and `cluster.cpus_per_node` CPUs, and a head with the `rstar2_runtime` unit and CPUs for the largest
-stage task (rstar2_core/runtime/ray/local_cluster.py). It records the nodes in
-`$RSTAR2_HOME/cluster/cluster.json` and prints the address to pass as `cluster.ray_address`.
+`up` sizes the nodes from the config's cluster section (rstar2_core/runtime/ray/rehearsal/local_cluster.py),
+records them in `$RSTAR2_HOME/cluster/cluster.json` and prints the address to pass as `cluster.ray_address`.
+See docs/cluster.md.
 """
 
 from __future__ import annotations
@@ -48,7 +46,7 @@ def _up(args: argparse.Namespace) -> int:
     import tempfile
 
     from rstar2_core.config import load_config
-    from rstar2_core.runtime.ray.local_cluster import LocalCluster
+    from rstar2_core.runtime.ray.rehearsal.local_cluster import LocalCluster
 
     record = _record()
     if record.exists():
@@ -76,7 +74,7 @@ def _up(args: argparse.Namespace) -> int:
 def _down(args: argparse.Namespace) -> int:
     import shutil
 
-    from rstar2_core.runtime.ray.local_cluster import stop_recorded
+    from rstar2_core.runtime.ray.rehearsal.local_cluster import stop_recorded
 
     record, state = _record(), _recorded()
     if state is None:
@@ -91,7 +89,7 @@ def _down(args: argparse.Namespace) -> int:
 
 
 def _restart(args: argparse.Namespace) -> int:
-    from rstar2_core.runtime.ray.local_cluster import LocalCluster
+    from rstar2_core.runtime.ray.rehearsal.local_cluster import LocalCluster
 
     state = _recorded()
     if state is None:
@@ -104,8 +102,8 @@ def _restart(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
+    from rstar2_core.runtime.layout import describe_nodes
     from rstar2_core.runtime.ray.connect import probe_cluster
-    from rstar2_core.runtime.ray.layout import describe_nodes
 
     state = _recorded()
     if state is None:

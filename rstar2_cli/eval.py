@@ -5,14 +5,9 @@
     rstar2 eval --model file:///.../rl-stage-3/final --bench ./aime_2025.jsonl --layout aime
     rstar2 eval-compare <report A> <report B> [--out diff.md] [--allow-mismatch]
 
-`--model` is a checkpoint URL/path or a registry reference (`models:/NAME@ALIAS`,
-`models:/NAME/VERSION`); `--bench` a configured benchmark name or a .jsonl/.parquet URL (layout
-detected from its fields unless `--layout` is given). The model reference and every benchmark are
-checked before the model is loaded; a bad one exits with code 2 and a message saying what to fix.
-Prints the metrics table and writes report.md / report.json / summary.png / samples under --out
-(default `<storage root>/eval/<model name>-<UTC time>`). `eval-compare` refuses (code 2, naming what
-differs) two reports not measured the same way (k, temperature, top_p, turn/token limits, benchmark
-content) unless `--allow-mismatch` is given.
+Invariant: the model reference and every benchmark are checked before the model is loaded (a bad one
+exits 2 saying what to fix), and `eval-compare` refuses (exit 2) two reports not measured the same way
+unless `--allow-mismatch`. See docs/data-and-eval.md (`rstar2 eval`, `rstar2 eval-compare`).
 """
 
 from __future__ import annotations

@@ -1,18 +1,14 @@
 """`rstar2 plan --profile qwen3-14b-mi300x`: the production dry run, without GPUs or a cluster.
 
-Validates the profile (the config tree with the runtime rules, the RL actor layout, the RL driver's
-reservation, and, when `cluster.image` is set, that infra/ describes the same cluster: node count, GPUs
-and CPUs per node, image names, service URLs, work pool, the head's `rstar2_runtime` slot), then prints
-the recipe DAG with each task's Ray resources (`cluster.resources[<kind>]`), the runtime and the RL
-stages' actor layout (rstar2_core/runtime/ray/layout.py).
-
     rstar2 plan --profile qwen3-14b-mi300x            # human-readable; exit 0 when no problem
     rstar2 plan --profile tiny --json                 # one JSON object
     rstar2 plan --profile qwen3-14b-mi300x --strict   # exit 1 when a problem is found
     rstar2 plan --address 127.0.0.1:6379 ...          # and whether the layout fits that live cluster
 
-A config that does not validate (or a layout that cannot fit) exits 2 with the field to change.
-The DAG mirrors flows/full_recipe.py (same task kinds and run names).
+Validates the profile, the RL actor layout, the RL driver's reservation and, with `cluster.image`, that
+infra/ describes the same cluster; a config that does not validate exits 2 with the field to change.
+Invariant: the DAG mirrors flows/full_recipe.py (same task kinds and run names; tests/unit/infra/test_plan.py).
+See docs/production.md, "Dry run: `rstar2 plan`".
 """
 
 from __future__ import annotations
@@ -235,8 +231,8 @@ def cluster_fit(cfg: Any, layout: Any, nodes: list) -> tuple[list[str], list[str
     """(lines, problems) of the layout against a live cluster's nodes: whether its placement groups fit the
     nodes' resources (and fit what is free now), and, for the Ray runtime, whether a node offers the
     `rstar2_runtime` unit with the CPUs of the task that drives the RL stage."""
+    from rstar2_core.runtime.layout import describe_nodes, fit_layout
     from rstar2_core.runtime.ray.connect import RUNTIME_RESOURCE
-    from rstar2_core.runtime.ray.layout import describe_nodes, fit_layout
 
     fit, now = fit_layout(layout, nodes), fit_layout(layout, nodes, free_only=True)
     lines = [f"live cluster: {len(nodes)} node(s)"] + [f"  {x}" for x in describe_nodes(nodes)]
@@ -263,7 +259,8 @@ def cluster_fit(cfg: Any, layout: Any, nodes: list) -> tuple[list[str], list[str
 ASSUMED_DECODE_TOKENS_PER_S_PER_GPU = 1500.0
 """Generated tokens per second per engine GPU that the label check's time estimate assumes: an assumption,
 not a measurement of this project (peers report ~1.1-2.2K tokens/s/GPU for whole RL steps of 8B models on
-H100s, shared/PEERS.md); the estimate is an upper bound on tokens and a rough guide to hours."""
+H100s; a figure from outside the repo, not checked here); the estimate is an upper bound on tokens and a
+rough guide to hours."""
 
 
 def label_check_cost(cfg: Any) -> dict | None:
@@ -285,10 +282,10 @@ def build_plan(cfg: Any, nodes: list | None = None) -> dict:
     """Everything `rstar2 plan` prints, as a JSON-able dict; `nodes`: a live cluster's nodes to fit the
     layout to (`--address`). Raises ConfigError when the layout cannot fit the config's cluster."""
     from rstar2_core.config import ConfigError
-    from rstar2_core.runtime.ray.layout import LayoutError, compute_layout, driver_conflicts
+    from rstar2_core.runtime.layout import LayoutError, compute_layout, driver_conflicts
 
     try:
-        layout = compute_layout(cfg)
+        layout = compute_layout(cfg.cluster, cfg.rollout, cfg.sandbox)
     except LayoutError as e:
         raise ConfigError(f"actor layout of profile {cfg.profile}: {e}") from None
     problems = driver_conflicts(layout, cfg.cluster.resources.get("rl")) if cfg.cluster.runtime == "ray" else []

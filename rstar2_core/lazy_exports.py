@@ -4,6 +4,7 @@
 
 `from pkg import Name` then imports `pkg.<module>` when `Name` is first asked for, and caches it in the
 package namespace; `from pkg import submodule` still works (the import system falls back to it).
+Why it matters: docs/production.md, "GPU check" (its modules load without prefect/ray/mlflow).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ whose output the Prefect worker copies into its log) it redraws at most every `R
 seconds (default 10): each redraw wakes four processes, and on the demo's 2 cores every wake-up takes a
 core from the stage's two torch threads, whose step then waits for the preempted one. tqdm still
 redraws at least every `maxinterval` (10 s) once an update arrives and at close, so the log keeps the
-rate and the ETA.
+rate and the ETA. See docs/training-speed.md.
 """
 
 from __future__ import annotations

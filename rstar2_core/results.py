@@ -1,4 +1,7 @@
-"""Results that cross the boundary between a recipe stage (rstar2_core) and the pipeline (tasks/flows)."""
+"""Results that cross the boundary between a recipe stage (rstar2_core) and the pipeline (tasks/flows).
+
+See docs/CONTRACTS.md.
+"""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 # $RSTAR2_HOME/prefect, 127.0.0.1), the process work pool `rstar2-local` with one worker polling every
 # second, and the MLflow UI (127.0.0.1, the same SQLite DB the flows log to).
 #
-# Idle cost (bench/services_idle.py; figures in docs/pipeline.md): ~5% of one core in all, most of it the
+# Idle cost (bench/services_idle.py; figures in docs/demo.md): ~5% of one core in all, most of it the
 # Prefect server's own task loop. The MLflow server runs without its GenAI job runner (LLM judges, prompt
 # optimisation: 8 Huey consumer processes that cost ~23 CPU-seconds in the first minute, while the demo's
 # run starts, and 0.008 CPU-s/s idle). Turning off Prefect server services the pipeline does not use

@@ -1,22 +1,13 @@
 """Which failures a stage task retries: infrastructure errors, and an SFT that missed its convergence
 criterion (`SFTNotConverged`: its retry starts over with another data order, a fresh draw).
 
-A retried stage resumes from its own last checkpoint (the core stages do that when given the same
-`out_url`), so retrying is cheap and safe for flaky infrastructure: any `rstar2_core.errors.InfraError`
-(an injected fault `RSTAR2_FAULT_INJECT`, a dead engine or trainer actor, a step over
-`rl.max_infra_failure_share`, stale engine weights), a Ray worker or actor that died, an
-OS/connection/timeout error (a storage read that failed included, botocore's endpoint errors too). Bad config
-(`ConfigError`), bad data (`ValueError`, `KeyError`, `TypeError`) and a checkpoint marked complete that
-lacks its trainer state (`rstar2_core.errors.CorruptCheckpoint`, a `ValueError`) fail at once: a retry
-would only fail again, later.
-
-On Ray the rule sees the same errors as in the flow process. A stage task's error reaches the flow
-inside the task's Failed state, pickled by Ray, as its own type (the project's errors pickle with their
-message and attributes, rstar2_core/errors.py `PicklableError`). An actor's or remote function's error
-reaches its caller as Ray's `RayTaskError`: usually a `RayTaskError(<cause's class>)`, an instance of
-both, which the checks below class by the cause's class; where Ray could not build that subclass it is
-a plain `RayTaskError`, which the rule classes by its `cause`. Ray's own error classes come from the one
-list in rstar2_core/runtime/ray/errors.py (`ray_infra_errors`), which imports Ray only when asked.
+Invariant: only errors a retry can fix are retried (any `rstar2_core.errors.InfraError`, a Ray worker or
+actor that died, an OS/connection/timeout error, botocore's endpoint errors, an MLflow call that did not
+reach its server); bad config, bad data and a
+checkpoint marked complete that lacks its trainer state fail at once, since a retry would only fail again,
+later. A Ray `RayTaskError` is classed by its cause; Ray's own error classes come from the one list in
+rstar2_core/runtime/ray/errors.py (`ray_infra_errors`).
+See docs/pipeline.md, "Retries, resume and the UI's Retry".
 """
 
 from __future__ import annotations

@@ -6,12 +6,8 @@ task and every retry of the run (docs/pipeline.md, "What a retry runs").
     rc = rc or write_snapshot(store, load_config(profile, overrides), profile, overrides)
     rc.config, rc.digest, rc.tree                      # the Config every task of the run uses
 
-`<store>/state/config.json` holds {format, run_id, profile, overrides, digest, git_sha, written_at,
-config}: `config` is the resolved tree (profile + overrides, every default filled) and `digest` the
-sha256 of its canonical JSON. The store is found from the profile's `state_dir` and `[storage]` only
-(`profile_storage`), so a retry still finds its snapshot when the rest of the profile was edited into
-something that no longer validates; `drift_notes` says what the profile on disk and the code would
-change, for the retry to log.
+Invariant: the store is found from the profile's `state_dir` and `[storage]` only (`profile_storage`), so
+a retry finds its snapshot even when the rest of the profile was edited into something invalid.
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
 """Per-recipe-run state: where each stage writes, and which stages are already done.
 
-A recipe run (one Prefect flow run of `full_recipe`, keyed by its flow-run id, or an explicit
-`run_id` parameter) owns a folder under the storage root:
-
-    <storage root>/runs/<run_id>/
-        data/curated/ data/sft/ data/<stage>-subset/     datasets (DatasetRef manifests beside them)
-        checkpoints/base checkpoints/sft checkpoints/<rl stage>/   HF checkpoints (+ step checkpoints)
-        eval/<stage>/                                    evaluation reports
-        state/config.json                                the run's frozen config snapshot (written once)
-        state/open-failure.json                          an attempt that failed before writing the snapshot
-        state/<stage>.json                               the finished stage's result (atomic write)
-        state/mlflow/<key>.json                          MLflow run id of the parent run and of each stage
-
-A stage is done when its `state/<stage>.json` exists and every checkpoint/dataset it names is still
-there (checkpoints need their `_COMPLETE` marker). The UI's Retry re-runs the same flow run id, so
-it finds these files and skips finished stages; a new flow run starts a new recipe run. This store
-lives beside the artifacts (file:// or s3://), so it survives what Prefect's local result storage
-would not: a retry picked up by a worker on another machine.
+A recipe run (one Prefect flow run of `full_recipe`, keyed by its flow-run id, or an explicit `run_id`)
+owns `<storage root>/runs/<run_id>/` (data/, checkpoints/, eval/, state/). Invariant: a stage is done only
+when its `state/<stage>.json` exists and every checkpoint/dataset it names is still there (checkpoints
+with their `_COMPLETE` marker), so the UI's Retry of the same flow run id skips finished stages. The store
+lives beside the artifacts (file:// or s3://), so a worker on another machine finds it.
+See docs/pipeline.md, "Storage" (the layout) and "Finished stages are reused".
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """Where stage tasks run: a Ray cluster through prefect-ray's `RayTaskRunner`, or threads in the flow
 process.
 
-`cfg.cluster.use_ray` picks Ray; `cfg.cluster.ray_address` names an existing cluster (`auto`,
-`ray://head:10001`), unset starts a local Ray for the flow run (no dashboard, temp folder under
-/tmp so that Ray's socket paths stay short). Per-task resources come from `cfg.cluster.resources[<kind>]`
-(kinds: curate, sft_data, base_model, sft, rl, hard_subset, eval) and reach Ray through prefect-ray's
-`remote_options` context; a kind without an entry gets Ray's default (1 CPU). With
-`cluster.runtime = "ray"` the stage tasks (sft, rl, hard_subset, eval) also ask for the cluster's one
-`rstar2_runtime` unit, so they drive their runtimes one at a time (rstar2_core/runtime/ray/connect.py).
-
-Threads: a stage task on Ray computes with as many torch intra-op threads as the CPUs it reserves
-(`use_task_threads`), so that tasks running side by side (an evaluation beside the next RL stage) split
-the cores instead of oversubscribing them, and a task given the whole node (the tiny profile's SFT) uses
-it. Ray's own hint (`OMP_NUM_THREADS` from the first task a worker runs) is not enough: Ray reuses a
-worker across tasks of different sizes, and torch reads the variable once.
+`cfg.cluster.use_ray` picks Ray; `cfg.cluster.ray_address` names an existing cluster, unset starts a local
+Ray for the flow run. Per-task resources come from `cfg.cluster.resources[<kind>]` through prefect-ray's
+`remote_options`; with `cluster.runtime = "ray"` the stage tasks also ask for the cluster's one
+`rstar2_runtime` unit. Invariant: a stage task on Ray computes with as many torch threads as the CPUs it
+reserves (`use_task_threads`), so tasks side by side split the cores instead of oversubscribing them.
+See docs/pipeline.md, "Ray".
 """
 
 from __future__ import annotations
@@ -24,8 +17,8 @@ import os
 from collections.abc import Iterator
 
 from rstar2_core.config import Config
+from rstar2_core.config.pipeline_sections import TASK_KINDS
 from rstar2_core.config.runtime_rules import runtime_tasks
-from rstar2_core.config.sections import TASK_KINDS
 from rstar2_core.runtime.ray.connect import RUNTIME_RESOURCE, ray_init_kwargs
 
 

@@ -1,19 +1,13 @@
 """Prefect tasks over the recipe's stage entry points (docs/CONTRACTS.md, "stage entry points"), imported
 here by name (tests replace them with `monkeypatch.setattr(tasks.stages, "run_rl_stage", double)`).
 
-Each task is a thin wrapper that adds what the core does not know about:
-
-- skip-if-done: a finished stage's result is read back from the run's store (tasks/run_store.py)
-  instead of recomputed, so the UI's Retry of a failed flow run only redoes unfinished stages;
-- retries on infrastructure errors only (tasks/retry.py), `cfg.pipeline.task_retries` times; a
-  retried stage resumes from its last step checkpoint because it gets the same `out_url`;
-- torch intra-op threads = the CPUs the task reserves on Ray (tasks/runners.py, `use_task_threads`);
-- MLflow lineage (tasks/tracking.py): a nested run per stage, kept across retries (its id is stored
-  in the run's state and handed to the RL core as `tracking_run_id`), metrics via `log_metrics`,
-  datasets as inputs, checkpoints as URL tags, a PNG of the metric curves.
-
-Prefect's own result persistence is off (`cache_policy=NO_CACHE`): Prefect's local result folder
-would not be visible to a worker on another machine, while the run store lives beside the artifacts.
+Each task is a thin wrapper that adds what the core does not know about: skip-if-done from the run's store
+(tasks/run_store.py), retries on infrastructure errors only (tasks/retry.py, `cfg.pipeline.task_retries`
+times; a retried stage resumes from its last step checkpoint because it gets the same `out_url`), torch
+threads = the CPUs the task reserves (tasks/runners.py), and MLflow lineage (tasks/tracking.py: a nested
+run per stage, kept across retries). Invariant: Prefect's own result persistence stays off
+(`cache_policy=NO_CACHE`): the run store, beside the artifacts, is what a retry on another machine sees.
+See docs/pipeline.md, "Retries, resume and the UI's Retry".
 """
 
 from __future__ import annotations
@@ -83,7 +77,6 @@ def _run_tracked(ctx: RecipeContext, cfg: Config, kind: str, key: str, params: d
             log_metrics.flush()              # the curves up to the failure
         except Exception as err:             # noqa: BLE001 - the stage's own error is the one to raise
             log.warning(f"{key}: could not write its last metrics to MLflow: {err}")
-        tracking.finish(cfg, run_id, "FAILED")
         raise
     log_metrics.flush()
     if isinstance(result, StageResult):

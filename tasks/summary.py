@@ -6,11 +6,8 @@ decision with its numbers, the registration, where the time went, and one PNG of
     md = summary_markdown(summary, order, timings, png_url)
     md = render_summary(cfg, store, summary, order, parent)  # all three
 
-Everything is read back from MLflow and the run store, not from the processes that ran the stages, so the
-same code renders the summary of any finished run (the flow calls it after `register-best`; a retried run
-renders it again from the same records; bench/demo_profile.py reads the same timings). A stage's wall time
-is its nested MLflow run's start to end: the stage's own compute, without Prefect/Ray dispatch. A stage
-retried in a later attempt keeps its MLflow run, so its wall time then spans the attempts.
+Invariant: everything is read back from MLflow and the run store, never from the processes that ran the
+stages, so the same code renders any finished run's summary. See docs/pipeline.md, "MLflow lineage".
 """
 
 from __future__ import annotations

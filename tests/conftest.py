@@ -112,7 +112,8 @@ def dist_env():
 def local_ray():
     """A local Ray (2 CPUs, small object store, short temp path) shared by the tests that need one (the
     cluster tests, the vLLM engine actors); stopped at the end of the session."""
-    ray = pytest.importorskip("ray")
+    import ray
+
     started = False
     if not ray.is_initialized():
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,

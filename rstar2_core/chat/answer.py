@@ -2,21 +2,12 @@
 
     extract_answer("<reason>...</reason><answer>So \\\\boxed{\\\\frac{1}{2}}.</answer>") -> "\\\\frac{1}{2}"
 
-- `extract_answer(text)`: the content of the last `\\boxed{...}` (or `\\fbox{...}`, or the brace-less
-  `\\boxed 7`) inside the last closed `<answer>...</answer>` block when the text has one, else anywhere
-  in the text. Braces nest; escaped braces `\\{ \\}` are literal characters, not grouping. A box whose
-  braces never close (a truncated response) is ignored.
-- `count_answer_blocks(text)`: closed `<answer>...</answer>` pairs, scanned left to right.
-- `count_assistant_turns(response_text)`: assistant turns in a response rendered by `ChatFormat`
-  (the first turn is opened by the prompt; each tool response opens one more).
-- `format_penalty(n_answer_blocks, n_turns)`: RECIPE.md's
-  `p_format = 1 if no answer block else min(1, (answer_blocks - 1) / turns)`.
-
-Why a correct single-turn answer gets p_format = 0: one answer block gives `(1 - 1) / turns = 0`
-whatever the turn count, and `n_turns` counts assistant turns, which is at least 1 for any response.
-The reference code counted turns so that a direct one-turn answer was scored like a response with no
-answer block (the maximum penalty 1), which makes RoC prefer tool-using positives even when the tool
-was not needed. Here `n_turns < 1` is a caller bug and raises.
+`extract_answer` (the last `\\boxed{...}` inside the last closed answer block, else anywhere),
+`count_answer_blocks`, `count_assistant_turns` and `format_penalty` (RECIPE.md's
+`p_format = 1 if no answer block else min(1, (answer_blocks - 1) / turns)`).
+Invariant: a correct single-turn answer has p_format = 0 for any turn count: `n_turns` counts
+assistant turns, at least 1 for any response (`n_turns < 1` is a caller bug and raises).
+See docs/chat-and-grading.md, "Answers and the format penalty".
 """
 
 from __future__ import annotations

@@ -4,33 +4,11 @@
     ids = chat.prompt_ids("What is 2^10?")            # ... <|im_start|>assistant\\n<reason>
     ids += generated_ids                              # the model's turn, up to </tool_call>
     ids += chat.tool_response_ids([result_text])      # loss_mask 0
-    ids += more_generated_ids ...
 
-Layout (one string per turn, `\\n` after each `<|im_end|>`):
-
-    <|im_start|>system\\n{system prompt with <tools>}<|im_end|>\\n
-    <|im_start|>user\\n{problem}\\n\\n{answer instruction}<|im_end|>\\n
-    <|im_start|>assistant\\n<reason>{generated ...<tool_call>...</tool_call>}<|im_end|>\\n
-    <|im_start|>user\\n<tool_response>\\n{result 1}\\n</tool_response>\\n<tool_response>\\n{result 2}\\n</tool_response><|im_end|>\\n
-    <|im_start|>assistant\\n{generated ...</answer>}<|im_end|>
-
-Token-in/token-out: the agent loop never re-tokenizes what the model generated; the sequence is the
-concatenation of pieces, each tokenized on its own: prompt_ids, generated ids, tool_response_ids, ...
-SFT (`render_trajectory`) builds demonstrations from exactly these pieces, so training and rollout see
-the same segmentation. The pieces meet the rest of the conversation at `<|im_start|>`/`<|im_end|>`
-(special tokens split the text for every HF tokenizer), so concatenating the pieces equals tokenizing
-the whole conversation text, with two documented exceptions (tested in tests/unit/chat/):
-1. the boundary where generation starts, right after `<reason>` or `assistant\\n`: a byte-level BPE
-   may merge the last prompt characters with the first generated ones when the whole text is
-   tokenized at once (e.g. `>` followed by `**`); the piecewise ids are the ones the model produced,
-   so they are the right ones, and their decoded text is identical;
-2. text that spells a special token (a program printing `<|im_end|>`, a problem quoting it) is
-   tokenized as plain text here (no control-token injection), while tokenizing the whole text would
-   turn it into the control token.
-
-Departures from the paper: only the first assistant turn is opened with `<reason>` (RECIPE.md says
-generation starts with it; later turns continue the same reasoning after the tool output). Tool
-response turns do not repeat the answer instruction (only problem-bearing user turns do).
+Invariant: nothing the model generated is ever re-tokenized: a sequence is the concatenation of
+pieces tokenized on their own, and SFT rows (`render_trajectory`) are built from the same pieces; text
+that spells a special token is encoded as plain text, so tool output cannot forge a turn.
+See docs/chat-and-grading.md, "The conversation" and "Token-in/token-out".
 """
 
 from __future__ import annotations
@@ -103,7 +81,7 @@ class ChatFormat:
         """`[encode_text(t) for t in texts]`, in one call of a fast tokenizer's Rust backend
         (`backend_tokenizer.encode_batch`, special-token strings kept as plain text as `encode_text`
         keeps them): a call per text costs ~3x more in Python than the tokenizing itself (32,000 SFT
-        conversations: docs/models-and-sft.md, "SFT speed"). Tokenizers without a backend, or whose
+        conversations: docs/training-speed.md, "SFT speed"). Tokenizers without a backend, or whose
         backend disagrees with `encode_text` on the first texts this instance batches (a tokenizer that
         adds a prefix space in Python, say), take one call per text."""
         texts = list(texts)

@@ -1,15 +1,12 @@
 """The fixed texts of the rStar2-Agent prompt: system prompt, tool schema, user-turn instruction.
 
 RECIPE.md: the reasoning goes in `<reason> </reason>`, the final answer in `<answer> </answer>` with
-the result in `\\boxed{}`; with tools the system prompt lists the tool's JSON schema inside
-`<tools> </tools>` and asks for calls as `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`.
-Each user turn repeats the answer instruction.
-
-Departures from the paper: the wording is ours (the paper does not print its prompt). The tool takes
-`code` and `input` as in the paper; `input` is optional in the schema (default empty stdin) so that a
-call that only has code is not an error, and `stdin` is accepted as an alias by the parser
-(`tool_calls.py`). These texts are part of the model's training distribution: changing a character
-here changes what an SFT'd checkpoint expects, so they are constants, not config.
+the result in `\\boxed{}`; the system prompt lists the tool's JSON schema inside `<tools> </tools>`.
+The wording is ours (the paper does not print its prompt); `input` is optional in the schema (empty
+stdin), and the parser (`tool_calls.py`) accepts `stdin` as an alias.
+Invariant: these texts are part of the model's training distribution: changing a character here
+changes what an SFT'd checkpoint expects, so they are constants, not config.
+See docs/chat-and-grading.md, "The conversation".
 """
 
 from __future__ import annotations

@@ -4,21 +4,11 @@
                      '"arguments": {"code": "print(2**10)", "input": ""}}\\n</tool_call>')
     -> [ToolCall(name='python_code_with_standard_io', code='print(2**10)', stdin='')]
 
-The scan is JSON-aware, not a regex split: after `<tool_call>` the JSON object is decoded with
-`json.JSONDecoder.raw_decode`, so a `</tool_call>` (or `<tool_call>`) inside a JSON string (model code
-that prints the tag) does not end the call. Every malformed call becomes a `ToolCallError` whose
-`message` is the tool response the model sees (short, and it quotes the right format); a bad call never
-raises and never stops the rollout (RECIPE.md). Error kinds (`ToolCallError.kind`):
-
-- `invalid_json`: the text between the tags is not one JSON object (or has text after it);
-- `unknown_tool`: the name is not `python_code_with_standard_io` (hallucinated tools);
-- `bad_arguments`: no `arguments` object, `code` missing or not a string, `input` not a string,
-  unknown extra argument, or both `input` and its alias `stdin`;
-- `unclosed`: `<tool_call>` without its `</tool_call>` (before the end of the turn or the next `<tool_call>`).
-
-Leniency (a departure from a strict Hermes parser, chosen so that the error penalty measures real
-mistakes): whitespace around the JSON is free, `stdin` is an alias of `input`, a missing `input` means
-empty stdin, and `arguments` given as a JSON-encoded string (the OpenAI wire form) is decoded.
+JSON-aware, not a regex split: the object after `<tool_call>` is decoded with `raw_decode`, so a tag
+inside a JSON string (code that prints it) does not end the call. Invariant: a malformed call never
+raises and never stops the rollout: it becomes a `ToolCallError` (`invalid_json`, `unknown_tool`,
+`bad_arguments`, `unclosed`) whose `message` is the tool response the model sees.
+See docs/chat-and-grading.md, "Tool calls".
 """
 
 from __future__ import annotations

@@ -4,16 +4,11 @@
                                        exit_code=0, duration_s=0.012))
     -> "1024\\n\\n[execution time: 0.012 s]"
 
-Success shows stdout, then stderr (warnings) under a `[stderr]` line, then the execution time (unless
-`timing=False`: wall-clock text makes rollouts unrepeatable).
-Failures open with one line naming the reason (per `Status`, or per `ToolCallError.kind`), followed by
-whatever the program printed, so the model can fix the code. Over-long text is middle-truncated: the
-first `head_chars` and last `tail_chars` characters are kept around a line saying how many characters
-were cut (RECIPE.md: the reference agent loop keeps 128 + 128; the service already caps stdout and
-stderr at 1,000 characters each). The tail is kept because it holds the exception and the timing.
-
-Departure from the reference code: the text carries the failure reason explicitly, and RL never reads
-it back; the error penalty uses `ExecutionResult.status` / `ToolCallError`, not a search for "error".
+Success: stdout, stderr under `[stderr]`, the execution time (unless `timing=False`); failure: one
+line naming the reason, then what the program printed; over-long text is middle-truncated.
+Invariant: the text is for the model only; RL never reads it back (the error penalty uses
+`ExecutionResult.status` / `ToolCallError`, not a search for "error").
+See docs/chat-and-grading.md, "Tool results".
 """
 
 from __future__ import annotations

@@ -1,13 +1,12 @@
 """One typed config tree for the whole recipe, loaded from `configs/<profile>.toml` plus dotted overrides.
 
-Every field carries one docstring: unit, default, the paper's value (RECIPE.md) and the trade-off.
-Bounds live on the field; cross-field rules live in validators whose message names the fix.
-
     cfg = load_config("tiny", ["rl.stages.0.max_response_tokens=4096"])
 
-A bad value raises `ConfigError` whose message names the dotted field path, what was wrong and
-what to set instead. Profiles are looked up in `$RSTAR2_CONFIG_DIR` (default: `configs/` at the
-repository root); a path to a `.toml` file also works as a profile.
+Every field carries one docstring: unit, default, the paper's value and the trade-off. Bounds live on
+the field; cross-field rules live in validators whose message names the fix, so a bad value raises
+`ConfigError` naming the dotted field path, what was wrong and what to set instead. Profiles are looked
+up in `$RSTAR2_CONFIG_DIR` (default: `configs/` at the repository root); a path to a `.toml` file also
+works as a profile. Which module holds which section: docs/CONTRACTS.md, "config".
 """
 
 
@@ -24,25 +23,26 @@ from rstar2_core.config.loading import (
     profile_storage,
     profile_tree,
 )
-from rstar2_core.config.rl import GRPOConfig, RLConfig, RLStageConfig
-from rstar2_core.config.root import Config, resolve_state_dir, resolve_storage_root
-from rstar2_core.config.sections import (
+from rstar2_core.config.pipeline_sections import (
     BenchmarkConfig,
     ClusterConfig,
-    DataConfig,
     EvalConfig,
+    PipelineConfig,
+    StorageConfig,
+    TaskResources,
+    TrackingConfig,
+)
+from rstar2_core.config.rl import GRPOConfig, RLConfig, RLStageConfig
+from rstar2_core.config.rollout_sections import RolloutConfig, SandboxConfig
+from rstar2_core.config.root import Config, resolve_state_dir, resolve_storage_root
+from rstar2_core.config.sections import (
+    DataConfig,
     LabelCheckConfig,
     ModelConfig,
-    PipelineConfig,
-    RolloutConfig,
-    SandboxConfig,
     SFTConfig,
     SourceConfig,
-    StorageConfig,
     SyntheticConfig,
-    TaskResources,
     TinyModelConfig,
-    TrackingConfig,
 )
 from rstar2_core.config.snapshot import (
     SnapshotError,

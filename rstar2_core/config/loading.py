@@ -11,8 +11,8 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from rstar2_core.config.base import REPO_ROOT, ConfigError
+from rstar2_core.config.pipeline_sections import StorageConfig
 from rstar2_core.config.root import Config, resolve_storage_root
-from rstar2_core.config.sections import StorageConfig
 
 
 def config_dir() -> Path:

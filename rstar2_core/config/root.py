@@ -8,20 +8,17 @@ from pathlib import Path
 from pydantic import Field, model_validator
 
 from rstar2_core.config.base import REPO_ROOT, _Section
-from rstar2_core.config.rl import RLConfig
-from rstar2_core.config.runtime_rules import runtime_problems
-from rstar2_core.config.sections import (
+from rstar2_core.config.pipeline_sections import (
     ClusterConfig,
-    DataConfig,
     EvalConfig,
-    ModelConfig,
     PipelineConfig,
-    RolloutConfig,
-    SandboxConfig,
-    SFTConfig,
     StorageConfig,
     TrackingConfig,
 )
+from rstar2_core.config.rl import RLConfig
+from rstar2_core.config.rollout_sections import RolloutConfig, SandboxConfig
+from rstar2_core.config.runtime_rules import runtime_problems
+from rstar2_core.config.sections import DataConfig, ModelConfig, SFTConfig
 
 
 # ---------------------------------------------------------------------------------------------- root

@@ -1,18 +1,13 @@
 """A recipe run's frozen config: the resolved tree (profile + overrides, every default filled) as canonical
-JSON with its sha256 digest, and the way back to a validated `Config`.
+JSON with its sha256 digest, and the way back to a validated `Config` (`config_from_snapshot`).
 
-    tree = cfg.model_dump(mode="json")
-    digest = config_digest(tree)                          # sha256 of canonical_json(tree)
-    same = config_from_snapshot(tree, "run abc", digest)  # == cfg, validated by the same pydantic models
+The pipeline writes one snapshot when a run opens (tasks/run_config.py); every task and every retry of
+the run reads it instead of the profile, and `config_drift` lists what the profile on disk changes.
 
-The pipeline writes one snapshot per recipe run when the run opens (tasks/run_config.py); every task and
-every retry of the run reads it back instead of the profile, so editing `configs/<profile>.toml` between
-a failure and the retry changes nothing the run does. `config_drift` lists what the profile on disk
-changes against a snapshot, for the retry to report.
-
-A snapshot that the current code no longer validates (a field renamed or removed since it was written)
-raises `SnapshotError` naming the field: nothing is dropped silently. Fields the snapshot lacks (added to
-the code since) take the code's defaults; `snapshot_gaps` lists them so the caller can say so.
+Invariant: nothing is dropped silently. A snapshot this code no longer validates (a field renamed or
+removed) raises `SnapshotError` naming the field; fields it lacks take the code's defaults and
+`snapshot_gaps` lists them. A snapshot is JSON, never a pickle, so config classes may move between
+modules. See docs/pipeline.md, "What a retry runs", and docs/CONTRACTS.md, "config".
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
-"""Evaluation benchmarks: one loader per public layout, from any fsspec URL (JSONL or parquet).
+"""Evaluation benchmarks: one loader per public layout (`aime`, `hmmt`, `math500`, `gpqa`, `generic`,
+`synthetic`; `BenchmarkConfig.layout`), from any fsspec URL (JSONL or parquet); `detect_layout(columns)`
+guesses one for a bare URL given on the command line.
 
-They live with the data sources (they read the same files with the same field helpers) so that both
-evaluation and curation's decontamination can load them without data/ importing eval/.
-
-Layouts (`BenchmarkConfig.layout`):
-
-- `aime` (AIME 2024 / 2025 exports: `id|ID`, `problem|Problem|question`, `answer|Answer`),
-  `hmmt` (HMMT Feb 2025, MathArena: `problem_idx`, `problem`, `answer`), `generic`
-  (`id?`, `problem|question`, `answer`): free-form answers graded by the math grader.
-- `math500` (HuggingFaceH4/MATH-500): `problem`, `solution`, `answer`, `subject`, `level`, `unique_id`.
-- `gpqa` (GPQA-Diamond): `Question`, `Correct Answer`, `Incorrect Answer 1..3`, optional `Record ID`.
-  The four choices are shuffled deterministically (seeded by the record id, else the question) into
-  A-D, appended to the question, and the gold answer is the letter.
-- `synthetic`: the held-out split of `rstar2_core.data.synthetic.generate_problems`.
-
-`detect_layout(columns)` guesses a layout for a bare URL given on the command line. A file whose
-rows lack the layout's fields raises `SourceLayoutError` naming them; single malformed rows are
-skipped and counted in `Benchmark.rejected`.
+They live with the data sources (same files, same field helpers) so that both evaluation and
+curation's decontamination load them without data/ importing eval/. Invariant: a file whose rows lack
+the layout's fields raises `SourceLayoutError` naming them; single malformed rows are skipped and
+counted in `Benchmark.rejected`. See docs/data-and-eval.md, "Benchmark layouts".
 """
 
 from __future__ import annotations

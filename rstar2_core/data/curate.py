@@ -4,17 +4,9 @@
     # -> <out_url>/<version>/problems.parquet  rows {id, problem, answer, source}
     #    <out_url>/<version>/manifest.json     source digests, counts per filter, config
 
-Pipeline (RECIPE.md "Data curation"), each step counting what it drops and why:
-read (malformed rows) -> integer answers + digit cap -> unique ids -> exact duplicates ->
-near-duplicates (MinHash/LSH) -> 8-gram decontamination against every `eval.benchmarks` entry ->
-optional label check by sampling (`data.label_check`).
-
-The version is the first 16 hex digits of the content digest (sha256 over the canonical JSON of the
-kept rows in order), so the same inputs and config give the same version and URL. Both files are
-written atomically through `rstar2_core.storage`, the manifest last: a version folder without a
-manifest is incomplete. An empty result raises (a training set of 0 problems is a config error).
-
-How to run: `rstar2 data curate --profile tiny [--set data.max_answer_digits=12] [--out URL]`.
+Invariant: the version is the first 16 hex digits of the content digest, so the same inputs and config
+give the same version and URL; both files are written atomically, the manifest last (a version folder
+without one is incomplete). See docs/data-and-eval.md, "Curating problems".
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """Curation filters. Each takes candidates in order and returns `(kept, dropped)` where `dropped` is a
-`Counter` of reasons; the order of the input decides which copy of a duplicate survives (the first).
+`Counter` of reasons: `integer_answers`, `exact_duplicates`, `near_duplicates` (MinHash/LSH proposes
+candidates, the exact Jaccard of the shingle sets decides), `decontaminate` (a shared word n-gram with
+any evaluation benchmark; exact normalised text for the benchmarks in `exact_only`).
 
-- `integer_answers`: labels must normalise to an integer with at most `max_digits` digits (RECIPE.md:
-  verifiers cannot reliably match symbolic forms; huge answers time out the verifier).
-- `exact_duplicates`: same normalised text (see `normalize.problem_key`).
-- `near_duplicates`: MinHash over word 5-shingles + LSH (`datasketch`) proposes candidates (tuned
-  0.15 below the threshold), the exact Jaccard of the shingle sets decides: no false drops, and
-  bench/curation.py measures the recall against the exact pairwise baseline.
-- `decontaminate`: drop a problem sharing a word n-gram (paper: 8) with any evaluation benchmark;
-  the reason names the benchmark. Departure: benchmarks listed in `exact_only` (the synthetic
-  held-out set, whose problems are templates by design and share every 8-gram of template text with
-  the training split) are matched on exact normalised text instead.
+Invariant: the order of the input decides which copy of a duplicate survives (the first), and
+near-duplicate removal never drops a pair below the threshold. See docs/data-and-eval.md, "Curating
+problems".
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
-"""Sampling-based label check (RECIPE.md: sample a strong model 16 times per problem and keep the
+"""Sampling-based label check (the paper: sample a strong model 16 times per problem and keep the
 problem only if at least 2 answers agree with its label).
 
 `label_check(cands, sampler, grade, k, min_agree, limits, seed)` samples `k` trajectories per problem
 with a `PolicySampler` (the real agent loop, tools included), grades each final answer against the
-label with `grade(items) -> list[GradeResult]` (a `GraderPool.grade_many`), and drops problems with
-fewer than `min_agree` correct samples (reason `label_disagree`). Returns the kept candidates, the
-drop counter and the number of agreeing samples per candidate id (written to the manifest).
-`max_problems` (the budget, `data.label_check.max_problems`): a seeded sample of that many candidates is
-checked, the others dropped as `label_unchecked`.
-
-Departure: the paper checks with a separate strong model; here the checking model is
-`data.label_check.model` or, by default, the configured base model.
+label with `grade` (a `GraderPool.grade_many`), and returns the kept candidates, the drop counter and
+the agreeing samples per candidate id. Invariant: a problem is kept only with at least `min_agree`
+correct samples (else `label_disagree`); beyond `max_problems` a seeded sample is checked and the rest
+dropped as `label_unchecked`. See docs/data-and-eval.md, "Curating problems" (label_check).
 """
 
 from __future__ import annotations

@@ -4,12 +4,11 @@
   `1,000` -> `1000`, `\\frac{4}{2}` -> `2`, `\\boxed{12}` -> `12`, `$-7$` -> `-7`, `12.0` -> `12`;
   `1.5`, `\\sqrt{2}`, `x+1`, `\\frac{1}{3}` are rejected (`answer_not_integer`), labels with more than
   `max_digits` digits are rejected (`answer_too_many_digits`) before any big-integer arithmetic.
-  The paper keeps integer answers only because verifiers cannot reliably match symbolic forms.
 - `problem_key(text)` is the exact-duplicate key (lower-cased, punctuation and whitespace folded).
 - `words(text)` is the word sequence used by MinHash shingles and n-gram decontamination.
 
-This is deliberately a small literal parser, not a CAS: an answer that needs evaluating
-(`2^{10}`, `10!`) is rejected rather than guessed.
+Invariant: a small literal parser, not a CAS: an answer that needs evaluating (`2^{10}`, `10!`) is
+rejected rather than guessed. See docs/data-and-eval.md, "Curating problems".
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
-"""Problem sources: read JSONL or parquet from any fsspec URL and map each row of a public layout to a
-`Candidate` (id, problem, raw answer label, source).
+"""Problem sources: read JSONL or parquet from any fsspec URL and map each row of a public layout
+(`generic`, `dapo`, `openmathreasoning`, `project_euler`; `SourceConfig.layout`) to a `Candidate`
+(id, problem, raw answer label, source).
 
-Layouts (`SourceConfig.layout`):
-
-- `generic`: `{id?, problem, answer, source?}` (`question` is accepted for `problem`).
-- `dapo` (DAPO-Math-17k in verl's RL parquet form): `prompt` = chat messages `[{role, content}]` whose
-  last user turn wraps the problem in DAPO's "Solve the following math problem ... Answer: $Answer"
-  instruction (stripped here), `reward_model.ground_truth`, `data_source`, `extra_info.index`.
-- `openmathreasoning`: `problem`, `expected_answer`, `problem_source`, `problem_type` (rows whose
-  `problem_type` is `converted_proof` / `no_answer_extracted` are rejected: no usable label).
-- `project_euler`: `id|ID`, `problem|Problem`, `answer|Answer`.
-
-Bad rows never crash a read: each is rejected with a reason (`invalid_json`, `bad_encoding`,
-`not_an_object`, `missing_field:<name>`, `wrong_type:<name>`, `empty_problem`, ...) and counted by the
-caller. A file in which *no* row has the layout's fields is a configuration mistake and raises
-`SourceLayoutError` naming the expected and the found fields.
-
-Departure from the paper: the paper does not say how it read its sources; the whole file is read
-into memory here (and hashed for the manifest), which is fine for the ~100K-row sets it used.
+Invariant: bad rows never crash a read: each is rejected with a reason (`invalid_json`,
+`bad_encoding`, `missing_field:<name>`, ...) and counted by the caller; only a file in which *no* row
+has the layout's fields raises `SourceLayoutError`, naming the expected and the found fields.
+See docs/data-and-eval.md, "Curating problems" (the layouts table).
 """
 
 from __future__ import annotations

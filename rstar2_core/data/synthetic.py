@@ -1,41 +1,13 @@
-"""The synthetic tool-use task: seeded integer-answer problems a tiny model cannot solve in its head.
-
-Families (each with 4 phrasings; the code a solver should run is one regular line):
-
-| family         | example                                              | reference code                           |
-|----------------|------------------------------------------------------|------------------------------------------|
-| powmod         | What is 37^412 mod 91?                                | `print(pow(37, 412, 91))`                |
-| digitsum_pow   | What is the sum of the digits of 23^41?               | `print(sum(int(c) for c in str(23 ** 41)))` |
-| count_primes   | How many primes are there from 120 to 980?            | `print(sum(all(n % d for d in ...)))`    |
-| count_divisors | How many positive divisors does 7560 have?            | `print(sum(7560 % d == 0 for d in ...))` |
-| binom_mod      | What is C(57, 12) mod 311?                            | `from math import comb; print(...)`      |
-| factorial_mod  | What is 123! mod 4099?                                | `from math import factorial; print(...)` |
-| sum_multiples  | Sum of integers up to 5000 divisible by 7 or 11?      | `print(sum(i for i in range(...) if ...))` |
-
-Splits (`generate_problems(seed, n, split)`):
-- `sft`: phrasings 0-2 of every family (phrasing 3 is held out from SFT).
-- `rl`: all phrasings.
-- `eval`: all phrasings (so about a quarter of it uses a phrasing the SFT model never saw; RL sees
-  it on other numbers), drawn from a reserved slice of the parameter space (a hash of
-  `(family, params)`), so no eval problem is an SFT or RL problem.
-
-`sft_demonstrations(seed, n, fail_first_share, execute=..., render=...)` turns SFT problems into
-non-reasoning demonstrations: a one-line `<reason>`, one tool call with the reference code, the real
-tool response (the code runs in the sandbox, `execute_requests`), and `<answer>` with `\\boxed{}`. A
-share `fail_first_share` first makes a failing call (a misspelt name -> NameError/AttributeError, or a
-missing parenthesis -> SyntaxError), reads the error and fixes it, so that tool errors exist for
-GRPO-RoC to act on; with
-`signposted` those open with their own reason line (`HASTY_REASON`), so the habit is one early choice
-that survives sampling at a low temperature. `direct_share` adds demonstrations that answer without
-the tool (`DIRECT_REASON`; their boxed answer is excluded from the SFT loss): the SFT policy then
-takes that route on some problems, where it cannot compute the answer, and RL has to learn that the
-tool pays.
-
-Departs from the paper: the paper's SFT data is 222K general function-calling/instruction/chat
-samples; this task is a stand-in small enough for a ~0.2M-parameter model to learn on 2 CPU cores.
+"""The synthetic tool-use task: seeded integer-answer problems a tiny model cannot solve in its head,
+in seven families with four phrasings each (the code a solver should run is one regular line), and the
+SFT demonstrations built from them (`sft_demonstrations`: a real tool call, some failing first).
 
     from rstar2_core.data.synthetic import generate_problems
     generate_problems(seed=0, n=5, split="eval")
+
+Invariant: the same (seed, n, split) gives the same problems, and no `eval` problem is an `sft` or
+`rl` problem (eval draws from a reserved slice of the parameter space; `sft` never uses phrasing 3).
+See docs/data-and-eval.md, "The synthetic task", and docs/models-and-sft.md, "Synthetic task".
 """
 
 from __future__ import annotations

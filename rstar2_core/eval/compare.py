@@ -5,23 +5,10 @@
     rows = compare_reports(candidate, baseline, confidence=0.95, seed=1234)   # every benchmark
     ranked = rank_checkpoints({"sft": r0, "rl-stage-1": r1}, "synthetic")   # best first
 
-The difference of two checkpoints on a benchmark is paired over its problems: for every problem both
-reports evaluated (same id), d = candidate pass@1 - baseline pass@1 (each the share of its k samples
-that were correct). The interval is the percentile bootstrap of mean(d) over problems resampled with
-replacement (`RESAMPLES` draws from a generator seeded with `seed`, so the same reports give the same
-interval). The verdict is `better` when the whole interval lies above 0, `worse` when it lies below,
-else `tie`; `new` when the baseline lacks the benchmark, `unpaired` when the two share no problem id,
-`incomparable` when the two were not measured the same way: another evaluation protocol (`EvalReport.protocol`:
-k, temperature, top_p, turn and token limits; not the seed, nor the wall time) or another content of the
-benchmark (`EvalReport.benchmark_digests`, where both reports have one). `Comparison.differs` names what
-differs; like `unpaired`, an `incomparable` row carries no interval and decides nothing (no promotion, no
-regression).
-Pairing removes the problem-difficulty variance that two independent pass@1s would carry; the
-bootstrap treats problems as the sampled unit (the k samples within one problem are not resampled),
-which is what a different draw of eval problems would change. With few problems whose outcome differs
-the percentile interval is too narrow (4 problems gained and none lost out of 20 already exclude 0 at
-0.95, where an exact sign test would not): evaluate enough problems (the tiny profile: 100) for the
-level to mean what it says.
+Invariant: only reports measured the same way are compared (the same protocol but for the seed and
+the wall time, the same benchmark content); otherwise the verdict is `incomparable`, with no interval,
+and decides nothing. The same reports and seed give the same interval. See docs/data-and-eval.md,
+"Comparing two reports".
 """
 
 from __future__ import annotations

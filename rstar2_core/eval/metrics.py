@@ -1,20 +1,13 @@
-"""Evaluation metrics over k sampled trajectories per problem.
+"""Evaluation metrics over k sampled trajectories per problem: `pass_at_k(n, c, k)` (the unbiased
+estimator), mean pass@1 = avg@k, response length, tool calls and tool-error ratio, truncation, and
+infrastructure failures: samples the infrastructure failed (an engine error, a tool call the service
+failed, a grader timeout or error: `Trajectory.infra_failed`, `reward.GRADER_FAILURES`).
 
-- `pass_at_k(n, c, k)`: the unbiased estimator `1 - C(n-c, k) / C(n, k)` (Chen et al. 2021), computed
-  as a product so that n = 1000 does not overflow.
-- mean pass@1 = avg@k: the mean over problems of c/n (RECIPE.md: the paper reports avg@16).
-- mean response length: tokens after the prompt (generated + tool-response tokens), as the paper's
-  "response length"; `mean_generated_tokens` counts only what the model sampled.
-- tool calls per trajectory; tool-error ratio = failed calls / calls (the service's own failures,
-  `infra`, are excluded from both); truncation rate = share of trajectories that hit a limit.
-- infrastructure failures: samples the infrastructure failed (an engine error, a tool call the service
-  failed, a grader timeout or error: `Trajectory.infra_failed`, `reward.GRADER_FAILURES`). They score 0
-  like a wrong answer, so they can only lower pass@1, by at most their share (`infra_failed_share`);
-  `evaluate` refuses a benchmark whose share passes `eval.max_infra_failure_share`.
-
-`ProblemRow` is one row of the per-problem table; `BenchmarkMetrics` the aggregate; `EvalReport` both
+`ProblemRow` is one row of the per-problem table, `BenchmarkMetrics` the aggregate, `EvalReport` both
 for every benchmark of one checkpoint (what `eval.run.evaluate` returns, report.json reloads, and
-`eval.compare` and `eval.promotion` read). All are frozen and JSON-able.
+`eval.compare` and `eval.promotion` read). Invariant: all are frozen and JSON-able; the service's own
+failures (`infra`) count in neither the tool calls nor the tool errors, and infrastructure failures
+score 0, so they can only lower pass@1 (by at most their share). See docs/data-and-eval.md, "Metrics".
 """
 
 from __future__ import annotations

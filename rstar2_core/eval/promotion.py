@@ -7,13 +7,8 @@ that lies above 0 on the primary benchmark (eval/compare.py, `eval.comparison_co
     p.aliases   # ("candidate", "champion"), ("candidate",) or ()
     p.line()    # rl-stage-1 0.52 vs sft 0.31, +0.21 [0.14, 0.28] -> candidate, champion
 
-A run whose RL did not beat its SFT checkpoint (or whose best checkpoint is the SFT one) earns no alias;
-the version is still registered. The best checkpoint is chosen by point estimate first
-(`rank_checkpoints`) and only then tested, so with three RL stages the chance that noise alone passes
-is up to about three times the one-sided level (~7.5% at 0.95) in the worst case.
-A champion whose report cannot be read, shares no problem with the candidate, or was evaluated another
-way (another protocol or benchmark content: `incomparable`, eval/compare.py) is kept (no comparison means
-no evidence); `champion=None` means there is none yet.
+Invariant: no comparison means no evidence: a champion that cannot be compared (unreadable report, no
+shared problem, `incomparable`) is kept; `champion=None` means none yet. See docs/pipeline.md, "Promotion".
 """
 
 from __future__ import annotations

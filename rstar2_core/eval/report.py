@@ -3,13 +3,12 @@
 - `write_report(report, out_url)`: `report.md`, `report.json`, `summary.png` under `out_url`; returns
   the report with those URLs filled in.
 - `metrics_table(metrics)`, `problems_table(rows)`: markdown tables (also what `rstar2 eval` prints).
-- `plot_history(points, out_url)`: one PNG per metric (pass@1, mean response length, tool-error
-  ratio) with one line per benchmark over checkpoints/stages, e.g. the SFT and RL stage checkpoints
-  of a recipe run, in the order given.
-- `diff_markdown(a, b)`: markdown with metric deltas per benchmark and a per-problem diff
-  (problems whose number of correct samples changed, largest changes first); refused (ValueError
-  `ReportsNotComparable`, naming what differs) when the two reports were not measured the same way (`compare.measurement_differences`:
-  another protocol or benchmark content) unless `allow_mismatch=True`, which then heads the diff with it.
+- `plot_history(points, out_url)`: pass@1, response length and tool-error ratio over checkpoints.
+- `diff_markdown(a, b)`: metric deltas per benchmark and a per-problem diff.
+
+Invariant: `diff_markdown` refuses (`ReportsNotComparable`, a ValueError) two reports not measured the
+same way unless `allow_mismatch=True`, which heads the diff with what differs. See
+docs/data-and-eval.md, "Evaluating a checkpoint".
 """
 
 from __future__ import annotations

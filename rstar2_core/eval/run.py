@@ -3,18 +3,11 @@
     report = evaluate(cfg, checkpoint_url="file:///.../rl-stage-3/final", out_url="file:///tmp/eval")
     report.metrics["aime24"].pass1   # mean pass@1 = avg@k
 
-Protocol (RECIPE.md "Evaluation", from `cfg.eval`): k samples per problem (paper 16), temperature 0.6,
-top_p, up to `max_turns` assistant turns (paper 30) and `max_tokens` response tokens (paper 30K),
-tools on; seeded, so the same checkpoint, config and seed give the same table. Every benchmark is
-loaded (and a missing file reported) before the model is loaded. Answers are graded by
-`reward.GraderPool` (math) or by letter (GPQA); metrics are in `eval.metrics`.
-
-Writes under `out_url`: `report.md` (tables), `report.json` (everything, reloadable with
-`eval.metrics.EvalReport.load`), `summary.png`, and `samples/<benchmark>.jsonl` (every sampled response with its
-grade). How to run: `rstar2 eval --model <checkpoint or models:/rstar2-agent@champion> --bench aime24`.
-
-Departure: the paper does not say how it seeded sampling; here problem chunk i of a benchmark uses
-seed `eval.seed + i * CHUNK` and the rollout loop derives per-sample seeds from it.
+Writes `report.md`, `report.json`, `summary.png` and `samples/<benchmark>.jsonl` under `out_url`.
+Invariant: seeded, so the same checkpoint, config and seed give the same table; every benchmark is
+loaded (a missing file reported) before the model is; past `eval.max_infra_failure_share` of a
+benchmark's samples failed by the infrastructure it stops (`InfraFailureShareExceeded`).
+See docs/data-and-eval.md, "Evaluating a checkpoint".
 """
 
 from __future__ import annotations

@@ -1,20 +1,14 @@
-"""Sample trajectories from a checkpoint with the real agent loop (engines + sandbox + chat format).
-
-Shared by evaluation, the curation label check and the learning benchmark.
-`PolicySampler.open(cfg, checkpoint_url)` opens the configured runtime for the checkpoint without a
-trainer (`cluster.runtime`: in-process engines, or engine actors and the sandbox pool on Ray) and
-samples on all of its engines; `PolicySampler(engine_or_engines, chat, sandbox_cfg)` takes any
-`Engine` (tests use scripted ones) and opens a local sandbox of `sandbox_cfg` on first use.
+"""Sample trajectories from a checkpoint with the real agent loop (engines + sandbox + chat format);
+shared by evaluation, the curation label check and the learning benchmark.
 
     with PolicySampler.open(cfg, url) as s:
         groups = s.sample(["What is 2+3?"], n=4, limits=RolloutLimits(4, 384, 0.6), seed=0)
 
-`label_check_sampler(cfg)` opens the sampler curation's label check needs (`data.label_check.model`,
-else the base model), or gives None when the check is off.
-
-`groups[i]` holds the n trajectories of problem i (the rollout contract's order). The sampler owns
-one event loop for its whole life, so the engines' batching tasks, the runtime and the sandbox live on
-the same loop across calls.
+`PolicySampler.open` opens the configured runtime without a trainer; `PolicySampler(engines, chat,
+sandbox_cfg)` takes any `Engine` (tests use scripted ones); `label_check_sampler(cfg)` opens the label
+check's (None when the check is off). Invariant: one event loop for the sampler's whole life, so the
+engines' batching tasks, the runtime and the sandbox live on the same loop across calls.
+See docs/data-and-eval.md, "Sampling from a checkpoint".
 """
 
 from __future__ import annotations

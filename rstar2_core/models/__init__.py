@@ -5,7 +5,7 @@
 
 Names are imported on first use (PEP 562): `rstar2_core.models.backend` loads with torch alone (the GPU
 check), while checkpoint I/O (fsspec) and `prepare_base_model` (the pydantic config) load when asked for.
-See docs/models-and-sft.md.
+See docs/models-and-sft.md, "Models".
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Activation checkpointing on a transformers model, version-proof: what both training backends
-(backend.py's torch one, deepspeed_backend.py) call for `model.gradient_checkpointing`."""
+(backend.py's torch one, deepspeed_backend.py) call for `model.gradient_checkpointing`.
+See docs/models-and-sft.md, "Training backends"."""
 
 from __future__ import annotations
 

@@ -1,25 +1,14 @@
 """Training backends: one optimizer/scheduler/clip/precision wrapper shared by SFT and RL.
 
 `TrainBackend` is the protocol the trainers code against; `TorchBackend` is plain PyTorch (CPU or one
-GPU); `DeepSpeedBackend` (ZeRO, `models/deepspeed_backend.py`, the production part) implements the same
-protocol. `make_backend(model, train_cfg, total_steps, warmup_steps, schedule)` picks one from
-`train_cfg.backend` (`SFTConfig` or `RLConfig`).
+GPU); `DeepSpeedBackend` (ZeRO, models/deepspeed_backend.py) implements the same protocol.
+`make_backend(model, train_cfg, total_steps, warmup_steps, schedule)` picks one from `train_cfg.backend`;
+each backend sets `cfg.model.head_kernel` on its model, so a `liger` that cannot work is refused before
+the first step.
 
-Schedule: `models/schedules.py` (`lr_factor`: linear warm-up, then cosine (SFT) or constant (RL)).
-
-Head kernel: each backend sets `cfg.model.head_kernel` on its model (`token_logprobs.set_head_kernel`),
-so `liger` where it cannot work is refused before the first step.
-
-Precision: parameters stay in the model's dtype; on a CUDA device with bf16 support the forward runs
-under `torch.autocast(bfloat16)` (`backend.autocast()`); on CPU it is a no-op (bf16 autocast on CPU is
-slower than fp32 for our tiny shapes and changes numerics, which the resume tests rely on).
-
-Usage:
-    backend = make_backend(model, cfg.sft, total_steps=100, warmup_steps=4, schedule="cosine")
-    with backend.autocast():
-        loss = model(**batch).loss
-    backend.backward(loss)
-    grad_norm = backend.step()
+Invariant: parameters stay in the model's dtype and bf16 autocast runs only on a CUDA device that
+supports it (on CPU `autocast()` is a no-op: the resume tests rely on fp32 numerics).
+See docs/models-and-sft.md, "Training backends".
 """
 
 from __future__ import annotations

@@ -1,31 +1,13 @@
 """DeepSpeed ZeRO training backend: the `TrainBackend` protocol (models/backend.py) over `deepspeed.initialize`.
 
-What it does: wraps the actor in a DeepSpeed engine with ZeRO stage 0/1/2/3, bf16 with fp32 master
-weights on GPUs (fp32 on CPU), global grad-norm clipping, `torch.optim.AdamW` and the same warm-up +
-cosine/constant schedule as `TorchBackend` (`lr_factor`), so SFT and RL switch backends with one
-config field (`sft.backend` / `rl.backend` = "deepspeed", `zero_stage`).
+ZeRO stage 0-3, bf16 with fp32 master weights on GPUs (fp32 on CPU), global grad-norm clip, AdamW and
+the same schedule as `TorchBackend`, so SFT and RL switch backends with one field (`sft.backend` /
+`rl.backend` = "deepspeed", `zero_stage`). One process per rank, with MASTER_ADDR, MASTER_PORT, RANK,
+WORLD_SIZE and LOCAL_RANK set (what the tests, torchrun and our Ray trainer shards do).
 
-Gradient accumulation: our trainers call `backward(loss)` once per micro-batch (the loss already
-scaled by the caller) and `step()` once per optimizer step. DeepSpeed's
-`managed_gradient_accumulation = false` mode is exactly that contract: `backward` accumulates locally
-(ZeRO-2/3 reduce-scatter per micro-batch), `step()` is the accumulation boundary. Losses are not
-divided by DeepSpeed (`scale_wrt_gas=False`).
-
-Checkpoints: `save_hf(dir)` writes an HF folder (config + safetensors). Under ZeRO-3 the parameters
-are partitioned, so the 16-bit weights are gathered layer by layer to rank 0 first (what
-`engine.save_16bit_model` does, `stage3_gather_16bit_weights_on_model_save`), then saved with
-`save_pretrained(state_dict=...)`. `state_dict()` is this rank's optimizer partition + scheduler +
-step: multi-rank callers keep one per rank (DeepSpeed's own `save_checkpoint` layout would also do,
-but it is a folder, not the `extra: dict[str, bytes]` our checkpoints carry).
-
-Departures from the paper: none in the math (AdamW, clip 1.0, warm-up then constant for RL). The
-paper's in-house stack is not public; this mirrors verl's FSDP/DeepSpeed actor.
-
-Run (CPU, one process, gloo; what the tests do):
-    MASTER_ADDR=127.0.0.1 MASTER_PORT=29511 RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 python -c '...'
-    backend = DeepSpeedBackend(model, zero_stage=2, lr=1e-3, total_steps=10)
-On a GPU cluster: one process per GPU (`deepspeed` launcher, torchrun, or our Ray trainer shards,
-which set the same five variables), `dist_backend` nccl (rccl on ROCm).
+Invariant: `backward(loss)` once per micro-batch (the caller scales the loss; DeepSpeed does not
+divide it), `step()` once per optimizer step: the accumulation boundary of DeepSpeed's
+`managed_gradient_accumulation = false` mode. See docs/models-and-sft.md, "Training backends".
 """
 
 from __future__ import annotations

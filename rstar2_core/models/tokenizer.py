@@ -1,26 +1,13 @@
 """A byte-level BPE tokenizer trained on our own corpus, with a ChatML chat template carrying the tool format.
 
-`train_tokenizer(texts, vocab_size)` trains a `tokenizers` byte-level BPE with the ChatML special
-tokens of `chat/tokens.py` kept whole, and wraps it as a `PreTrainedTokenizerFast` whose
-`chat_template` renders our conversations exactly as `ChatFormat` does:
+`train_tokenizer(texts, vocab_size)` trains a `tokenizers` byte-level BPE with the special tokens of
+chat/tokens.py kept whole and wraps it as a `PreTrainedTokenizerFast`; `bootstrap_tokenizer()` is the
+merge-free byte-level tokenizer that renders the training corpus before the real one exists.
 
-    tok.apply_chat_template([{"role": "user", "content": problem}], tokenize=False,
-                            add_generation_prompt=True) == ChatFormat(tok).prompt_text(problem)
-
-Template rules (mirroring `rstar2_core/chat/format.py`): without a system message the fixed system
-prompt with the tool schema is used; user turns get the answer instruction appended (RECIPE.md: every
-user turn repeats it); consecutive `tool` messages merge into one user turn of `<tool_response>`
-blocks; an assistant message's `tool_calls` render as `<tool_call>` JSON blocks after its content;
-the first assistant turn opens with `<reason>` (also in the generation prompt), later ones do not.
-
-Pre-tokenization is exactly Qwen2's (NFC, the Qwen regex split with single digits, byte-level): when
-`AutoTokenizer` loads a checkpoint whose config says `qwen2`, transformers rebuilds the tokenizer as
-`Qwen2Tokenizer` with that pipeline whatever tokenizer.json says, so any other choice would tokenize
-differently after a reload. (Merging across words would shorten our conversations ~3x, measured:
-~180 vs ~550 tokens, but would not survive `AutoTokenizer.from_pretrained`.)
-
-`bootstrap_tokenizer()` is the merge-free byte-level tokenizer used to render the training corpus
-through `ChatFormat` before the real tokenizer exists.
+Invariants: the chat template renders conversations exactly as `ChatFormat` does
+(`apply_chat_template(..., add_generation_prompt=True) == ChatFormat(tok).prompt_text(problem)`), and
+pre-tokenization is exactly Qwen2's, since `AutoTokenizer` rebuilds any `qwen2` checkpoint's tokenizer
+that way. See docs/models-and-sft.md, "The tiny model and its tokenizer".
 """
 
 from __future__ import annotations

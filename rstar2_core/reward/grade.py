@@ -3,14 +3,11 @@
     grade_response("<answer>\\\\boxed{1,024}</answer>", "1024")
     -> GradeResult(reward=1.0, extracted='1,024', reason='correct')
 
-The answer is `chat.extract_answer` (last `\\boxed{}` in the last `<answer>` block, else anywhere). It
-matches when the normaliser (`normalize.py`) OR `math-verify` says so (RECIPE.md: the reference code ORs
-two graders). No partial credit, no tool-use reward.
-
-This runs in the calling process with no timeout: math-verify's own timeouts use `signal.alarm`, which
-only works in a main thread, so they are switched off here, and a pathological answer (e.g.
-`(10^{8})!`) can run for minutes. Anything that grades model output at scale goes through
-`GraderPool` (`pool.py`), which kills a worker that passes its hard timeout.
+A match is the normaliser (`normalize.py`) OR `math-verify` (RECIPE.md: the reference code ORs two
+graders); no partial credit, no tool-use reward. Invariant: this runs in the calling process with no
+timeout (math-verify's `signal.alarm` timeouts only work in a main thread and are switched off), so
+anything that grades model output at scale goes through `GraderPool` (`pool.py`).
+See docs/chat-and-grading.md, "Grading".
 """
 
 from __future__ import annotations

@@ -4,15 +4,9 @@ math-verify with a sympy-based normaliser).
     normalize_answer("1,000") == normalize_answer("+1000.0") == Fraction(1000)
     normalize_answer("\\\\dfrac{3}{4}") == normalize_answer("0.75") == Fraction(3, 4)
 
-Numbers become exact `Fraction`s: integers with thousands separators (`1,000`, `1 000`, `1{,}000`),
-a leading `+`, trailing `.0`; decimals; `\\frac{a}{b}`, `\\dfrac`, `\\tfrac`, `\\frac12`, `a/b`, with an
-optional sign. Wrappers are removed first: `$...$`, `\\(...\\)`, `\\text{}`/`\\textbf{}`/`\\mathrm{}`/
-`\\mathbf{}`/`\\boxed{}`, `\\left`/`\\right`, LaTeX spaces, `^\\circ`/`^{\\circ}`/`°`, `\\%`/`%`, a trailing
-full stop. Anything else is compared as text with all whitespace removed. Pure string work: it cannot
-hang, unlike the CAS path, which is why the pool runs math-verify and this together under one timeout.
-
-Departure: no sympy here (the reference normaliser used sympy); symbolic equivalence is math-verify's
-job. The paper trains on integer answers only, where this normaliser alone is exact.
+Numbers become exact `Fraction`s once LaTeX wrappers are removed; anything else compares as text with
+all whitespace removed. Invariant: pure string work, no sympy: it cannot hang (symbolic equivalence is
+math-verify's job, under the pool's timeout). The forms it knows: docs/chat-and-grading.md, "Grading".
 """
 
 from __future__ import annotations

@@ -3,20 +3,11 @@
     with GraderPool(workers=2, timeout_s=5.0) as pool:
         results = pool.grade_many([(response_text, gold), ...])   # list[GradeResult], same order
 
-Workers are fresh `python` processes started with `subprocess`, one socket pair each: no fork of a
-parent that holds threads, a model or a CUDA context, and no multiprocessing helper process left
-behind. A worker sets an address-space limit, imports the grader and runs one CAS comparison, then
-says "ready" (so import time is never charged to an item) and grades items one at a time. The parent
-keeps a few items queued per ready worker and starts an item's clock when the worker starts it.
-An item past its deadline (`timeout_s` of wall time; longer, up to `starved_grace` x, only while its
-worker is starved of CPU by other load: see `next_check`) gets reward 0 with reason
-`grader_timeout`; its worker is SIGKILLed and replaced and the items queued behind it go back to the
-queue. A worker that dies mid-item gives `grader_error`. The pool never hangs on an item and never
-uses `signal.alarm` (RECIPE.md: alarm-based graders fail silently in threads). Concurrent
-`grade_many` calls from several threads are serialised; workers die with their parent (Linux
-`PR_SET_PDEATHSIG`).
-
-Counters `graded`, `timeouts`, `errors` and `restarts` are kept for metrics (`eval/grader_timeouts`, ...).
+Workers are fresh `python` processes (`subprocess`, one socket pair each, dying with their parent via
+`PR_SET_PDEATHSIG`); an item past its deadline gets `grader_timeout` and its worker is SIGKILLed and
+replaced. Invariant: the pool never hangs on an item and never uses `signal.alarm` (RECIPE.md:
+alarm-based graders fail silently in threads); concurrent `grade_many` calls are serialised.
+See docs/chat-and-grading.md, "Grading".
 """
 
 from __future__ import annotations

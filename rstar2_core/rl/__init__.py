@@ -3,6 +3,9 @@ the RL step loop (`rl.trainer`, `rl.stage`, `rl.hard_subset`, imported on demand
 
     from rstar2_core.rl import trajectory_penalty, resample_on_correct, filter_zero_variance, \
         grpo_advantages, grpo_advantages_batched, policy_loss
+
+Invariant: this package imports only the pure modules; the step loop's modules stay on demand.
+See docs/rl.md.
 """
 
 from rstar2_core.rl.advantages import (

@@ -1,14 +1,13 @@
 """Advantage estimators (a registry of pure functions, keyed by `cfg.rl.grpo.advantage_estimator`).
 
 `grpo`: `A_i = (r_i - mean(r)) / (std(r) + eps)` over the kept rollouts of one group, the same value on
-every token of trajectory i (RECIPE.md). The std is the *population* std (unbiased=False), as in the
-GRPO paper's reference implementation and verl: with G = 2 and rewards (1, 0) the advantages are
-(+1, -1) rather than (+0.71, -0.71), and a group's advantages always have unit variance, so a step's
-gradient scale does not depend on G. A group whose rewards are all equal gets zero advantages (such
-groups are dropped before the update anyway).
+every token of trajectory i (RECIPE.md). Invariant: the std is the *population* std (unbiased=False), so
+rewards (1, 0) give (+1, -1) and a group's advantages have unit variance whatever G is; a group whose
+rewards are all equal gets zero advantages. Shapes: `grpo_advantages(rewards: (G,)) -> (G,)`;
+`grpo_advantages_batched(rewards: (num_groups, G)) -> (num_groups, G)`. Groups of unequal size (after
+infra failures are excluded) go through the 1-D form.
 
-Shapes: `grpo_advantages(rewards: (G,)) -> (G,)`; `grpo_advantages_batched(rewards: (num_groups, G)) ->
-(num_groups, G)`. Groups of unequal size (after infra failures are excluded) go through the 1-D form.
+See docs/rl.md, "Choices, and where they depart from the paper or the reference code" (Advantages).
 """
 
 from __future__ import annotations

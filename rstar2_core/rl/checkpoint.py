@@ -1,15 +1,13 @@
-"""RL checkpoints: an HF model folder, every trainer rank's optimizer/scheduler state
-(`trainer/rank-NNNNN.pt`, rstar2_core/runtime/checkpoint.py) and the driver's `rl_state.pt` (step, data cursor,
-RNG states, tracking run id, the last step's metrics, usage totals, world size), published atomically
-through `runtime.checkpoint.publish_policy_checkpoint`.
-
-Layout under a stage's `out_url`:
+"""RL checkpoints: the driver's `rl_state.pt` (step, data cursor, RNG states, tracking run id, the last
+step's metrics, usage totals, world size) beside the HF model folder and every trainer rank's state,
+published through `runtime.checkpoint.publish_policy_checkpoint`; step and final URLs, keep-last-K pruning.
 
     steps/step-000003/   resumable step checkpoints (the last `keep_checkpoints` are kept)
     final/               the stage's final checkpoint (always kept; what the next stage starts from)
 
-A crash mid-write leaves a folder without `_COMPLETE`, which `latest_complete` ignores, so the previous
-checkpoint stays the one a retry resumes from.
+Invariant: a folder without `_COMPLETE` (a crash mid-write) is never resumed from (`latest_complete`).
+
+See docs/rl.md, "Checkpoints and resume".
 """
 
 from __future__ import annotations

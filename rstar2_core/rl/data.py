@@ -1,13 +1,14 @@
 """RL problems: read a published dataset (parquet or JSONL rows `{id, problem, answer, ...}`), reject
 malformed rows with a counted reason, and draw prompt batches from a seeded data cursor.
 
-The cursor is one integer: how many prompts the stage has consumed. Prompt `c` is item `c % n` of the
-permutation of epoch `c // n`, drawn from `numpy.random.default_rng([seed, epoch])`, so a batch depends
-only on (seed, cursor): a resumed stage that restores the cursor gets exactly the same next batch, and
-every problem is seen once per epoch (sampling without replacement, reshuffled each epoch).
-
     problems, rejected = load_problems("file:///.../rl.parquet")
     idx = batch_indices(len(problems), seed=0, cursor=16, size=8)
+
+Invariant: a batch depends only on (seed, cursor), the number of prompts the stage has consumed: prompt
+`c` is item `c % n` of the permutation of epoch `c // n` (`numpy.random.default_rng([seed, epoch])`), so
+a resumed stage that restores the cursor gets exactly the same next batch.
+
+See docs/rl.md, "Choices, and where they depart from the paper or the reference code" (Data cursor).
 """
 
 from __future__ import annotations

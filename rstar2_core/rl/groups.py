@@ -1,20 +1,13 @@
 """From graded rollout groups to the step's update batch: infra exclusion, zero-variance drop, RoC, advantages.
 
 `build_step_batch(groups, rewards, grpo_cfg, seed)` takes, per prompt, the `oversample x G` trajectories
-and their rewards (truncated trajectories already scored 0 by the caller, as in the paper) and:
+and their rewards and (1) leaves infra-failed trajectories out of every group statistic, (2) drops groups
+whose valid rewards are all equal or that have fewer than 2 valid members, (3) down-samples each group
+to `group_size` with the configured resampler, (4) computes advantages over the kept members.
+Invariant: an infra-failed trajectory is neither positive nor negative. `rollout/...` metrics describe
+all valid trajectories (before resampling) plus what was kept; undefined ratios are omitted, not 0.
 
-1. excludes infra-failed trajectories (`infra_error` set, or a tool call with `infra=True`: the sandbox
-   or engine failed, not the model) from every group statistic: they are neither positives nor
-   negatives, and a group keeps only its valid members;
-2. drops groups whose valid rewards are all equal (no GRPO signal; not replaced) or that have fewer
-   than 2 valid members;
-3. down-samples each remaining group to `group_size` with the configured resampler (`roc` or `none`)
-   using `trajectory_penalty` for positives;
-4. computes advantages over the kept members with the configured estimator.
-
-Metrics (`rollout/...`) describe what the policy produced this step (all valid trajectories, before
-resampling) plus what was kept. Ratios that are undefined this step (e.g. no positive made a tool
-call) are omitted rather than reported as 0.
+See docs/rl.md, "One RL step" (item 3) and "Metrics".
 """
 
 from __future__ import annotations

@@ -4,18 +4,11 @@
                              out_url="file:///.../hard-subset")
     # -> <out_url>/problems.parquet (the kept rows, all columns) + <out_url>/manifest.json
 
-Paper: with the end-of-stage-2 policy, 8 rollouts per problem, drop problems solved 8/8 (42K -> 17.3K).
-Here `k = cfg.rl.stages[stage_index].hard_subset_k` and the rollouts use that stage's turn and length
-limits and the RL temperature (the stage that will train on the subset), on the engines of the
-configured runtime (`cluster.runtime`: in process, or engine actors on the cluster). A problem with an
-infra-failed rollout (or one the grader failed on) is kept (we cannot say it was solved k/k). Truncated
-rollouts count as wrong. Infrastructure failures are counted (`counts["infra_failed"]` in the manifest)
-and, as in an RL step, more than `rl.max_infra_failure_share` of the rollouts so far raises
-`InfraFailureShareExceeded` (retryable): an outage would otherwise keep every problem and hand stage 3
-the whole pool as its "hard" subset.
+Invariant: a problem is dropped only when all k rollouts were graded correct; one with an infra-failed
+rollout is kept, and more than `rl.max_infra_failure_share` of failures raises. Idempotent: an existing
+manifest for the same checkpoint, data and k is returned without sampling again.
 
-Idempotent: when `<out_url>/manifest.json` exists for the same checkpoint, data and k, its DatasetRef is
-returned without sampling again. Both files are written atomically, the manifest last.
+See docs/rl.md, "Choices, and where they depart from the paper or the reference code" (Hard subset).
 """
 
 from __future__ import annotations

@@ -4,19 +4,11 @@ the LM head only at response positions, chunk by chunk.
     batch = collate(trajectories, pad_id, device)
     logprobs = batch_logprobs(model, batch, temperature)       # (B, R_max), 0 beyond each response
 
-`collate` packs a micro-batch in one row: the prompt prefix every trajectory shares (the system turn,
-`prefix_len` tokens) once at the start, then each trajectory's rest of the prompt and its response
-back to back, positions continuing after the prefix. No compute goes to padding (GRPO lengths are
-long-tailed: right-padding B trajectories to the longest costs B x L_max tokens where this costs their
-sum) nor to B copies of the system turn. Attention runs per trajectory over [prefix, itself]
-(`models.packed_attention`); without a shared prefix, causal SDPA with no mask. `batch_logprobs` takes the decoder's
-hidden states at the positions that predict response tokens and computes `log_softmax(logits / T)`
-there only, chunk by chunk with checkpointed chunks (`models.token_logprobs`): the fp32 logits of the
-whole vocabulary for all tokens never exist at once, in the forward or the backward. Equal to the
-plain padded computation (tests/unit/rl/test_rl_logprobs.py: values and gradients, fp32).
+Invariant: equal to the plain padded computation at the sampling temperature (values and gradients,
+tests/unit/rl/test_rl_logprobs.py), whatever shares a trajectory's micro-batch (the shared prefix is the
+fixed system turn, `prefix_len`); the fp32 logits of the whole vocabulary never exist for all tokens.
 
-Temperature: logits are divided by the sampling temperature, so these are the log-probs of the
-distribution the engine sampled from (top_p is not modelled: the paper samples with top_p = 1).
+See docs/rl.md, "Choices, and where they depart from the paper or the reference code" (Log-probs).
 """
 
 from __future__ import annotations

@@ -1,24 +1,14 @@
 """Policy losses (a registry of pure functions, keyed by `cfg.rl.grpo.policy_loss`).
 
-`ppo_clip` (the paper's objective): per token `ratio = exp(logprobs - old_logprobs)`,
-`per_token_loss = -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A)` with clip-higher
-(0.2 / 0.28), aggregated as the token-level mean over every token with `loss_mask == 1` in the batch
-(sum / mask sum). No KL term, no entropy bonus (RECIPE.md).
+`ppo_clip` (the paper's objective): the clipped PPO ratio with clip-higher (0.2 / 0.28), no KL term, no
+entropy bonus, aggregated as the token-level mean over every `loss_mask == 1` token; optional truncated
+importance sampling against the engine's log-probs (`tis_cap`). Invariants: with `total_tokens` = the
+whole step's mask sum, accumulated micro-batch gradients equal the full-batch one; positions with
+`loss_mask == 0` are excluded before the exponential, so any finite value there changes neither loss
+nor gradient. Shapes: `logprobs, old_logprobs, behaviour_logprobs, loss_mask: (B, T)`; `advantages: (B,)`.
 
-Micro-batching: pass `total_tokens` = the mask sum over the *whole* RL step's kept trajectories; each
-micro-batch's loss is then its masked sum divided by that global count, so accumulating the micro-batch
-gradients gives exactly the gradient of the full-batch token mean (a per-micro-batch mean would weight
-the tokens of short micro-batches more).
-
-Truncated importance sampling (`tis_cap = C`, verl's token-level TIS, TRL's and slime's vLLM correction):
-the tokens were sampled by the engine (`behaviour_logprobs`, its log-probs), not by the trainer's policy
-(`old_logprobs`); each token's loss is weighted by `min(exp(old_logprobs - behaviour_logprobs), C)`,
-detached: the ratio corrects the mismatch between the two (kernels, precision, stale weights), the cap
-bounds the variance a token the engine found unlikely would add. Off (None), the loss is the paper's.
-
-Shapes: `logprobs, old_logprobs, behaviour_logprobs, loss_mask: (B, T)`; `advantages: (B,)` (broadcast over T).
-Positions with `loss_mask == 0` (prompt, tool output, padding) may hold any finite value: they are
-excluded before the exponential, so they change neither the loss nor the gradient.
+See docs/rl.md, "Choices, and where they depart from the paper or the reference code" (Loss,
+Truncated importance sampling).
 """
 
 from __future__ import annotations

@@ -1,39 +1,14 @@
 """Asynchronous RL steps with a staleness bound (`rl.max_staleness` = k >= 1): the engines roll the next
 batches out while the trainer updates.
 
-    await run_pipelined(rt, plans, max_staleness=k, start_version=start_step, rollout=..., update=...,
-                        before_step=..., after_step=...)
+A producer rolls the planned batches out in step order (`rollout_and_grade`) and launches step s's batch
+only once the trainer has taken step s - 1 - k; a consumer trains them in order, each update in a worker
+thread (`update_from` without the push). Invariant: weights reach the engines only while no batch is in
+flight and no update runs (`rt.sync_weights` under the trainer lock), so every token of a batch comes from
+one policy version and a batch's staleness is in [0, k] by construction (none is dropped for age). An error
+on either side stops the other and the stage raises.
 
-Two coroutines share one runtime (local: engines on their threads, the update in a worker thread; Ray:
-engine actors and trainer shards):
-
-- the **producer** rolls the planned batches out in step order, one batch at a time on every engine
-  (`rollout_and_grade`). Before it launches step s's batch it waits until the trainer has taken step
-  s - 1 - k (the bound);
-- the **consumer** takes the batches in order and runs each step's update in a worker thread
-  (`update_from` without the push), so the event loop keeps the rollouts going; the update publishes the
-  step's checkpoint and the caller records the step (`after_step`).
-
-Weights reach the engines only while no batch is in flight and no update runs (`rt.sync_weights` under
-the trainer lock, so no optimizer step is half-applied): at the end of an update when the engines are
-idle, when a rollout ends and no update runs, or before a launch when no update runs. A launch waits for
-a running update only when the bound needs that update's weights; otherwise it starts with the weights
-the engines have. So weights change between batches, never inside a trajectory, every token of a batch
-comes from one policy version, and the rollouts overlap the updates instead of waiting for them.
-
-Step s's trainer holds the weights after s - 1 updates; its batch was sampled by the weights of
-`RolledOut.policy_version` updates, so its staleness (s - 1 - version, `rollout/staleness`) is in [0, k]
-by construction: no batch is launched beyond the bound, so none is dropped for age. The update corrects
-for it with truncated importance sampling against the engine's log-probs (`rl.tis_cap`, required).
-
-Resume is lossless: a step checkpoint holds the data cursor after the batches *trained*, not after those
-launched, and a batch's prompts are a function of the cursor (`rl.data.batch_indices`), so the batches
-rolled out but not trained when a stage stops are derived again on resume and rolled out with the
-checkpoint's weights: no prompt is skipped or trained twice.
-
-Failures: an error of the producer (a dead engine, the infra-failure share) reaches the consumer when it
-next waits for a batch; an error of the consumer (a dead trainer shard, stale weights) cancels the
-producer; either way the stage raises and the runtime stops its actors.
+See docs/rl.md, "Asynchronous RL (`rl.max_staleness`)".
 """
 
 from __future__ import annotations

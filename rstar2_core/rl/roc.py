@@ -1,30 +1,14 @@
 """Resample-on-Correct (RoC): which of the oversampled rollouts of one prompt are kept for the update.
 
-Per prompt the policy samples `oversample x G` rollouts; RoC keeps `G` of them (RECIPE.md, GRPO-RoC):
-
-- negatives (reward <= 0) are kept uniformly at random (diverse failures are useful signal);
-- positives (reward > 0) are kept preferring a low `trajectory_penalty` (tool errors + format);
-- each class keeps its share of `keep`, with a floor per class when the group has both classes.
-
-Paper vs reference code, and the choices made here:
-
-- `mode="weighted"` (the paper, default): positives are sampled without replacement with probability
-  proportional to `1 / (penalty + 1e-6)` (Efraimidis-Spirakis keys `u ** (1 / w)`, which is exactly
-  successive draws proportional to weight). `mode="lowest_penalty"` (reference code): lowest penalty
-  first, ties broken by index.
-- Class shares: the reference code rounds each class's share `round(n_class * keep / n)` separately,
-  which can sum to keep +- 1 (and Python rounds half to even). Here the positive share is rounded half
-  up and the negative share is `keep - positives`, so each share is within 0.5 of its exact value and
-  the two always sum to `keep`.
-- Floor: `min(min_per_class, n_class)` per class when both classes are present (reference code: 2),
-  capped at `keep // 2` so that two floors always fit in `keep`.
-- Tool failures are counted from structured statuses (`ToolCallRecord.failed`), never by searching the
-  tool output for "error" (the reference code's heuristic misses timeouts and JSON failures and flags
-  honest output); a correct single-turn answer has format penalty 0 (the reference code gives it the
-  maximum).
-
-Registry: `RESAMPLERS` maps `cfg.rl.grpo.resample` (`roc`, `none` = plain GRPO, keep all) to a function
+Per prompt the policy samples `oversample x G` rollouts; RoC keeps `G` of them: negatives (reward <= 0)
+uniformly at random, positives preferring a low `trajectory_penalty` (failed tool calls + format), each
+class its share of `keep` with a floor per class when the group has both. Invariant: the two shares always
+sum to `keep`, and failed calls are counted from structured statuses (`ToolCallRecord.failed`), never by
+searching tool output. `RESAMPLERS` maps `cfg.rl.grpo.resample` (`roc`, `none` = keep all) to a function
 `(rewards, penalties, keep, mode, seed, min_per_class) -> kept indices`.
+
+See docs/rl.md, "Choices, and where they depart from the paper or the reference code" (Penalty,
+Positives, Class shares).
 """
 
 from __future__ import annotations

@@ -3,38 +3,11 @@
     result = run_rl_stage(cfg, 0, init_checkpoint_url=sft_url, data_url=rl_ref.url,
                           out_url="file:///.../rl-stage-1", log_metrics=print_metrics)
 
-The stage opens the runtime of `cluster.runtime` (rstar2_core/runtime/: in-process engines and trainer,
-or engine actors, DeepSpeed trainer shards and the sandbox pool on Ray) for the newest checkpoint, then
-per step (1-based within the stage; `global_step` continues across stages for warm-up and metrics):
-
-1. `maybe_inject_fault(stage.name, step, out_url)`: a rehearsal fault (raise, kill-engine,
-   kill-trainer, engine-errors) fires once per run and the runtime carries it out;
-2. prompts: `prompts_per_step` problems from the seeded data cursor (`rl.data.batch_indices`);
-3. `rl.step.rl_step`: rollout on the runtime's engines with the stage's turn/length limits, grading,
-   `build_step_batch` (infra exclusion, zero-variance drop, RoC, advantages), one optimizer step on
-   the runtime's trainer, the weight sync to every engine, and the checkpoint when due: every
-   `checkpoint_every` steps and at the last (weights, every rank's optimizer state, RNG, data cursor,
-   tracking run id, usage totals), keeping the last `keep_checkpoints`;
-4. `log_metrics(metrics, global_step)`: rl_step's metrics plus `total/...` sums over the stage so far.
-
-With `rl.max_staleness` = k >= 1 the same steps run asynchronously (rl/pipelined.py): the engines roll
-the next batches out while the trainer updates, within k optimizer steps of the trainer's weights.
-
-Failures: infrastructure failures (a dead actor, a step over `rl.max_infra_failure_share`, stale engine
-weights, an injected fault) raise an `InfraError` after the runtime has stopped every actor it started;
-Prefect retries the task and the stage resumes from its last complete step checkpoint.
-
-Resume: with `resume=True` a complete `final/` returns at once; otherwise the newest complete step
-checkpoint is loaded (weights into the trainer and the engines, each rank's optimizer state: the same
-world size is required) and the loop continues with the same next batch and the same metrics (every
-seed is derived from `(rl.seed, global_step)` and the data cursor, not from a running RNG).
-
-Across stages: the init checkpoint of stage k > 0 is stage k-1's `final/`, which carries the optimizer
-and schedule state; it is loaded unless the stage sets `reset_optimizer` (the paper resets at stage 3,
-keeping the schedule position). The LR schedule is linear warm-up over `rl.warmup_steps` optimizer
-steps of the whole RL run, then constant. A step whose groups were all dropped takes no optimizer step;
-a stage all of whose steps took none raises `StageTrainedNothing` (not retried) instead of writing `final/`
-(`rl.require_update = false`: a warning, for machinery checks that learn nothing).
+`_run` reads top to bottom: open the runtime -> resume (`_start`) -> the loop of steps (`StageSteps`: the
+fault hook, the step's checkpoint publisher, the record of a finished step) -> the final checkpoint.
+Invariant: every seed comes from `(rl.seed, global_step)` and the data cursor, never a running RNG, so a
+resumed stage takes the same batches and logs the same metrics as a straight one.
+See docs/rl.md, "The stage loop" and "Checkpoints and resume".
 """
 
 from __future__ import annotations
@@ -43,6 +16,7 @@ import asyncio
 import io
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -67,7 +41,7 @@ from rstar2_core.rl.data import RLProblem, batch_indices, load_problems
 from rstar2_core.rl.pipelined import StepPlan, run_pipelined
 from rstar2_core.rl.step import RolledOut, StepOutcome, rl_step, rollout_and_grade, update_from
 from rstar2_core.rl.trainer import RL_STEP
-from rstar2_core.rollout.admission import LengthModel
+from rstar2_core.rollout.length_model import LengthModel
 from rstar2_core.rollout.types import RolloutLimits
 from rstar2_core.runtime import TrainerSpec, open_runtime
 from rstar2_core.runtime.checkpoint import publish_policy_checkpoint
@@ -136,117 +110,167 @@ def _state_bytes(state: dict) -> bytes:
     return buf.getvalue()
 
 
+@dataclass
+class StageProgress:
+    """What the recorded steps of a stage left: the last step taken, the data cursor after it, the
+    tracking run id, that step's metrics and the stage's running totals (`total/...`)."""
+    step: int
+    cursor: int
+    run_id: str | None
+    metrics: dict
+    totals: dict
+
+
+def _resume_point(out_url: str, resume: bool) -> tuple[str | None, dict | None]:
+    """The newest complete step checkpoint of the stage and its driver state (None, None: start fresh).
+    Checked before any engine starts: a retry would find the same files."""
+    ckpt = latest_step_checkpoint(out_url) if resume else None
+    state = read_rl_state(ckpt) if ckpt is not None else None
+    if ckpt is not None and state is None:
+        raise CorruptCheckpoint(f"{ckpt} has no RL trainer state ({STATE_FILE}); delete it (the stage then "
+                                "resumes from the step checkpoint before it, or starts again) or run with "
+                                "resume=False")
+    return ckpt, state
+
+
+def _start(rt, stage_index: int, init_url: str, ckpt: str | None, state: dict | None,
+           tracking_run_id: str | None, reset_optimizer: bool) -> StageProgress:
+    """Load the trainer for the stage's first step: a step checkpoint's weights, optimizer state and RNG
+    (a resume), or the previous stage's optimizer and schedule position (stage k > 0, unless the stage
+    resets its optimizer). Returns where the loop starts."""
+    if ckpt is None:
+        if stage_index > 0:
+            rt.trainer.load_state(init_url)     # the previous stage's optimizer and schedule position
+        if reset_optimizer:
+            rt.trainer.reset_optimizer()
+        return StageProgress(0, 0, tracking_run_id, {}, {})
+    if not rt.trainer.load_state(ckpt):
+        raise CorruptCheckpoint(f"{ckpt} has no optimizer state (trainer/); delete it (the stage then "
+                                "resumes from the step checkpoint before it, or starts again) or run "
+                                "with resume=False")
+    set_rng_state(state["rng"])
+    return StageProgress(int(state["step"]), int(state["cursor"]), state.get("tracking_run_id") or tracking_run_id,
+                         state.get("metrics", {}), state.get("totals", {}))
+
+
+class StageSteps:
+    """The per-step work of one stage attempt on an open runtime: the fault hook before a step, the
+    checkpoint a step publishes when due, and the record of a finished step (metrics with the stage's
+    totals logged, `progress` advanced). `run(plans)` runs the steps in order (`rl.max_staleness` = 0) or
+    pipelined (rl/pipelined.py)."""
+
+    def __init__(self, cfg: Config, stage_index: int, rt, chat, out_url: str, progress: StageProgress,
+                 rejected_rows: int, log_metrics: LogMetrics | None, lengths: LengthModel | None):
+        self.cfg, self.rl, self.stage = cfg, cfg.rl, cfg.rl.stages[stage_index]
+        self.offset = stage_offset(cfg, stage_index)
+        self.rt, self.chat, self.out_url, self.progress = rt, chat, out_url, progress
+        self.rejected_rows, self.log_metrics, self.lengths = rejected_rows, log_metrics, lengths
+        tok = chat.tokenizer
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        self.limits = RolloutLimits.from_config(cfg.rollout, self.stage.max_turns, self.stage.max_response_tokens,
+                                                self.rl.temperature)
+        self.bar = None
+
+    def seed(self, plan: StepPlan) -> int:
+        return step_seed(self.rl.seed, self.offset + plan.step)
+
+    async def before_step(self, plan: StepPlan) -> None:
+        kind = maybe_inject_fault(self.stage.name, plan.step, self.out_url)
+        if kind is not None:
+            await self.rt.inject_fault(kind)
+
+    def publisher(self, plan: StepPlan) -> Callable[[dict], str | None]:
+        """The step's checkpoint (when due: every `checkpoint_every` steps and at the last), written with
+        the totals of the steps recorded before it; prunes to `keep_checkpoints`."""
+        totals_before, run_id, gstep = self.progress.totals, self.progress.run_id, self.offset + plan.step
+        stage, rl, rt = self.stage, self.rl, self.rt
+
+        def publish(metrics: dict) -> str | None:
+            if plan.step % rl.checkpoint_every and plan.step != stage.steps:
+                return None
+            metrics = {**metrics, "rollout/step": float(plan.step), "data/cursor": float(plan.cursor_after)}
+            url = step_url(self.out_url, plan.step)
+            state = rl_state(stage.name, plan.step, plan.cursor_after, run_id, metrics,
+                             accumulate(totals_before, metrics), rt.trainer.world_size)
+            publish_policy_checkpoint(url, rt.trainer, self.chat.tokenizer, extra={STATE_FILE: _state_bytes(state)},
+                                      meta={"stage": stage.name, "step": plan.step, "global_step": gstep,
+                                            "tracking_run_id": run_id})
+            prune_step_checkpoints(self.out_url, rl.keep_checkpoints)
+            return url
+
+        return publish
+
+    def record(self, plan: StepPlan, outcome: StepOutcome) -> None:
+        metrics = {**outcome.metrics, "rollout/step": float(plan.step), "data/cursor": float(plan.cursor_after),
+                   "data/rejected_rows": float(self.rejected_rows)}
+        totals = accumulate(self.progress.totals, metrics)
+        metrics.update(totals)
+        if self.log_metrics is not None:
+            self.log_metrics(metrics, self.offset + plan.step)
+        self.progress = StageProgress(plan.step, plan.cursor_after, self.progress.run_id, metrics, totals)
+        self.bar.update(1)
+        self.bar.set_postfix(pass_rate=f"{metrics.get('rollout/pass_rate', float('nan')):.3f}",
+                             kept=int(metrics["rollout/groups_kept"]))
+
+    async def run(self, plans: list[StepPlan]) -> StageProgress:
+        """Run `plans` and return the progress they left."""
+        self.bar = progress_bar(total=self.stage.steps, initial=self.progress.step, desc=self.stage.name,
+                                unit="step", file=sys.stderr)
+        try:
+            if self.rl.max_staleness == 0:
+                for plan in plans:
+                    await self.before_step(plan)
+                    outcome = await rl_step(self.rt, self.chat, list(plan.batch), rl=self.rl,
+                                            rollout=self.cfg.rollout, limits=self.limits, seed=self.seed(plan),
+                                            pad_id=self.pad_id, publish=self.publisher(plan), lengths=self.lengths)
+                    self.record(plan, outcome)
+            else:
+                await run_pipelined(self.rt, plans, max_staleness=self.rl.max_staleness,
+                                    start_version=self.progress.step, rollout=self._rollout, update=self._update,
+                                    before_step=self.before_step, after_step=self.record)
+        finally:
+            self.bar.close()
+        return self.progress
+
+    def _rollout(self, plan: StepPlan, version: int):
+        return rollout_and_grade(self.rt, self.chat, plan.batch, rl=self.rl, rollout=self.cfg.rollout,
+                                 limits=self.limits, seed=self.seed(plan), lengths=self.lengths,
+                                 policy_version=version)
+
+    def _update(self, plan: StepPlan, rolled: RolledOut, staleness: int) -> StepOutcome:
+        return update_from(self.rt, self.chat, rolled, rl=self.rl, seed=self.seed(plan), pad_id=self.pad_id,
+                           publish=self.publisher(plan), staleness=staleness, push_weights=False)
+
+
 async def _run(cfg: Config, stage_index: int, init_url: str, data_url: str, out_url: str,
                log_metrics: LogMetrics | None, resume: bool, tracking_run_id: str | None) -> StageResult:
     from rstar2_core.chat import ChatFormat
 
     stage, rl = cfg.rl.stages[stage_index], cfg.rl
-    offset = stage_offset(cfg, stage_index)
-    total_steps = stage_offset(cfg, len(cfg.rl.stages))
     problems, rejected = load_problems(data_url)
-    ckpt = latest_step_checkpoint(out_url) if resume else None
-    state = read_rl_state(ckpt) if ckpt is not None else None
-    if ckpt is not None and state is None:  # before any engine starts: a retry would find the same files
-        raise CorruptCheckpoint(f"{ckpt} has no RL trainer state ({STATE_FILE}); delete it (the stage then "
-                                "resumes from the step checkpoint before it, or starts again) or run with "
-                                "resume=False")
+    ckpt, state = _resume_point(out_url, resume)
     policy = ckpt or init_url
     chat = ChatFormat(load_tokenizer(policy), with_tools=True)
-    tok = chat.tokenizer
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    limits = RolloutLimits.from_config(cfg.rollout, stage.max_turns, stage.max_response_tokens, rl.temperature)
     # one length model per stage attempt: admission learns from this stage's earlier steps (a resumed
     # attempt relearns; what is admitted when changes, the tokens do not: per-trajectory seeds)
     lengths = LengthModel(stage.max_response_tokens) if cfg.rollout.scheduler == "kv_aware" else None
-    spec = TrainerSpec("rl", total_steps, rl.warmup_steps, "constant", RL_STEP)
-    start_step, cursor, run_id, last_metrics, totals = 0, 0, tracking_run_id, {}, {}
+    spec = TrainerSpec("rl", stage_offset(cfg, len(rl.stages)), rl.warmup_steps, "constant", RL_STEP)
     async with open_runtime(cfg, policy_url=policy, trainer=spec,
                             max_model_len=engine_seq_len(chat, problems, stage.max_response_tokens)) as rt:
-        if ckpt is not None:
-            if not rt.trainer.load_state(ckpt):
-                raise CorruptCheckpoint(f"{ckpt} has no optimizer state (trainer/); delete it (the stage then "
-                                        "resumes from the step checkpoint before it, or starts again) or run "
-                                        "with resume=False")
-            set_rng_state(state["rng"])
-            start_step, cursor = int(state["step"]), int(state["cursor"])
-            run_id = state.get("tracking_run_id") or tracking_run_id
-            last_metrics, totals = state.get("metrics", {}), state.get("totals", {})
-        else:
-            if stage_index > 0:
-                rt.trainer.load_state(init_url)     # the previous stage's optimizer and schedule position
-            if stage.reset_optimizer:
-                rt.trainer.reset_optimizer()
-        bar = progress_bar(total=stage.steps, initial=start_step, desc=stage.name, unit="step", file=sys.stderr)
-        done = {"cursor": cursor, "totals": totals, "metrics": last_metrics}    # what the recorded steps left
-
-        def publisher(plan: StepPlan):
-            """The step's checkpoint (when due), written with the totals of the steps recorded before it."""
-            totals_before, gstep = done["totals"], offset + plan.step
-
-            def publish(metrics: dict) -> str | None:
-                if plan.step % rl.checkpoint_every and plan.step != stage.steps:
-                    return None
-                metrics = {**metrics, "rollout/step": float(plan.step), "data/cursor": float(plan.cursor_after)}
-                url = step_url(out_url, plan.step)
-                state = rl_state(stage.name, plan.step, plan.cursor_after, run_id, metrics,
-                                 accumulate(totals_before, metrics), rt.trainer.world_size)
-                publish_policy_checkpoint(url, rt.trainer, tok, extra={STATE_FILE: _state_bytes(state)},
-                                          meta={"stage": stage.name, "step": plan.step, "global_step": gstep,
-                                                "tracking_run_id": run_id})
-                prune_step_checkpoints(out_url, rl.keep_checkpoints)
-                return url
-
-            return publish
-
-        async def before_step(plan: StepPlan) -> None:
-            kind = maybe_inject_fault(stage.name, plan.step, out_url)
-            if kind is not None:
-                await rt.inject_fault(kind)
-
-        def record(plan: StepPlan, outcome: StepOutcome) -> None:
-            metrics = {**outcome.metrics, "rollout/step": float(plan.step), "data/cursor": float(plan.cursor_after),
-                       "data/rejected_rows": float(sum(rejected.values()))}
-            step_totals = accumulate(done["totals"], metrics)
-            metrics.update(step_totals)
-            if log_metrics is not None:
-                log_metrics(metrics, offset + plan.step)
-            done.update(cursor=plan.cursor_after, totals=step_totals, metrics=metrics)
-            bar.update(1)
-            bar.set_postfix(pass_rate=f"{metrics.get('rollout/pass_rate', float('nan')):.3f}",
-                            kept=int(metrics["rollout/groups_kept"]))
-
-        plans = plan_steps(problems, rl.seed, cursor, range(start_step + 1, stage.steps + 1), rl.prompts_per_step)
-        try:
-            if rl.max_staleness == 0:
-                for plan in plans:
-                    await before_step(plan)
-                    outcome = await rl_step(rt, chat, list(plan.batch), rl=rl, rollout=cfg.rollout, limits=limits,
-                                            seed=step_seed(rl.seed, offset + plan.step), pad_id=pad_id,
-                                            publish=publisher(plan), lengths=lengths)
-                    record(plan, outcome)
-            else:
-                def rollout(plan: StepPlan, version: int):
-                    return rollout_and_grade(rt, chat, plan.batch, rl=rl, rollout=cfg.rollout, limits=limits,
-                                             seed=step_seed(rl.seed, offset + plan.step), lengths=lengths,
-                                             policy_version=version)
-
-                def update(plan: StepPlan, rolled: RolledOut, staleness: int) -> StepOutcome:
-                    return update_from(rt, chat, rolled, rl=rl, seed=step_seed(rl.seed, offset + plan.step),
-                                       pad_id=pad_id, publish=publisher(plan), staleness=staleness,
-                                       push_weights=False)
-
-                await run_pipelined(rt, plans, max_staleness=rl.max_staleness, start_version=start_step,
-                                    rollout=rollout, update=update, before_step=before_step, after_step=record)
-        finally:
-            bar.close()
-        cursor, totals, last_metrics = done["cursor"], done["totals"], done["metrics"]
-        _refuse_untrained(stage.name, stage.steps, totals, rl.require_update)
-        state = rl_state(stage.name, stage.steps, cursor, run_id, last_metrics, totals, rt.trainer.world_size)
-        final = publish_policy_checkpoint(final_url(out_url), rt.trainer, tok, extra={STATE_FILE: _state_bytes(state)},
+        start = _start(rt, stage_index, init_url, ckpt, state, tracking_run_id, stage.reset_optimizer)
+        steps = StageSteps(cfg, stage_index, rt, chat, out_url, start, sum(rejected.values()), log_metrics, lengths)
+        plans = plan_steps(problems, rl.seed, start.cursor, range(start.step + 1, stage.steps + 1),
+                           rl.prompts_per_step)
+        done = await steps.run(plans)
+        _refuse_untrained(stage.name, stage.steps, done.totals, rl.require_update)
+        final_state = rl_state(stage.name, stage.steps, done.cursor, done.run_id, done.metrics, done.totals,
+                               rt.trainer.world_size)
+        final = publish_policy_checkpoint(final_url(out_url), rt.trainer, chat.tokenizer,
+                                          extra={STATE_FILE: _state_bytes(final_state)},
                                           meta={"stage": stage.name, "steps": stage.steps,
-                                                "global_step": offset + stage.steps, "tracking_run_id": run_id,
-                                                "metrics": _plain(last_metrics)})
-    return StageResult(stage.name, final, _plain(last_metrics), stage.steps, {"tracking_run_id": run_id})
+                                                "global_step": steps.offset + stage.steps,
+                                                "tracking_run_id": done.run_id, "metrics": _plain(done.metrics)})
+    return StageResult(stage.name, final, _plain(done.metrics), stage.steps, {"tracking_run_id": done.run_id})
 
 
 def _refuse_untrained(name: str, steps: int, totals: dict, required: bool) -> None:

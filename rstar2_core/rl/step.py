@@ -2,34 +2,13 @@
 
     outcome = await rl_step(rt, chat, batch, rl=cfg.rl, rollout=cfg.rollout, limits=limits, seed=seed, pad_id=pad)
 
-`rt` is a `StageRuntime` (rstar2_core/runtime/): its engines roll out `oversample x group_size`
-trajectories per prompt through `rollout.rollout_groups` (KV-aware admission across the engines, tool
-calls sent to the runtime's sandbox as soon as they are generated), its grader scores them (truncated
-trajectories score 0, as in the paper), `rl.groups.build_step_batch` keeps the RoC-resampled groups,
-its trainer takes one optimizer step, the trainer's new weights are pushed to every engine (both inside
-`rt.training()`, where colocated vLLM engines sleep with `rollout.release_memory_during_training`), and
-`publish(metrics)` (optional: the stage loop's checkpoint, returning its URL or None) runs last, with the
-step's complete metrics; with `rollout.weight_sync = "checkpoint"` it runs before the sync, since the
-engines reload what it published. The stage loop (rl/stage.py),
-bench/vs_trl.py, bench/runtime.py and the tests all call this function; there is no other copy of the
-step body. It is two halves, `rollout_and_grade` and `update_from`; the asynchronous stage loop
-(rl/pipelined.py, `rl.max_staleness` > 0) calls them on different batches at once and pushes the weights
-itself between its rollouts.
-
-Failures are loud:
-- a step in which more than `rl.max_infra_failure_share` of the trajectories failed for infrastructure
-  reasons (engine errors, sandbox `internal` results or exceptions, grader timeouts and errors) raises
-  `InfraFailureShareExceeded` before any update (retryable; counts in the message);
-- with recomputed old log-probs, a mean |engine - trainer| log-prob gap above
-  `rl.max_engine_logprob_gap` raises `StaleEngineWeights` before the step is published (the engines
-  sample from other weights than the trainer holds);
-- a dead actor raises `ActorFailure` from whichever call noticed it.
-Grader timeouts and errors keep reward 0 (the paper) but count as infrastructure failures in the share.
-
-Metrics (one dict per step): `rollout/...` and `actor/...` (groups.py, trainer.py), `infra/...`
-(failure counts and share), `runtime/engines`, `runtime/trainer_ranks` and `runtime/nodes` (what the step ran on), `timing/{rollout,grade,train,publish,sync,step}_s`, `sync/...` (bytes
-and seconds per sync), `usage/...` (runtime/usage.py: device-seconds and idle fractions by role,
-sandbox call seconds and latency percentiles, tokens generated vs trained).
+The step is two halves, `rollout_and_grade` and `update_from`; the stage loops, bench/vs_trl.py,
+bench/runtime.py and the tests all call these: there is no other copy of the step body. Invariant: a bad
+step raises before its checkpoint is published, so a retry resumes from the last good one:
+`InfraFailureShareExceeded` (too many infrastructure failures, before the update), `StaleEngineWeights`
+(engine/trainer log-prob gap); `publish` runs last (before the sync with `weight_sync = "checkpoint"`).
+Metrics: `rollout/`, `actor/`, `infra/`, `runtime/`, `timing/`, `sync/`, `usage/`.
+See docs/rl.md, "One RL step" and "Metrics".
 """
 
 from __future__ import annotations
@@ -41,12 +20,12 @@ from typing import Any
 
 from rstar2_core.chat import ChatFormat
 from rstar2_core.config.rl import RLConfig
-from rstar2_core.config.sections import RolloutConfig
+from rstar2_core.config.rollout_sections import RolloutConfig
 from rstar2_core.errors import InfraFailureShareExceeded, StaleEngineWeights
 from rstar2_core.reward.grade import GRADER_FAILURES
 from rstar2_core.rl.data import RLProblem
 from rstar2_core.rl.groups import build_step_batch
-from rstar2_core.rollout.admission import LengthModel
+from rstar2_core.rollout.length_model import LengthModel
 from rstar2_core.rollout.types import RolloutLimits, Trajectory
 from rstar2_core.runtime.protocol import RuntimeUsage, StageRuntime
 from rstar2_core.runtime.usage import step_usage_metrics

@@ -1,36 +1,13 @@
 """The RL policy update: log-probs of sampled tokens, the clipped loss over micro-batches, one optimizer step.
 
-`rl_update(backend, trajectories, advantages, ...)` does one RL step's update, as in the paper (one
-optimizer step per RL step, grad clip from the config):
+`rl_update(backend, trajectories, advantages, ...)` recomputes `old_logprobs` with the policy before the
+update (or takes the engine's, `old_logprobs="engine"`), runs `policy_loss` per micro-batch and takes one
+optimizer step (`backend.step()`: grad clip, AdamW, LR schedule); `RL_STEP` is that body as every trainer
+rank runs it. Invariant: each micro-batch's loss is divided by the token count of the whole step
+(`total_tokens`), so the accumulated gradient is that of the step's token-level mean.
 
-1. `old_logprobs` are *recomputed* with the policy before the update (one no-grad forward), the verl
-   choice: the engine's sampling log-probs come from a KV-cached decode (and, with vLLM, another
-   kernel set and precision), so their ratio to the trainer's forward is not exactly 1 even for
-   identical weights, and clipping would then act on numerical noise. With `old_logprobs="engine"` the
-   sampling log-probs are used instead (cheaper by one forward; the ratio then also measures
-   engine/trainer mismatch). Either way `actor/engine_logprob_gap` and `actor/engine_logprob_gap_max`
-   (mean and max |engine - trainer| over sampled tokens; in engine mode from the gradient forward, whose
-   values are the policy's before the step) are logged, which catches stale weights or a temperature or
-   template mismatch at once.
-   With `tis_cap` (truncated importance sampling, loss.py) each token is weighted by
-   min(exp(trainer - engine), C); in engine mode the PPO ratio is then taken against the trainer's own
-   log-probs (the gradient forward's, detached: one optimizer step per RL step, so they are the old
-   policy's) and the engine's enter only through the weight, the decoupled form verl and TRL use.
-2. The loss is `policy_loss` per micro-batch with `total_tokens` = the mask sum over *all* kept
-   trajectories, so the accumulated gradient is that of the token-level mean over the whole step (not
-   a mean of per-micro-batch means).
-3. `backend.step()` clips, steps AdamW and the LR schedule, and zeroes the gradients.
-
-Log-probs (`rl/logprobs.py`: `collate`, `batch_logprobs`, `sequence_logprobs`): a micro-batch's
-trajectories packed in one row with per-trajectory attention, the LM head and log-softmax at response
-positions only, chunk by chunk (no fp32 logits over the vocabulary for all tokens at once), divided by
-the sampling temperature. Shapes: trajectories of prompt length P_b and response length R_b give
-`logprobs: (B, R_max)` with 0 beyond R_b; `loss_mask: (B, R_max)` from `Trajectory.loss_mask` (tool
-output tokens 0).
-
-Departure: the model is kept in `train()` mode for the gradient forward (gradient checkpointing needs
-it); RL assumes dropout probabilities of 0 (true of Qwen2/Qwen3 configs), otherwise the recomputed
-`old_logprobs` and the training forward would see different dropout masks.
+See docs/rl.md, "One RL step" (item 4) and "Choices, and where they depart from the paper or the
+reference code" (old_logprobs, truncated importance sampling, dropout).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Agentic rollout: inference engines (HF continuous batching, vLLM adapter), the multi-turn tool loop
-and the KV-aware scheduler. See docs/rollout.md.
+and the KV-aware scheduler. See docs/rollout.md and docs/rollout-scheduling.md.
 
     from rstar2_core.rollout import HFEngine, RolloutLimits, run_rollout_groups
 
@@ -17,7 +17,7 @@ from rstar2_core.lazy_exports import lazy_exports
 _EXPORTS = {
     "run_trajectory": "agent",
     "HFEngine": "hf_engine",
-    "KVAdmission": "admission", "LengthModel": "admission", "StaticAdmission": "admission",
+    "KVAdmission": "admission", "LengthModel": "length_model", "StaticAdmission": "admission",
     "rollout_groups": "scheduler", "rollout_metrics": "scheduler",
     "run_rollout_groups": "scheduler",
     "Engine": "types", "GenerationOutput": "types", "RolloutLimits": "types", "SamplingParams": "types",
@@ -30,9 +30,10 @@ __all__ = ["Engine", "GenerationOutput", "HFEngine", "KVAdmission", "LengthModel
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 if TYPE_CHECKING:
-    from rstar2_core.rollout.admission import KVAdmission, LengthModel, StaticAdmission
+    from rstar2_core.rollout.admission import KVAdmission, StaticAdmission
     from rstar2_core.rollout.agent import run_trajectory
     from rstar2_core.rollout.hf_engine import HFEngine
+    from rstar2_core.rollout.length_model import LengthModel
     from rstar2_core.rollout.scheduler import rollout_groups, rollout_metrics, run_rollout_groups
     from rstar2_core.rollout.types import (
         Engine,

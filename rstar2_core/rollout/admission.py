@@ -1,67 +1,13 @@
 """Where and when trajectories run: the pure admission/routing policies behind `rollout_groups`.
 
-`rollout_groups` (real engines) and `bench/scheduler.py` (through bench/engine_sim.py, a model of engines)
-drive the same policy objects through the same calls, which carry only what a scheduler sees from
-outside an engine, the length of a trajectory's sequence at its turn boundaries:
-
-    policy.add(jobs)                  queue new trajectories (problem-major)
-    policy.admit() -> [(job, e)]      trajectories to start now, and on which engine
-    policy.resumable() -> [tid]       held trajectories that may take their next turn now
-    policy.begin_turn(tid, kv) -> ok  before turn 2, 3, ...: False = held (no request is sent)
-    policy.end_turn(tid, kv)          after each generation (the last one included)
-    policy.release(tid, kv)           the trajectory is finished
-
-`kv` is the trajectory's sequence length (prompt + response so far): its KV footprint on the engine,
-which the engine keeps between turns (HF: the slot's cached prefix; vLLM: its prefix cache).
-
-`StaticAdmission` (the baseline, verl-style): everything starts at once on the engine of its
-contiguous chunk (`static_assignment`); each engine queues (HF) or preempts and recomputes (vLLM)
-what it cannot hold.
-
-`KVAdmission` (ours). The paper admits a trajectory only while prompt + max length of everything on
-an engine fits its KV cache (`reserve="max"`). That never overflows, but where a decode step costs
-about the same at any batch size (GPUs) it runs a fraction of the sequences the cache could hold and
-loses to static. Instead it admits on the **projected peak** of the engine's KV use:
-
-- Every sequence decoding on an engine advances one token per decode step, and leaves when it
-  finishes. So from the current lengths and the response-length distribution (`LengthModel`: a
-  Kaplan-Meier estimate over the stage's finished trajectories, the running ones censored at their
-  current length, so a step's early finishers, the short ones, do not bias it), the expected KV of the
-  engine over the coming steps is a curve; its peak is far below the sum of final lengths, because the
-  short trajectories leave before the long ones grow. A trajectory is admitted while the peak plus
-  `admit_sigmas` standard deviations stays within the engine's `kv_capacity_tokens()`. The variance
-  treats trajectories as independent, times the design effect of their groups: samples of one GRPO
-  group have alike lengths (a hard problem makes all of them long), so an engine holding m samples
-  per group on average gets 1 + (m - 1) x ICC, the intra-class correlation of lengths the
-  `LengthModel` measures over finished groups. Where the data are thin (fewer than `LengthModel.min_at_risk` trajectories
-  got that long) the remaining mass is put at the maximum length: with nothing observed this *is*
-  the paper's rule. On an engine with fixed-size slots (`kv_tokens_per_sequence()`, HF) a trajectory
-  takes a whole slot and admission counts slots.
-- Current lengths without asking the engine: a turn end tells the policy how many tokens that request
-  generated, hence how many decode steps the engine has run since the request began (its *clock*); a
-  trajectory whose request is in flight is estimated at its length at the turn start plus the
-  engine's steps since then (re-binned when the clock has moved half a length bin). No engine method
-  beyond `Engine` is needed. Cost on the driver: admitting 16,384 trajectories onto 32 engines takes
-  ~8 s of CPU on this project's loaded 2-core machine, a turn boundary ~0.3 ms.
-- **Holds at turn boundaries** (the preemption that recomputes nothing): when an engine's projected
-  peak passes its capacity (survivors outgrowing the estimate), a trajectory reaching its next turn
-  is held there (`begin_turn` returns False: no request is sent, its KV stays in the engine's cache)
-  unless it is the oldest on the engine, and held ones resume oldest first when the projection
-  allows. Nothing new is admitted to an engine while it holds trajectories. Requests are never
-  aborted: if the estimate is wrong within one turn the engine preempts by its own rule (vLLM: the
-  newest request, recomputed; HF slots cannot overflow), which the benchmark counts.
-- **Routing**: a new trajectory goes, of the engines it fits, to the one with the least expected
-  decode work left, so engines finish together. Samples of a GRPO group are routed on their own by
-  default: with the paper's lengths (a ~300-token prompt, thousands of response tokens) caching the
-  prompt once per engine instead of once per group costs a few hundred prefill tokens per engine,
-  while a whole group on one engine makes its load the sum of correlated lengths (measured in
-  docs/rollout.md). `group_affinity=True` keeps a group on one engine (its first sample is routed,
-  the others follow; at the end of a step an engine with room and nothing queued takes another
-  engine's queued sample), for workloads whose shared prefix is long.
-
-Trade-off: the overflow guarantee is statistical (`admit_sigmas`) within a turn and exact at turn
-boundaries; the paper's rule is exact and slower. bench/scheduler.py reports recomputed tokens,
-holds and the makespan of each policy on the same workloads.
+`KVAdmission` (ours) admits on each engine's projected KV peak, holds trajectories at turn boundaries
+and routes new ones to the engine with the least work left; `StaticAdmission` (verl's contiguous
+chunks) is the baseline. `rollout_groups` and bench/scheduler.py drive the same objects through the
+same calls (`add`, `admit`, `resumable`, `begin_turn`, `end_turn`, `release`), which carry only what a
+scheduler sees from outside an engine: a trajectory's sequence length at its turn boundaries.
+Invariant: the policies stay pure (no engine calls, no wall clock, no I/O): all they know arrives
+through those calls, which is what lets bench/engine_sim.py measure the very code the rollout runs.
+See docs/rollout-scheduling.md, "KV admission".
 """
 
 from __future__ import annotations
@@ -72,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rstar2_core.rollout.length_model import LengthModel
 from rstar2_core.rollout.types import Engine
 
 RESERVES = ("observed", "max")
@@ -99,90 +46,6 @@ def static_assignment(n_jobs: int, n_engines: int) -> list[int]:
     for k in range(n_engines):
         out.extend([k] * (base + (k < extra)))
     return out
-
-
-class LengthModel:
-    """Response-length distribution of a stage's trajectories, for KV projections.
-
-    Keeps the last `window` finished response lengths (tokens, 0..max_tokens) in `n_bins` bins. Pass
-    one instance to every `rollout_groups` call of an RL stage so each step starts from what the
-    earlier steps observed; a fresh one starts at the paper's max-length rule and learns within the step.
-    """
-
-    def __init__(self, max_tokens: int, n_bins: int = 128, window: int = 8192, min_at_risk: int = 16):
-        if max_tokens < 1 or n_bins < 1 or window < 1 or min_at_risk < 1:
-            raise ValueError(f"LengthModel needs positive max_tokens, n_bins, window and min_at_risk "
-                             f"(got {max_tokens}, {n_bins}, {window}, {min_at_risk})")
-        self.max_tokens, self.min_at_risk = max_tokens, min_at_risk
-        self.bin_tokens = -(-max_tokens // n_bins)
-        self.n_bins = max_tokens // self.bin_tokens + 1
-        self._recent: deque[tuple[object, int]] = deque(maxlen=window)
-        self._events = np.zeros(self.n_bins, dtype=np.int64)
-        self._groups: dict[object, list[float]] = {}        # group -> [count, sum, sum of squares]
-        self.version = 0
-
-    def bin(self, tokens: int) -> int:
-        return min(max(tokens, 0), self.max_tokens) // self.bin_tokens
-
-    def observe(self, tokens: int, group: object = None) -> None:
-        """Record a finished trajectory's response length; `group` (hashable, unique across steps: its
-        GRPO group) lets the model measure how alike the lengths within a group are (`group_correlation`)."""
-        tokens = min(max(int(tokens), 0), self.max_tokens)
-        if len(self._recent) == self._recent.maxlen:
-            old_group, old = self._recent[0]
-            self._events[self.bin(old)] -= 1
-            self._tally(old_group, old, -1)
-        self._recent.append((group, tokens))
-        self._events[self.bin(tokens)] += 1
-        self._tally(group, tokens, +1)
-        self.version += 1
-
-    def _tally(self, group: object, tokens: int, sign: int) -> None:
-        if group is None:
-            return
-        agg = self._groups.setdefault(group, [0, 0.0, 0.0])
-        agg[0] += sign
-        agg[1] += sign * tokens
-        agg[2] += sign * tokens * tokens
-        if agg[0] == 0:
-            del self._groups[group]
-
-    def group_correlation(self) -> float:
-        """Intra-class correlation of response lengths within groups (one-way ANOVA estimator over the
-        groups with two or more finished samples), in [0, 1]; 0 until 8 such groups were seen."""
-        aggs = [a for a in self._groups.values() if a[0] >= 2]
-        if len(aggs) < 8:
-            return 0.0
-        n = sum(a[0] for a in aggs)
-        total = sum(a[1] for a in aggs)
-        between = sum(a[1] ** 2 / a[0] for a in aggs) - total ** 2 / n
-        within = sum(a[2] - a[1] ** 2 / a[0] for a in aggs)
-        g = len(aggs)
-        msb, msw = between / (g - 1), within / max(1, n - g)
-        n0 = (n - sum(a[0] ** 2 for a in aggs) / n) / (g - 1)
-        denom = msb + (n0 - 1) * msw
-        return float(min(1.0, max(0.0, (msb - msw) / denom))) if denom > 0 else 0.0
-
-    @property
-    def n_observed(self) -> int:
-        return len(self._recent)
-
-    def survival(self, censored: np.ndarray) -> np.ndarray:
-        """`S[b]` = P(response >= b * bin_tokens), b = 0..n_bins (S[n_bins] = 0), given running
-        trajectories censored in bins `censored[b]` (counts). Kaplan-Meier over the bins; from the first
-        bin with fewer than `min_at_risk` trajectories at risk on, the remaining mass sits at `max_tokens`
-        (with nothing observed: every trajectory reaches the maximum, the paper's assumption)."""
-        nb = self.n_bins
-        at_risk = np.cumsum((self._events + censored)[::-1])[::-1]
-        s = np.zeros(nb + 1)
-        s[0] = 1.0
-        for b in range(nb):
-            if at_risk[b] < self.min_at_risk:
-                s[b:nb] = s[b]
-                break
-            s[b + 1] = s[b] * (1.0 - self._events[b] / at_risk[b])
-        s[nb] = 0.0
-        return s
 
 
 @dataclass

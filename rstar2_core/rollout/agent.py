@@ -2,26 +2,12 @@
 
     traj = await run_trajectory(engine, sandbox, ChatFormat(tokenizer), problem, limits, seed=7)
 
-Per turn the engine generates until `</tool_call>`, `</answer>`, an EOS id (`<|im_end|>` or the
-tokenizer's EOS), or the remaining budget. A turn that ends in `</tool_call>` is parsed with
-`chat.parse_tool_calls`; every call is sent to the sandbox at once, from this trajectory's own
-coroutine (so it never waits for other trajectories' turns), the results are rendered with
-`chat.render_tool_result` (middle truncation) and appended as `chat.tool_response_ids` with
-loss_mask 0. Malformed or hallucinated calls get their error text as the tool response and the
-trajectory continues. The sequence is token-in/token-out: the trainer sees exactly the ids the
-engine produced, concatenated with the tool-response ids (no re-tokenization of generated text).
-
-Finish reasons (`Trajectory.finish`): `answer` (stopped at `</answer>`), `eos`, `max_turns` (the
-last allowed turn ended with a tool call), `max_tokens` (the budget ran out, while generating or
-while appending a tool response, which is then cut at the budget), `infra_error` (sandbox status
-`internal`, a sandbox exception, or a failed engine request: the trainer drops such trajectories from
-group statistics instead of scoring them 0). `truncated` is True for max_turns and max_tokens. An
-`InfraError` from the engine (its actor died: `cluster.errors.ActorFailure`) is not one trajectory's
-failure but the step's, and propagates.
-
-Departures from the reference code: a turn that hits the turn limit with a tool call is not
-executed (the reference runs it and discards the output); the answer-block count only looks at
-generated text, never at tool output.
+A trajectory's tool calls go to the sandbox from its own coroutine the moment its turn ends, so it
+never waits for other trajectories. Invariant: token-in/token-out: the sequence is exactly the ids the
+engine produced plus the tool-response ids (loss_mask 0), never re-tokenized text. Malformed calls get
+their error text as the tool response; sandbox failures finish the trajectory as `infra_error`, while
+an `InfraError` from the engine (its actor died) is the step's failure and propagates.
+See docs/rollout.md, "The agent loop (`run_trajectory`)".
 """
 
 from __future__ import annotations

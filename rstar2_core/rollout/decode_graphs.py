@@ -1,22 +1,12 @@
 """CUDA graphs of the HF engine's decode forward, one per (rows, attended length) bucket.
 
-A decode step of a small batch is launch-bound on a GPU: hundreds of small kernels whose launch costs
-more than their work (HF `generate` measured ~55 ms per step on an H200 at any batch size). The
-engine's decode forward reads only fixed device buffers (token ids, write positions, active flags,
-sized for all slots) and writes into the fixed slot KV tensors, so for a given (rows, kv_len) bucket
-the whole forward, mask construction included, can be recorded once and replayed.
-
-Recipe (torch.cuda.graphs docs, "Whole-network capture"): on first use of a bucket, run the step
-once eagerly on a side stream (warm-up: lazy initialisations, cuBLAS workspaces), then record it
-under `torch.cuda.graph(g, pool=...)`; later steps `g.replay()` and read the output tensor the
-capture produced. All graphs share one memory pool: they are replayed one at a time and each
-output is consumed (sampled) before the next replay. Warm-up and capture of a bucket happen with
-the step's real inputs: the warm-up's writes into the KV cache are the same writes the replay then
-repeats, so capturing mid-run changes nothing. Weight updates copy into the same parameter tensors
-(`load_state_dict`), so captured graphs stay valid.
-
-Not run in this project's CI (no GPU there): written against the documented API; `bench/gpu_check.py`
-checks on a GPU that graph decoding gives the same greedy tokens as `model.generate`.
+The decode forward reads only fixed device buffers (token ids, write positions, active flags, sized
+for all slots) and writes into the fixed slot KV tensors, so per bucket it is recorded once (after
+one eager warm-up run on a side stream) and replayed; all graphs share one memory pool.
+Invariant: graphs are replayed one at a time and each output is consumed (sampled) before the next
+replay; weights are only ever copied into the captured parameter tensors (`load_state_dict`).
+Opt-in (`cuda_graphs=True`); `bench/gpu_check.py` checks it against `model.generate` on a GPU.
+See docs/rollout.md, "HFEngine" (Fixed shapes and CUDA graphs).
 """
 
 from __future__ import annotations

@@ -1,49 +1,14 @@
 """HFEngine: token-in/token-out generation over a transformers causal LM with continuous batching.
 
-A background thread runs the decode loop. Between two decode steps it admits waiting requests into
-free KV slots and retires finished ones, so requests join and leave the running batch at token
-granularity: a trajectory that is waiting for its tool holds no slot and stalls nobody.
-
-One loop iteration:
-- **admit**: waiting requests take free slots (`prefix.plan_slot`: prefix reuse and copies), then
-  their prompt suffixes are prefilled *together*, left-padded into forwards of at most
-  `max_prefill_tokens` padded tokens (sorted by length, so padding stays small). A request that
-  would copy a longer prefix from a request prefilled in the same round (the other samples of a
-  GRPO group) waits for the next round, after that prefill, and then copies it.
-- **decode**: running requests are kept in the lowest slots (`_compact`: a request moves down into a
-  free slot, swapping KV with it, when idle rows would exceed a quarter of the running ones), then one
-  forward for rows [0, rows) of the slot cache with per-row positions and an additive mask
-  (`kv_cache`), then `sampling.sample_rows` draws every row's token at once. When the running rows share
-  a long prompt prefix with the engine's prefix block (the system turn, a GRPO group's prompt), the
-  step reads that prefix once for all rows instead of once per row (`shared_prefix.py`).
-Per step the host sends the per-slot state (last token, position, seed, counter, temperature,
-top_p; kept in numpy arrays, updated when a token arrives) to the device and reads back one
-(2, rows) tensor of tokens and logprobs: one device-to-host copy per step.
-
-Sampling is counter-based (`sampling.counter_uniform(seed, token index)`), so a request's tokens
-depend only on its seed, its own logits and settings, never on what else is in the batch (tested:
-same tokens alone and in a crowd). `SamplingParams.seed=None` draws a fresh seed.
-
-Why not transformers' own continuous batching (`generate_batch` / `ContinuousBatchingManager`,
-checked in 5.24): it samples every request with one shared `torch.multinomial` call and one
-generation config, so per-request seeds/temperatures and stop strings are not supported, and
-results depend on batch composition.
-
-Shapes: the CPU default trims each decode step to the rows and positions in use. `static_shapes=True`
-rounds both up to powers of two (rows up to all slots, attended length from 64 up to max_seq_len), so
-steps come in few fixed shapes; `cuda_graphs=True` (CUDA only, implies static shapes) records the decode
-forward of each shape once and replays it (`decode_graphs`; not yet run on a GPU in this project, so
-off by default: `bench/gpu_check.py` checks it against `model.generate`). Prefill always runs eagerly.
-The model is called through `model_call.ModelCall`, which passes the cache under the argument name of
-the installed transformers (`past_key_values` in 5.17, `cache` in 5.24).
-
-Weights: `update_weights(state_dict | checkpoint URI)` loads between decode steps under the same
-lock the loop holds for each step, and drops every cached prefix (its KV came from the old weights).
-Requests in flight continue with the new weights from the next token on.
-
     engine = HFEngine(model, tokenizer, max_batch_size=32, max_seq_len=1024)
     out = await engine.generate(prompt_ids, SamplingParams(max_new_tokens=64, seed=1))
     await engine.close()
+
+A background thread loops: admit waiting requests into free KV slots (`prefix.plan_slot`, batched
+prefill), one decode step for every running slot (`kv_cache`, `shared_prefix`, `sampling`), retire
+finished ones. Invariant: a request's tokens depend only on its own seed, logits and settings, never on
+the batch; each loop iteration and `update_weights` hold `self._lock`, so weights never change mid-step.
+See docs/rollout.md, "HFEngine".
 """
 
 from __future__ import annotations

@@ -1,44 +1,13 @@
 """Slot-based static KV cache for the HF engine's continuous batching.
 
-Every sequence the engine is decoding owns one *slot*: a row of preallocated key/value tensors,
-one pair per layer, each of shape (slots, kv_heads, max_len, head_dim). Rows have their own
-lengths, so sequences of different lengths decode together: position ids are per row and an additive
-attention mask hides each row's unused tail.
-
-The model sees a `SlotView` as its cache (transformers 5.x calls `cache.update(key_states,
-value_states, layer_idx, ...)` in every attention layer and attends over what it returns). A view
-either prefills a batch of slots (`prefill_view`) or decodes one token for slots [0, rows)
-(`decode_view`); it writes the new keys/values into the slot tensors and returns the rows and
-positions to attend over (a strided view for contiguous rows, a gather otherwise).
-
-Masks, and why they look like this (SDPA picks its kernel from them):
-- a prefill of fresh prompts (nothing reused) of equal length gets *no* mask: the view reports its
-  sizes through `get_query_offset` / `get_mask_sizes` (the two cache methods transformers' mask
-  builder asks, 5.17 through 5.24), so transformers passes `is_causal=True` to SDPA (flash kernels);
-- any other prefill (prefix reuse, different lengths: left-padded) and every decode step get an
-  additive mask (0 = attend, dtype min = not), built once per forward and shared by all layers.
-  SDPA's memory-efficient (CUDA) and flash (CPU) kernels take it as their bias; a boolean mask is
-  converted to that bias inside every SDPA call (on this project's CPU machine SDPA with a boolean
-  decode mask was 0-15% slower than with the same mask as floats), and `eager` attention adds it to
-  the scores. A decode step has no mask-free form: its rows have different lengths.
-Rows not decoding write to the scratch position max_len - 1 (never part of a sequence) and attend to
-position 0 only (a row with nothing to attend would produce NaN). `decode_view_shared` is the decode
-step whose rows read a shared prompt prefix from one block instead of their slots (`shared_prefix.py`):
-its view returns the slot positions from the step's shared start on, with a mask for those and one for
-the block. Slots still hold their whole sequence (prefill, prefix copies and the plain step read it).
-
-Lengths: the caller picks the attended length. The engine's dynamic (CPU) default attends over exactly
-the longest row; its static-shape mode (for CUDA graphs) rounds that up with `bucket` to a power of
-two (at least `MIN_BUCKET`, at most max_len), so a decode step costs what the longest row needs, not
-max_len. Rows can be moved between slots (`swap_slots`) to keep the running ones compact.
-
-Departure from vLLM: no paging, so a slot reserves max_len tokens whether or not the sequence gets
-that long; the engine's `kv_capacity_tokens` reports exactly that (slots x max_len), which is what
-the KV-aware scheduler budgets against.
-
-Memory: 2 x layers x slots x kv_heads x max_len x head_dim x dtype bytes, allocated with
-`torch.empty` and zeroed slot by slot on first use (masked positions are still multiplied by their
-zero attention weight, and 0 x NaN from uninitialised memory would poison the row).
+Every sequence being decoded owns one *slot*: a row of preallocated key/value tensors, per layer of
+shape (slots, kv_heads, max_len, head_dim). The model sees a `SlotView` as its cache: `prefill_view`
+prefills a batch of slots, `decode_view` decodes one token for slots [0, rows), `decode_view_shared`
+does that reading a shared prefix block; each writes the new keys/values into the slots and returns
+what to attend over, with an additive mask (none for fresh prompts of equal length: SDPA's flash path).
+Invariant: rows not decoding write only to the scratch position max_len - 1 (never part of a
+sequence), and a slot is zeroed before first use (0 x uninitialised NaN would poison its row).
+See docs/rollout.md, "The slot KV cache (`kv_cache.py`)".
 """
 
 from __future__ import annotations

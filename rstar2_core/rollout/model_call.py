@@ -1,16 +1,12 @@
 """The engine's call into a transformers causal LM, the same on transformers 5.17 through 5.24.
 
-transformers renamed the cache argument of the models' `forward` from `past_key_values` to `cache`
-(5.24 still accepts the old name with a deprecation warning; 5.17 knows only the old one and
-swallows an unknown `cache=` into `**kwargs`, builds its own cache and fails deep inside SDPA). So
-the name is read once from the model class's `forward` signature, and the cache goes in under it.
-
-`check_model` refuses, with the fix, the models whose attention the engine's masks would get wrong:
-attention implementations other than `sdpa` / `eager` (flash-attention kernels ignore a 4D mask) and
-sliding-window or other non-full attention layers (every layer gets the same full-causal mask).
-
-`disable_cudnn_attention` keeps SDPA off cuDNN's attention, whose per-shape plans cost more than the
-attention itself when shapes change every step (the engine's running rows, the trainer's segments).
+transformers renamed the forward's cache argument `past_key_values` -> `cache` (5.17 knows only the
+old name and silently swallows `cache=`), so the name is read once from the model class's `forward`
+signature. `check_model` refuses, with the fix, models the engine's masks would get wrong (attention
+other than `sdpa`/`eager`, sliding-window or other non-full layers). `disable_cudnn_attention` keeps
+SDPA off cuDNN attention, whose per-shape plans cost more than the attention when shapes keep changing.
+Invariant: every forward the engine runs goes through `ModelCall`, never `model(...)` directly.
+See docs/rollout.md, "HFEngine" (transformers versions).
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """Which slot a new request takes, and how much of its prompt's KV it can reuse instead of prefilling.
 
-When a request finishes, its slot keeps the KV of the tokens it fed. A later request whose prompt
-starts with those tokens (the same trajectory's next turn: previous prompt + its generation +
-tool-response tokens) reuses that slot and prefills only the new suffix; this is why the scheduler
-keeps a trajectory on one engine across turns. Free slots with no cached prefix are used first
-(lowest index first, which keeps the decoded rows [0, rows) compact); otherwise the least recently
-used cached prefix is evicted. A longer prefix shared with any other slot, running or cached (the
-system prompt, the same problem's other samples), is copied from it instead of prefilled: the KV at
-a position depends only on the tokens up to it.
-
+A finished request's slot keeps its KV; a later request whose prompt starts with those tokens (the
+same trajectory's next turn) reuses the slot and prefills only the suffix. Free slots without a cached
+prefix go first (lowest index first), then the least recently used cached prefix is evicted; a longer
+prefix held by any other slot is copied instead of prefilled.
+Invariant: reuse and copies are exact because the KV at a position depends only on the tokens up to it.
 Token sequences are int64 numpy arrays, so a common prefix is one vectorised comparison.
+See docs/rollout.md, "HFEngine" (Prefix reuse).
 """
 
 from __future__ import annotations

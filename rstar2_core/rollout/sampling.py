@@ -1,26 +1,12 @@
 """Batched token sampling with per-request seeds, and stop detection, for the HF engine.
 
-`sample_rows` draws one token for every row of a (rows, vocab) logits batch in one vectorised pass.
-Randomness is counter-based: row r's uniform is `counter_uniform(seed_r, counter_r)`, the
-`counter_r`-th output of SplitMix64 seeded with the request's seed (a stateless hash of (seed, index of
-the token in the request's output)), computed on the device in int64 arithmetic. So a request's
-tokens depend only on its seed, its own logits and its own sampling settings, never on which other
-requests share the batch or in which row it sits, and no per-row generator or device sync is needed.
-The token is the inverse CDF of that uniform: the first token whose cumulative probability (float64
-cumsum over the vocabulary, in vocabulary order) exceeds u x total. Rows with top_p < 1 use the
-nucleus of the probabilities sorted in descending order (stable sort, so ties are broken the same way
-in any batch); rows with top_p = 1 never take that path, whatever the other rows ask for.
-
-Logprob convention (docs/rollout.md): the returned logprob is `log_softmax(logits / temperature)[token]`,
-i.e. under the temperature-scaled distribution *before* top-p truncation. That is the quantity the
-trainer recomputes from the same logits, so the importance ratio is exactly 1 on-policy. With
-top_p = 1 (the paper) it is also exactly the sampling distribution; with top_p < 1 the sampling
-distribution renormalises over the nucleus and differs by log(nucleus mass) (vLLM's default "raw"
-logprobs make the same choice). temperature = 0 means greedy (argmax) with logprobs under
-temperature 1.
-
-`StopChecker` finds stop strings incrementally: after each token it decodes only the last few
-tokens (enough to cover the longest stop string), so the cost per token is constant.
+`sample_rows` draws one token for every row of a (rows, vocab) logits batch in one vectorised pass:
+row r's uniform is `counter_uniform(seed_r, counter_r)` (SplitMix64 of the seed and the index of the
+token in the request's output, on the device in int64), its token the inverse CDF of that uniform.
+`StopChecker` finds stop strings by decoding only the last few tokens after each step.
+Invariant: a request's tokens depend only on its seed, its logits and its own settings, never on the
+batch or its row; the returned logprob is `log_softmax(logits / temperature)[token]` before top-p,
+the quantity the trainer recomputes. See docs/rollout.md, "HFEngine" (Sampling, Stops).
 """
 
 from __future__ import annotations

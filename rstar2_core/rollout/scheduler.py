@@ -3,24 +3,12 @@
     groups = run_rollout_groups(engines, sandbox, chat, problems, n=16, limits=limits, seed=0)
     # groups[i][j]: j-th trajectory of problems[i]
 
-`rollout_groups` queues the n x len(problems) trajectories (problem-major) in a scheduling policy
-from `admission.py` and starts each one's agent loop (`agent.run_trajectory`) on the engine the
-policy picks, when it picks. The loop sees its engine through a `_TurnGate`, which reports every turn
-boundary to the policy (the sequence length after each generation and before the next) and waits
-while the policy holds the trajectory; tool calls go to the sandbox the moment they are generated.
-A trajectory stays on its engine for all its turns (the engine keeps its KV between turns).
-
-- `kv_aware` (default, `KVAdmission`): admission on the projected KV use of each engine (the
-  `kv_capacity_tokens()` it reports; whole slots on engines that report `kv_tokens_per_sequence()`,
-  i.e. HF), holds at turn boundaries when an engine's projection passes its capacity, samples routed
-  to the engine with the most room. Pass one `LengthModel` per RL stage (`lengths=`) so each step
-  starts from the lengths the earlier steps observed.
-- `static` (baseline, `StaticAdmission`): contiguous chunks per engine, all launched at once; each
-  engine queues (HF) or preempts and recomputes (vLLM) what it cannot hold.
-
-No engine method beyond the `Engine` protocol is needed: the policy learns each engine's decode
-progress from the turn boundaries it observes (admission.py). bench/scheduler.py measures both
-policies through the same objects in a simulation of engines (docs/rollout.md, "Scheduler").
+`rollout_groups` queues the n x len(problems) trajectories (problem-major) in a policy from
+`admission.py` (`kv_aware`: `KVAdmission`, the default; `static`: `StaticAdmission`) and starts each
+agent loop on the engine it picks; a `_TurnGate` reports every turn boundary to the policy and waits
+while it holds the trajectory. Invariant: a trajectory stays on one engine for all its turns (the
+engine keeps its KV between turns), and its seeds depend on (seed, problem, sample), never on engines.
+See docs/rollout-scheduling.md, "Scheduler (`rollout_groups`)".
 """
 
 from __future__ import annotations
@@ -32,11 +20,11 @@ from typing import Any, Literal
 from rstar2_core.rollout.admission import (
     Job,
     KVAdmission,
-    LengthModel,
     StaticAdmission,
     engine_kv,
 )
 from rstar2_core.rollout.agent import run_trajectory
+from rstar2_core.rollout.length_model import LengthModel
 from rstar2_core.rollout.types import Engine, GenerationOutput, RolloutLimits, SamplingParams, Trajectory
 
 SCHEDULERS = ("kv_aware", "static")

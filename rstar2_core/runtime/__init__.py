@@ -3,13 +3,11 @@
     async with open_runtime(cfg, policy_url=url, max_model_len=n, trainer=TrainerSpec(...)) as rt:
         ...   # rt.engines, rt.sandbox, rt.grader, rt.trainer, rt.training(), rt.sync_weights()
 
-At this root: the protocol every stage sees (protocol.py: `StageRuntime`, `PolicyTrainer`, the step
-body `TrainerStep`), the typed specs `open_runtime` builds from the config once (specs.py), the
-factory (factory.py), and what both backends share: building an engine (engine_builder.py), publishing
-and reading a trainer's checkpoint (checkpoint.py) and a step's usage accounting (usage.py).
-Names are imported on first use. Below it, one package per backend: `local/` (everything in the stage's process) and `ray/` (actors on a
-Ray cluster; the only place in rstar2_core that imports Ray). The stages (rl/, sft/, eval/) import this
-package; nothing here imports a stage.
+At this root: the protocol (protocol.py), the specs `open_runtime` builds from the config once (specs.py),
+the factory, and what both backends share (engine_builder.py, checkpoint.py, usage.py, layout.py,
+sandboxes.py). Below it one package per backend: `local/` and `ray/` (the only place that imports Ray).
+Invariant: nothing here imports a stage (rl/, sft/, eval/); names are imported on first use.
+See docs/runtime.md, "The runtime seam".
 """
 
 from __future__ import annotations

@@ -2,18 +2,11 @@
 
     url = publish_policy_checkpoint(url, rt.trainer, rt.tokenizer, extra={"rl_state.pt": b"..."}, meta={...})
 
-`publish_policy_checkpoint` hands the trainer (one process, or every Ray trainer shard) the staging
-folder of the one checkpoint publisher (`models.io.publish_checkpoint`): rank 0 writes the HF weights and
-each rank its own optimizer partition, LR-scheduler state and step (`trainer/rank-00000.pt`, with the
-world size it was written under); the driver adds the tokenizer and its extra files; `_COMPLETE` is
-written last, so a crash before it leaves the previous checkpoint the latest complete one.
-
-A rank writes straight to the checkpoint's storage (fsspec: a shared file system or s3://), so nothing
-the size of the optimizer passes through the driver (64 ranks x ~2.6 GB for 14B under ZeRO-3).
-`read_rank_state` refuses a checkpoint written by another world size: the partitions do not map onto a
-different rank count, so resume needs the same `cluster.trainer_ranks` / layout and ZeRO stage.
-Checkpoints from before this layout kept a single-process backend state under the key `backend` of
-`rl_state.pt` / `trainer_state.pt`; `read_rank_state` still reads those for world size 1.
+Rank 0 writes the HF weights and each rank its own optimizer partition (`trainer/rank-00000.pt`, with
+the world size it was written under) straight to storage; the driver adds the tokenizer and its extra
+files. Invariant: `_COMPLETE` is written last, so a crash before it leaves the previous checkpoint the
+latest complete one, and `read_rank_state` refuses a checkpoint written under another world size.
+See docs/runtime.md, "Checkpoints a trainer writes".
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """The one place that builds inference engines: `build_engine(EngineSpec)`.
 
-`runtime.specs` fills one `EngineSpec` per engine from the config (`engine_spec`); both runtimes build
-from it (the local runtime in its own process, the Ray runtime inside each engine actor),
-so `rollout.engine` (hf | vllm), `rollout.tensor_parallel_size`, `rollout.gpu_memory_utilization`,
-`rollout.max_batch_size` and `rollout.kv_capacity_tokens` mean the same thing everywhere:
-
-- `hf`: `HFEngine` over the checkpoint loaded in `model.dtype` on the engine's device; `max_batch_size`
-  KV slots of `max_model_len` tokens, fewer if `kv_capacity_tokens` (a memory budget) is smaller.
-- `vllm`: `VLLMEngine` (vLLM's AsyncLLM) over the checkpoint localised to a folder (as the HF engine
-  does), with tensor parallelism, the KV cache of `kv_capacity_tokens` (or, on GPUs, the memory share
-  `gpu_memory_utilization`), at most `max_batch_size` sequences per batch (`max_num_seqs`), prefix
-  caching, sleep mode where `release_memory_during_training` asks for it, and the weight-transfer backend
-  of `rollout.weight_sync` (nccl / ipc) when one is used.
-
-`engine_busy_seconds(engine)` reads how long an engine has computed (HF: prefill + decode time;
-vLLM: time with at least one request running) for the stage's time accounting.
+`runtime.specs` fills one `EngineSpec` per engine from the config (`engine_spec`); the local runtime
+builds from it in its own process, the Ray runtime inside each engine actor. Invariant: one builder, so
+`rollout.engine` (hf | vllm), `tensor_parallel_size`, `gpu_memory_utilization`, `max_batch_size` and
+`kv_capacity_tokens` mean the same thing on both runtimes. `engine_busy_seconds(engine)` reads how long
+an engine has computed, for the stage's time accounting. See docs/runtime.md, "Building engines".
 """
 
 from __future__ import annotations

@@ -6,10 +6,8 @@
                                 pad_id=pad)
 
 This is where the root `Config` stops: it becomes a `RuntimeSpec` once, and `cluster.runtime` picks the
-backend, `local` (runtime/local/: everything in this process; with `sandbox.backend = "ray"` its
-sandbox is the Ray actor pool across the cluster's nodes) or `ray` (runtime/ray/: engine actors, trainer
-shards and the sandbox pool on the layout's placement groups). Both backends are imported lazily, so
-opening a local runtime never imports Ray.
+backend, `local` (runtime/local/) or `ray` (runtime/ray/). Invariant: both backends are imported lazily,
+so opening a local runtime never imports Ray. See docs/runtime.md, "The runtime seam".
 """
 
 from __future__ import annotations

@@ -1,22 +1,14 @@
 """The runtime seam: what a stage needs (engines, sandbox, grader, trainer, weight sync) behind one protocol.
 
-    async with open_runtime(cfg, policy_url=url, max_model_len=n, trainer=TrainerSpec("rl", 510, 20, "constant",
-                                                                                      RL_STEP)) as rt:
+    async with open_runtime(cfg, policy_url=url, max_model_len=n, trainer=TrainerSpec(...)) as rt:
         groups = await rollout_groups(rt.engines, rt.sandbox, chat, problems, n=32, limits=limits)
         with rt.training():        # colocated vLLM engines may sleep while the trainer steps
             metrics = rt.trainer.step(list(zip(kept, advantages)), micro_batch_size=8, pad_id=pad, ...)
             report = rt.sync_weights()
 
-Two backends, chosen by `cluster.runtime` (`runtime.open_runtime`, which builds them from a
-`RuntimeSpec`): `LocalRuntime` (runtime/local/: everything in the stage's process) and `RayRuntime`
-(runtime/ray/: engine actors, DeepSpeed trainer-shard actors and the sandbox pool on the layout's
-placement groups). The stage hands the runtime the body of its optimizer step (`TrainerSpec.step`, a
-`TrainerStep`), so the runtime sits below the stages in the import layers and never imports them.
-Stage code (rl/step.py, rl/stage.py, rl/hard_subset.py, sft/train.py, eval/sampler.py,
-data/label_check.py) only sees this protocol, so the same step runs on one CPU or 64 GPUs.
-
-A runtime opened without a `TrainerSpec` has no trainer (evaluation, hard subset, label check); one
-opened with `engines=False` has no engines (SFT).
+Invariant: stage code sees only this protocol and hands the runtime the body of its optimizer step
+(`TrainerSpec.step`, a `TrainerStep`), so the runtime never imports a stage and the same step runs on
+one CPU or 64 GPUs. See docs/runtime.md, "The runtime seam".
 """
 
 from __future__ import annotations

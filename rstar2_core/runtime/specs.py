@@ -3,36 +3,26 @@
     spec = RuntimeSpec.from_config(cfg, policy_url=url, max_model_len=n, trainer=TrainerSpec(...))
 
 Below `open_runtime` nothing reads the root config: the local and the Ray runtime, their trainers,
-engines, sandbox and weight sync each take their part of a `RuntimeSpec`:
-
-- `engines`: one `EngineSpec` per engine (`rollout.*`, the model dtype, seed `rl.seed + i`), () for none;
-- `trainer`: a `TrainerSetup`, the stage's `TrainerSpec` (schedule length, step body) with the config
-  section that holds its optimizer (`rl` or `sft`: lr, betas, grad clip, backend, ZeRO stage) and
-  `model` (dtype, head kernel, activation checkpointing); None for a sampling-only runtime;
-- `sandbox` (`SandboxConfig`, None for none) and `grader_timeout_s` (None: no grader);
-- `weight_sync` (`rollout.weight_sync` with `auto` resolved) and `release_memory_during_training`;
-- `cluster` (`ClusterConfig`: how to reach Ray, placement timeout, torch threads per actor), read only
-  where Ray is used, and `layout`: the Ray runtime's actor layout (runtime/ray/layout.py), None locally;
-- `shared_storage`: whether every node sees the storage root (s3://, or `storage.shared_filesystem`).
-
-Invariant: a spec is complete and frozen when a runtime starts, so a retried stage's runtime is built
-from exactly what its frozen config snapshot says.
+engines, sandbox and weight sync each take their part of a `RuntimeSpec`, and the Ray layout is computed
+here from the config's sections (`layout_for`). Invariant: a spec is complete and frozen when a runtime
+starts, so a retried stage's runtime is built from exactly what its frozen config snapshot says
+(tests/unit/runtime/test_specs.py). The fields: docs/runtime.md, "Specs".
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from rstar2_core.config import Config
+from rstar2_core.config.pipeline_sections import ClusterConfig
 from rstar2_core.config.rl import RLConfig
+from rstar2_core.config.rollout_sections import SandboxConfig
 from rstar2_core.config.runtime_rules import is_node_local, resolved_weight_sync
-from rstar2_core.config.sections import ClusterConfig, ModelConfig, SandboxConfig, SFTConfig
+from rstar2_core.config.sections import ModelConfig, SFTConfig
 from rstar2_core.runtime.engine_builder import EngineSpec
+from rstar2_core.runtime.layout import ClusterLayout, compute_layout
 from rstar2_core.runtime.protocol import TrainerSpec
-
-if TYPE_CHECKING:
-    from rstar2_core.runtime.ray.layout import ClusterLayout
 
 RUNTIMES = ("local", "ray")
 
@@ -79,9 +69,7 @@ class RuntimeSpec:
             raise ValueError(f"unknown cluster.runtime {kind!r}; valid: {list(RUNTIMES)}")
         layout = None
         if kind == "ray":
-            from rstar2_core.runtime.ray.layout import compute_layout
-
-            layout = compute_layout(cfg)
+            layout = layout_for(cfg)
             device = "cpu"                   # each engine actor sets its own (EngineSpec.for_actor)
         engine_specs: tuple[EngineSpec, ...] = ()
         if engines:
@@ -96,6 +84,12 @@ class RuntimeSpec:
                    resolved_weight_sync(cfg), cfg.rollout.release_memory_during_training,
                    cfg.rollout.tensor_parallel_size, cfg.cluster, layout,
                    not is_node_local(cfg.resolved_storage_root()) or cfg.storage.shared_filesystem)
+
+
+def layout_for(cfg: Config) -> ClusterLayout:
+    """The Ray runtime's actor layout for `cfg`: `compute_layout` of its `cluster`, `rollout` and `sandbox`
+    sections (raises `LayoutError` naming the field to change)."""
+    return compute_layout(cfg.cluster, cfg.rollout, cfg.sandbox)
 
 
 def engine_spec(cfg: Config, checkpoint_url: str, max_model_len: int | None, device: str,

@@ -1,26 +1,10 @@
 """Where a step's cluster time goes: device-seconds by role, idle fractions, sandbox load, tokens.
 
 `step_usage_metrics` turns a runtime's cumulative busy counters (`StageRuntime.usage()`, read before
-the rollout, after it, and after the update) and the step's phase times into `usage/...` metrics:
-
-- `usage/engine_device_s`: engines x devices each x rollout seconds (what the engines held while the
-  step generated); `usage/engine_busy_s`: the engines' own compute seconds (x devices) in that phase;
-  `usage/engine_idle_frac` = 1 - busy / held. On a colocated layout the same GPUs then train.
-- `usage/trainer_device_s`: ranks x update seconds; `usage/trainer_busy_s`: the ranks' forward,
-  backward and optimizer seconds; `usage/trainer_idle_frac` = 1 - busy / held (straggler wait and
-  the driver's share of the update phase).
-- `usage/sandbox_calls` (calls the sandbox ran; calls that did not parse never reach it),
-  `usage/sandbox_call_s` (their summed wall time),
-  `usage/sandbox_cpu_s` (summed CPU time of the programs, from their rusage; calls the service could
-  not run have none), `usage/sandbox_p50_ms`,
-  `usage/sandbox_p99_ms` (call latency as the agent loop saw it), `usage/sandbox_timeouts` (calls the
-  sandbox killed at `sandbox.timeout_s`: a rising count under load means the tool's answers, and so the
-  rollouts, depend on the cluster's load, not only on the model).
-- `usage/tokens_generated` (sampled tokens of every trajectory) vs `usage/tokens_trained` (those of the
-  trajectories kept after RoC and the zero-variance drop) and `usage/trained_share`.
-
-Departure: "devices" are GPUs on a GPU cluster and processes on a CPU-only one; busy time is what each
-engine and rank measures itself (HF: prefill + decode time; vLLM: time with a request running).
+the rollout, after it, and after the update) and the step's phase times into `usage/...` metrics.
+Invariant: busy time is what each engine and rank measures itself and held time is devices x phase
+seconds, so `*_idle_frac` = 1 - busy / held means the same on both runtimes ("devices" are GPUs on a
+GPU cluster, processes on a CPU-only one). Each metric: docs/runtime.md, "Where the cluster's time goes".
 """
 
 from __future__ import annotations

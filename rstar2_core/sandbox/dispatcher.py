@@ -2,20 +2,11 @@
 restart, shutdown) and their pipes, keeps at most `workers` calls running and the rest in a FIFO
 queue, and hands each result to the caller's callback. `service.LocalSandbox` is its public face.
 
-- Two kinds of template (`template.py`): *light* preloads only the standard-library part of
-  `cfg.preload`; *heavy* preloads all of it (sympy, numpy). A fork costs about twice as much from the
-  heavy one, so code is routed by a word match on `cfg.heavy_modules` (`import sympy` -> heavy).
-- Each kind has ceil(workers / 4) templates (a template's zygote clones one child at a time; more
-  than one keeps the clones from being the bottleneck on big hosts); a call goes to the least-loaded one.
-- Pipes are non-blocking, messages length-prefixed pickles, so the service works from any event loop
-  or thread; results reach asyncio via the callback (call_soon_threadsafe in service.py).
-- A template that dies (or stops answering for timeout + 10 s) is killed and restarted; calls it had
-  in flight are retried once, then answered `internal`.
-- Confinement (docs/sandbox.md): the minimal root's plan (`rootfs.plan_root`) and the compiled
-  seccomp program (`syscalls.compile_filter`) are computed here once and handed to every template.
-  A template whose hello reports an isolation property missing that `cfg.allow_missing_isolation`
-  does not name is stopped and its kind fails (at start-up: the service does not start); it runs
-  no call.
+Invariant: no template runs a call with less isolation than the service allows: a template whose
+hello reports a property missing that `cfg.allow_missing_isolation` does not name is stopped and its
+kind fails (at start-up: the service does not start). The root's plan (`rootfs.plan_root`) and the
+compiled seccomp program (`syscalls.compile_filter`) are computed here once, for every template.
+See docs/sandbox.md, "How it works" (Dispatcher), and docs/sandbox-isolation.md, "Fail closed".
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The isolation properties of a tool call (docs/sandbox.md), read from what a template found it could
-do on this host (the `features` of its hello). The service refuses to start when its calls would lack
-one that `sandbox.allow_missing_isolation` does not name (and logs the allowed missing ones);
+"""The isolation properties of a tool call (docs/sandbox-isolation.md), read from what a template found
+it could do on this host (the `features` of its hello). The service refuses to start when its calls
+would lack one that `sandbox.allow_missing_isolation` does not name (and logs the allowed missing ones);
 `rstar2 sandbox doctor` prints them all; tests skip, with the reason, what a host cannot provide."""
 
 from __future__ import annotations

@@ -1,26 +1,12 @@
 """What the calls' minimal root holds: the host paths a template bind-mounts (or copies), read-only,
-into the root it pivots into (confined/sbx_rootfs.py does the mounting).
+into the root it pivots into (confined/sbx_rootfs.py does the mounting). The plan is computed once
+per service and handed to every template: the interpreter and standard library, the allowed packages
+(the distributions `preload` and `heavy_modules` name, with what they require) and the shared
+libraries all of that loads.
 
-The plan is computed once per service and handed to every template:
-- the interpreter: the executable the templates run (`sys.executable`, a venv's symlink included, with
-  its `pyvenv.cfg`), its real binary, the standard library with `lib-dynload`, and nothing of the base
-  installation's own site-packages (masked with an empty directory);
-- the allowed packages: the distributions whose top-level modules `preload` or `heavy_modules` name,
-  and what they require (sympy -> mpmath, scipy -> numpy), each as the top-level entries of its
-  RECORD (package directories, `*.libs`, `*.dist-info`, single modules); nothing else of
-  site-packages, so neither the project's editable install nor its `.pth` finder;
-- the shared libraries all of that loads: the closure over DT_NEEDED of the binary and of every
-  extension module above, resolved as the dynamic loader would (RPATH/RUNPATH with $ORIGIN, then the
-  system directories). A library found through RPATH/RUNPATH is bound as a file; one found in a
-  system library directory binds that directory (e.g. /usr/lib/x86_64-linux-gnu: system libraries
-  only, no data): each mount is copied into, and torn down with, every call's mount namespace, and
-  here the ~47 single files cost ~0.1 ms more per call in the template and ~0.2 ms more per teardown
-  than one directory (docs/sandbox.md). For the same reason small entries (up to 512 KiB: the
-  `*.dist-info` directories, the interpreter's binary, `pyvenv.cfg`) are copied into the root.
-
-Trade-off: a package a program imports that is not in the plan fails with ModuleNotFoundError (name it
-in `heavy_modules` to allow it); a library an extension module opens with dlopen() by a name that is not
-in its DT_NEEDED is missing too (none of the allowed packages does that here).
+Invariant: nothing else of the host goes in (no site-packages beyond the allowed distributions, so
+neither the project's editable install nor its `.pth` finder); a package outside the plan fails with
+ModuleNotFoundError in a call. See docs/sandbox.md, "How it works" (A minimal root per template).
 """
 
 from __future__ import annotations

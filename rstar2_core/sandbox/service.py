@@ -1,18 +1,12 @@
 """The local sandbox service: the async API the rollout loop uses (`await sandbox.run(req)`,
 `await sandbox.run_batch(reqs)`), `run_sync`/`run_many_sync` for scripts, over warm template processes
-on this host that the dispatcher thread (dispatcher.py) drives.
+on this host that the dispatcher thread (dispatcher.py) drives. At most `workers` calls run at once
+(0 = two per CPU core); more wait in a FIFO queue. `close()` (also on garbage collection and at
+interpreter exit) stops every template.
 
-- At most `workers` calls run at once on this host (0 = two per CPU core); more wait in a FIFO queue.
-- `close()` (also run by garbage collection and at interpreter exit) stops every template; each
-  template kills its children, and children die with their template (PR_SET_PDEATHSIG).
-- At start-up the service logs which isolation properties (properties.py) its calls have. It fails
-  closed: if this host cannot provide one that `cfg.allow_missing_isolation` does not name, start()
-  raises SandboxError naming the missing properties, why, and the fix; the allowed missing ones are
-  logged as a WARNING.
-
-Departure from the paper/code-judge: no Redis/HTTP hop and no fresh interpreter per call; the
-isolation is stronger (a minimal read-only root, PID/mount/network namespaces, per-call uid, no
-capabilities, a seccomp filter) than code-judge's rlimits only.
+Invariant: it fails closed: if this host cannot provide an isolation property (properties.py) that
+`cfg.allow_missing_isolation` does not name, start() raises SandboxError naming it, why, and the fix.
+See docs/sandbox.md, "Use", and docs/sandbox-isolation.md, "Fail closed".
 """
 
 from __future__ import annotations

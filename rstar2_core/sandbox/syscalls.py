@@ -1,23 +1,12 @@
-"""The system-call filter of the sandbox: which calls are refused, compiled once per service to a
-seccomp BPF program with libseccomp (through `pyseccomp`, a ctypes binding over the system's
-libseccomp2). Each template installs it on itself once at start, before its preloads, and every call
-inherits it from the fork: loading a filter costs ~80 us, a third of what confining a call costs, so
-no call loads its own.
+"""The system-call filter of the sandbox: which calls are refused (EPERM; `clone3` ENOSYS, so that the
+C library falls back to `clone`, whose flags the filter can see), compiled once per service to a
+seccomp BPF program with libseccomp (through `pyseccomp`). Each template installs it on itself once
+at start, before its preloads, and every call inherits it (no call loads its own: ~80 us each).
 
-Everything not listed is allowed (a deny list: a math program needs files, memory, threads, pipes and
-signals, and an allow list that misses one breaks ordinary programs). A refused call fails with EPERM,
-which Python reports as PermissionError; `clone3` fails with ENOSYS so that the C library falls back
-to `clone`, whose flags the filter can see (clone3 passes them in memory it cannot read). System calls
-of another ABI (i386 through int 0x80, x32) kill the process: their numbers would bypass the list.
-Names this libseccomp does not know are skipped and reported.
-
-Four system calls of a call's set-up (the zygote's unshare, setns and clone, confined/sbx_zygote.py;
-the child's mount and setns before it drops its capabilities, confined/sbx_child.py) are refused only
-in their other forms (`CONDITIONAL`): `mount` with the exact flags of a call's /tmp and /proc,
-`unshare` and `setns` of a mount or network namespace, and `clone` into a new PID namespace (with or
-without a new IPC namespace) pass the filter. Each of them needs CAP_SYS_ADMIN, which a call never
-has (it cannot make a user namespace either: refused), so for a call they fail with EPERM all the
-same, from the kernel.
+Invariant: a deny list in which the four system calls of a call's set-up (`CONDITIONAL`: mount,
+unshare, setns, clone) pass only in the exact forms that set-up uses, each needing CAP_SYS_ADMIN,
+which a call never has; system calls of another ABI kill the process. See docs/sandbox.md, "How it
+works" (System-call filter), and the table in docs/sandbox-isolation.md.
 """
 
 from __future__ import annotations
@@ -27,7 +16,7 @@ import functools
 import tempfile
 from dataclasses import dataclass
 
-# name -> why no tool call needs it (docs/sandbox.md prints this table)
+# name -> why no tool call needs it (docs/sandbox-isolation.md prints this table)
 REFUSED: dict[str, str] = {
     **dict.fromkeys(("ptrace", "process_vm_readv", "process_vm_writev", "process_madvise", "pidfd_getfd", "kcmp"),
                     "inspect or change another process"),

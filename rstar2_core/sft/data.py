@@ -1,25 +1,12 @@
 """`build_sft_dataset(cfg, out_url) -> DatasetRef`: the non-reasoning SFT set as JSONL conversations.
 
-Rows are in the `ChatFormat.render_trajectory` form, so the trainer tokenizes them with whatever
-tokenizer the base model has:
+Sources: `cfg.data.synthetic` demonstrations (their code actually executed in the sandbox) plus the
+files of `cfg.data.sft_sources` (JSONL or parquet, read through sft/formats.py). Rows are in the
+`ChatFormat.render_trajectory` form (`problem` + `turns`) or, for general rows, `messages`, so the
+trainer tokenizes them with whatever tokenizer the base model has.
 
-    {"id": ..., "problem": ..., "turns": [[assistant_text, [tool_response_text, ...] | null], ...],
-     "source": "synthetic" | <url>, "answer": ..., "failed_first": bool}
-    (+ "direct" on synthetic rows; "mask_answer": bool on any row of this form keeps the boxed
-    answer's tokens out of the loss, see `sft.packing.encode_conversations`)
-
-    or, for the general rows (function calling, instruction following, chat):
-    {"id": ..., "messages": [[role, text], ...], "source": <url>, "format": "openai" | "sharegpt"}
-
-Sources: `cfg.data.synthetic` demonstrations (code actually executed in the sandbox, results rendered
-with `chat.render_tool_result` under the rollout's truncation settings) plus the files listed in
-`cfg.data.sft_sources` (JSONL or parquet; rows in the form above, OpenAI `messages` or ShareGPT
-`conversations`: rstar2_core/sft/formats.py; malformed ones rejected with a reason and counted in
-`DatasetRef.counts["rejected/<reason>"]`). The file is written atomically; its sha256 is the digest;
-a manifest JSON (counts, config) sits beside it.
-
-The paper's SFT mix is 222K function-calling/instruction/chat samples (the production profile names its
-three parts); the tiny profile uses only the synthetic task.
+Invariant: a malformed row is rejected with a reason and counted (`rejected/<reason>`), never half-read;
+the file is written atomically and its sha256 is the digest. See docs/models-and-sft.md, "SFT data".
 
     rstar2 sft data --profile tiny --out file:///tmp/sft.jsonl
 """

@@ -1,19 +1,13 @@
 """The published formats of non-reasoning SFT data, read into the recipe's chat format.
 
-The paper's SFT mix is function calling (165K), instruction following (30K) and chat (27K); such sets are
-published as OpenAI-style `messages` or ShareGPT `conversations` rows, in JSONL or parquet. `normalize_row`
-turns one row into `{"messages": [[role, text], ...]}` (roles system, user, assistant) as the model sees
-it, which `ChatFormat.render_chats` tokenizes with loss on the assistant turns only:
+`normalize_row` turns one OpenAI-style `messages` or ShareGPT `conversations` row (JSONL or parquet)
+into `{"messages": [[role, text], ...]}` (roles system, user, assistant) as the model sees it: the row's
+tool schemas inside `<tools>` in the system turn, each call as a `<tool_call>` JSON block after its
+turn's text, consecutive tool results as one user turn of `<tool_response>` blocks. A row in the
+recipe's own form (`problem` + `turns`) is left to sft/data.py.
 
-- tools: the row's function schemas (`tools`, OpenAI's form or ShareGPT's JSON string) go into the
-  system turn inside `<tools>` (`chat.prompt.tools_section`), after the row's own system text;
-- calls: an assistant turn's `tool_calls` (OpenAI) or a ShareGPT `function_call` turn become
-  `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` after the turn's text;
-- results: consecutive `tool` (OpenAI) or `observation` / `tool` (ShareGPT) turns become one user turn of
-  `<tool_response>` blocks, as the rollout returns tool results.
-
-A row the recipe's own form (`problem` + `turns`, rstar2_core/sft/data.py) is left to that path. Every
-other row is rejected with a reason (`rejected/<reason>` in the SFT set's counts), never half-read.
+Invariant: every other row is rejected with a reason (`rejected/<reason>` in the SFT set's counts),
+never half-read. See docs/models-and-sft.md, "SFT data".
 """
 
 from __future__ import annotations

@@ -1,34 +1,14 @@
 """Tokenize SFT conversations and pack them into fixed-length rows, sharing the common prompt prefix.
 
-Each conversation becomes `(ids, loss_mask)` through `ChatFormat.render_trajectory` (the same pieces
-the agent loop produces; loss_mask 1 only on assistant text and the final `<|im_end|>`; prompt and
-tool responses 0). Conversations are never split; over-long ones are rejected and counted.
+Each conversation becomes `(ids, loss_mask)` through `ChatFormat.render_trajectory`; over-long ones are
+rejected and counted. A row is plain (position ids restart per conversation) or, when every
+conversation starts with the same >= `MIN_SHARED_PREFIX` tokens, shared-prefix (the prefix once per row,
+each conversation's positions continuing after it). `collate` describes each row by its `Segments` for
+models/packed_attention.py (`dense_mask=True`: the explicit (B, 1, T, T) additive mask, the reference).
 
-Two packings, both exact (every conversation sees exactly the tokens and positions it would see
-alone; `tests/unit/sft/test_sft_packing.py` compares logits):
-
-- plain: conversations concatenated greedily into rows of `max_seq_len`; `position_ids` restart at 0
-  for each one and, with `attention_mask=None`, transformers derives a block-diagonal causal mask from
-  the restarts (`masking_utils.find_packed_sequence_indices`; also the flash-attention varlen path).
-- shared prefix (when all conversations start with the same >= `MIN_SHARED_PREFIX` tokens, i.e. the
-  system turn with the tool schema, ~370 tokens for the tiny tokenizer, 2-3x the assistant text): the
-  prefix is written once at the start of a row and each conversation's remainder follows with
-  positions continuing after the prefix; an explicit additive 4D mask lets a token attend to the
-  prefix and to earlier tokens of its own conversation only. Each row then holds ~3x more
-  conversations.
-
-Padding fills the row tail (its own attention group, label -100).
-
-Attention: `collate` describes each row by its `Segments` (prefix length, conversation spans) for the
-segment attention of `models/packed_attention.py`: one SDPA call per conversation over [prefix,
-itself], no dense mask (on this CPU 1.4-1.5x faster per SFT step than the dense mask: docs/models-and-sft.md,
-"SFT speed"); this also makes the shared-prefix mode work with any backend SDPA has. `dense_mask=True`
-builds the explicit (B, 1, T, T) additive mask instead (the reference the segment path is tested and
-benchmarked against).
-
-Shapes: `PackedRow.input_ids`, `labels`, `position_ids`, `groups`: (T,) with T = max_seq_len;
-`collate` stacks them to (B, T) and adds `segments` (one `Segments` per row), or with `dense_mask`,
-for shared-prefix rows, `attention_mask`: (B, 1, T, T).
+Invariant: packing is exact (every conversation sees exactly the tokens and positions it would see
+alone; tests/unit/sft/test_sft_packing.py compares logits) and never splits a conversation. See
+docs/models-and-sft.md, "Packing".
 """
 
 from __future__ import annotations

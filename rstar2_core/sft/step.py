@@ -1,14 +1,14 @@
 """One SFT optimizer step on packed rows: `sft_update(backend, rows, ...)`, the body every trainer runs.
 
-The local trainer calls it on the whole batch; each Ray trainer shard calls it on its share, with the
-batch's label-token count (`total_tokens`) so that the loss is the token mean over the whole
-batch, the micro-batch count every rank runs (`num_micro_batches`, zero-weight `padding_row` passes
-fill up: every rank must issue the same collectives, rstar2_core/runtime/ray/sharding.py) and `loss_scale` = the world
-size (DeepSpeed averages gradients over ranks).
+The local trainer calls it on the whole batch; each Ray trainer shard on its share, with the batch's
+label-token count (`total_tokens`), the micro-batch count every rank runs (`num_micro_batches`,
+zero-weight `padding_row` passes fill up) and `loss_scale` = the world size (DeepSpeed averages
+gradients over ranks). Loss: token-level cross-entropy on assistant tokens (labels != IGNORE), summed
+per micro-batch and divided by the batch's label count.
 
-Loss: token-level cross-entropy on assistant tokens (labels != IGNORE), summed per micro-batch and
-divided by the batch's label count, so accumulated micro-batch gradients are the gradient of the
-batch's token mean.
+Invariant: the accumulated micro-batch gradients are the gradient of the whole batch's token mean, and
+every rank issues the same collectives (rstar2_core/runtime/ray/sharding.py). See docs/models-and-sft.md,
+"Loss".
 """
 
 from __future__ import annotations

@@ -1,33 +1,13 @@
 """Non-reasoning SFT: `run_sft(cfg, *, base_model_url, sft_data_url, out_url, log_metrics=None, resume=True)`.
 
-What it does: renders the SFT conversations through `ChatFormat`, packs them (`sft/packing.py`), and
-trains on the trainer of the configured runtime (`cluster.runtime`: one `TorchBackend` / single-process
-DeepSpeed in this process, or the Ray runtime's DeepSpeed ZeRO shards, each step's rows split over
-the ranks by label tokens with equal micro-batch counts): AdamW, linear warm-up over `warmup_ratio` of
-the steps then cosine (or constant), global grad-norm clip, bf16 autocast on GPUs. Loss: token-level
-cross-entropy on assistant tokens only (prompt and tool responses masked), averaged over all label
-tokens of the optimizer batch (`sft/step.py`).
+Renders the SFT conversations through `ChatFormat`, packs them (sft/packing.py) and trains on the
+configured runtime's trainer (`cluster.runtime`): AdamW, warm-up then cosine (or constant), global
+grad-norm clip, bf16 autocast on GPUs, loss on assistant tokens only (sft/step.py). Step checkpoints go
+under `<out_url>/steps/`, the last one (weights and tokenizer) to `<out_url>/final`.
 
-Checkpoints: `<out_url>/steps/step-NNNNNN` every `cfg.sft.checkpoint_every` steps (model, tokenizer,
-each rank's optimizer state, RNG; the last two are kept), `<out_url>/final` at the end (weights and
-tokenizer only: RL starts its own optimizer). With `resume=True` a run
-continues from the newest complete step checkpoint (the batch order is a pure function of seed and
-step, so a resumed run produces the same weights as an uninterrupted one) and returns at once if
-`final` is complete. `maybe_inject_fault("sft", step, out_url)` runs at the start of each step (1-based).
-Metrics through `log_metrics(dict, step)`: `sft/loss`, `sft/lr`, `sft/grad_norm`, `sft/tokens_per_s`,
-`sft/epoch`. A tqdm bar shows progress and ETA.
-
-Length and convergence: `sft.max_steps` caps the steps (0: `epochs` passes); the schedule spans them. With
-`sft.converged_loss` the run watches the mean loss of its last `converged_window` steps: below the
-threshold it has converged (`sft/converged_step`), and with `steps_after_converged` it stops that many
-steps later. A run that reaches its last step without converging raises `SFTNotConverged` (retried) and
-writes no `final/`: its step checkpoints are dropped and a marker counts the draw, so the retry starts
-over with the conversations in another order (`SFT_DRAW_SEED_STRIDE` x the draw added to `sft.seed`).
-
-Departs from the paper: lr/batch/epochs come from the profile (the paper: 3 epochs, lr 5e-6, 4%
-warm-up, cosine, batch 128, on 222K samples; the tiny profile trains a from-scratch model at ~1e-3).
-
-    rstar2 sft train --profile tiny --base file:///.../base --data file:///.../sft.jsonl --out file:///.../sft
+Invariant: a resumed run produces the same weights as an uninterrupted one (the batch order is a pure
+function of seed and step); a run that does not reach `sft.converged_loss` raises `SFTNotConverged`
+and writes no `final/`. See docs/models-and-sft.md, "Length and convergence" and "Checkpoints and metrics".
 """
 
 from __future__ import annotations
@@ -198,6 +178,6 @@ def _not_converged(out_url: str, steps_url: str, sc, recent: list[float], steps:
         f"SFT did not converge: the mean loss of its last {len(recent)} steps is {loss:.4f}, above "
         f"sft.converged_loss = {sc.converged_loss}, after {steps} steps (draw {draw + 1}); the policy has not "
         "learned the task, so RL would not train (for the tiny profile: the copying phase change did not happen "
-        "in this draw, docs/models-and-sft.md). No final checkpoint was written. A retry starts SFT over with the "
+        "in this draw, docs/sft-learning.md). No final checkpoint was written. A retry starts SFT over with the "
         "conversations in another order; more steps (sft.max_steps) or another schedule make a miss rarer",
         loss, float(sc.converged_loss), steps, draw)

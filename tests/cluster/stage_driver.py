@@ -51,8 +51,8 @@ def _gang(address: str, overrides: list[str]) -> dict:
     from ray.util.placement_group import placement_group, placement_group_table
 
     from rstar2_core.config import load_config
-    from rstar2_core.runtime.ray.layout import compute_layout
     from rstar2_core.runtime.ray.placement import create_placement_groups, remove_placement_groups
+    from rstar2_core.runtime.specs import layout_for
 
     ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
@@ -71,7 +71,7 @@ def _gang(address: str, overrides: list[str]) -> dict:
         threading.Thread(target=report_waiting, daemon=True).start()
         t0 = time.monotonic()
         try:
-            pgs = create_placement_groups(compute_layout(load_config("tiny", overrides)), timeout_s=300,
+            pgs = create_placement_groups(layout_for(load_config("tiny", overrides)), timeout_s=300,
                                           prefix="t-gang-")
         except BaseException as e:  # noqa: BLE001 - reported to the test
             return {"error": type(e).__name__, "message": str(e), "seconds": time.monotonic() - t0}

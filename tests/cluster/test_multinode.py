@@ -1,5 +1,5 @@
 """The Ray runtime across nodes, on a real multi-node Ray cluster on this machine (a head and two worker
-nodes, each its own raylet: rstar2_core/runtime/ray/local_cluster.py, what `rstar2 cluster up` starts),
+nodes, each its own raylet: rstar2_core/runtime/ray/rehearsal/local_cluster.py, what `rstar2 cluster up` starts),
 with the rehearsal layout (scripts/cluster-rehearsal.overrides: one logical GPU per worker node holding
 trainer rank i and engine i, a sandbox actor beside them) and the store on S3 (a moto server).
 
@@ -37,7 +37,7 @@ from s3_server import AWS_TEST_CREDENTIALS, moto_s3
 from stage_compare import OVERRIDES, assert_same_steps
 
 from rstar2_core import storage
-from rstar2_core.runtime.ray.local_cluster import LocalCluster
+from rstar2_core.runtime.ray.rehearsal.local_cluster import LocalCluster
 
 pytestmark = pytest.mark.slow
 

@@ -219,7 +219,7 @@ def test_full_recipe_through_the_deployment_on_a_multi_node_cluster(services_no_
     from flows.client import retry_flow_run, start_run, watch
     from rstar2_cli.cluster import rehearsal_overrides
     from rstar2_core.config import load_config
-    from rstar2_core.runtime.ray.local_cluster import LocalCluster
+    from rstar2_core.runtime.ray.rehearsal.local_cluster import LocalCluster
     from tasks import tracking
     from tasks.run_store import RunStore
 

@@ -221,3 +221,14 @@ def test_the_module_graph_holds_the_known_lazy_edges():
     assert "rstar2_core.runtime.ray.ray_runtime" in g["rstar2_core.runtime.ray"]       # lazy_exports
     assert "rstar2_core.runtime.local" in g["rstar2_core.runtime.factory"]            # inside a function
     assert "rstar2_core.runtime.ray.errors" in g["tasks.retry"]
+
+
+def test_the_product_runtime_does_not_import_the_local_cluster_harness():
+    """The local multi-node harness (runtime/ray/rehearsal/: several raylets on one machine) serves the CLI,
+    the rehearsal and the tests; the runtime a cluster runs reaches its faults through `node_kill`."""
+    g = module_graph()
+    harness = "rstar2_core.runtime.ray.rehearsal"
+    bad = sorted(m for m, deps in g.items() if m.startswith("rstar2_core.") and not m.startswith(harness)
+                 and any(d.startswith(harness) for d in deps))
+    assert not bad, f"core modules importing the local cluster harness: {bad}"
+    assert any(d.startswith(harness) for d in g["rstar2_cli.cluster"])                 # the scan sees it

@@ -1,18 +1,12 @@
 """`LocalRuntime`: the stage's engines, trainer, sandbox and grader in its own process (the embedded default).
 
-- engines: one per `spec.engines` (`rollout.num_engines`), built by `engine_builder.build_engine` on this
-  process's device (`cuda` when present, else `cpu`); HF engines decode on their own threads, a vLLM
-  engine runs its own workers (tensor parallelism included);
-- trainer: `LocalTrainer` (torch, or single-process DeepSpeed);
-- sandbox: `LocalSandbox` (forked templates on this host), or with `sandbox.backend = "ray"` the Ray
-  actor pool across the cluster's nodes (runtime/ray/sandbox_pool.py);
-- grader: a `GraderPool` of worker processes;
-- weight sync: `state_dict` (engines load the trainer's tensors in process) or `checkpoint` (engines
-  reload the checkpoint the step just published).
-
-Faults: `kill-engine` closes engine 0 (its requests then fail as a dead engine's would),
-`engine-errors` makes engine 0 fail every request; `kill-trainer` raises (there is no trainer process
-to kill) with the message to use the Ray runtime.
+Engines come from `engine_builder.build_engine` on this process's device; the trainer is `LocalTrainer`
+(torch, or single-process DeepSpeed); the sandbox `LocalSandbox`, or with `sandbox.backend = "ray"` the
+Ray actor pool (through runtime/sandboxes.py); the grader a `GraderPool`; weight sync `state_dict` or
+`checkpoint`. Faults: `kill-engine` closes engine 0, `engine-errors` makes it fail every request,
+`stale-weights` loads it with noisy weights; `kill-trainer` and `kill-node` are refused (no trainer
+process to kill). Invariant: nothing here imports runtime/ray/ (nor Ray).
+See docs/runtime.md, "The runtime seam".
 """
 
 from __future__ import annotations
@@ -23,6 +17,7 @@ from typing import Any, Self
 
 from rstar2_core.runtime.engine_builder import FailingEngine, build_engine, engine_busy_seconds
 from rstar2_core.runtime.protocol import OwnedGrader, RuntimeUsage, WeightSyncReport
+from rstar2_core.runtime.sandboxes import local_sandbox, ray_sandbox_pool
 from rstar2_core.runtime.specs import RuntimeSpec, local_device
 
 
@@ -137,15 +132,9 @@ class LocalRuntime:
 
 
 def _local_sandbox(spec: RuntimeSpec):
-    from rstar2_core.sandbox import LocalSandbox
-
-    return LocalSandbox(spec.sandbox)
+    return local_sandbox(spec.sandbox)
 
 
 def _ray_sandbox(spec: RuntimeSpec):
     """The sandbox actor pool over every node of the Ray cluster (`sandbox.backend = "ray"`)."""
-    from rstar2_core.runtime.ray.connect import ensure_ray
-    from rstar2_core.runtime.ray.sandbox_pool import RaySandboxPool
-
-    ensure_ray(spec.cluster)
-    return RaySandboxPool(spec.sandbox)
+    return ray_sandbox_pool(spec.sandbox, cluster=spec.cluster)

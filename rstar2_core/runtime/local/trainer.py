@@ -3,6 +3,7 @@
 It implements `PolicyTrainer` with the step body the stage hands it (`TrainerSpec.step`: rl.trainer.RL_STEP,
 sft.step.SFT_STEP), the same one the Ray trainer shards run, and the same checkpoint layout (HF weights
 + `trainer/rank-00000.pt`), so a local and a Ray run of the same config take the same steps.
+See docs/runtime.md, "Checkpoints a trainer writes".
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """Connecting to (or starting) Ray for the pipeline and the Ray runtime, with the same settings everywhere.
 
 `ray_init_kwargs(cluster)`: `ray.init` arguments for the `cluster` section (a local Ray sized by
-`cluster.cpus_per_node`/`gpus_per_node` with the `RUNTIME_RESOURCE` slot, its temp folder under /tmp
-so that Ray's Unix socket paths stay short; or `cluster.ray_address`), and the environment the
-workers inherit. `ensure_ray(cluster)` initialises Ray in this process when it is not already (a stage
-task dispatched by prefect-ray runs inside a Ray worker, which is); `disconnect_ray()` ends it.
-
-`RUNTIME_RESOURCE` ("rstar2_runtime", 1 on the head node): every pipeline task that drives a Ray
-runtime (sft, rl, hard_subset, eval) asks for one unit of it (tasks/runners.py), so they run one at a
-time. Each runtime's layout takes the cluster's GPUs and sandbox CPUs; two at once would each hold part
-of the placement groups the other waits for. The cluster manifests in infra/ declare it.
+`cluster.cpus_per_node`/`gpus_per_node`, or `cluster.ray_address`) and the environment the workers
+inherit; `ensure_ray(cluster)` initialises Ray in this process unless it already is. Invariant: every
+pipeline task that drives a Ray runtime asks for the one `RUNTIME_RESOURCE` unit ("rstar2_runtime", on
+the head), so they run one at a time; Ray is imported inside the functions only.
+See docs/runtime.md, "One runtime at a time".
 """
 
 from __future__ import annotations
@@ -17,14 +13,14 @@ from __future__ import annotations
 import os
 import tempfile
 
-from rstar2_core.config.sections import ClusterConfig
+from rstar2_core.config.pipeline_sections import ClusterConfig
 
 RUNTIME_RESOURCE = "rstar2_runtime"
 WORKER_NICENESS = 0
 """Niceness of the workers of a Ray this process starts (added to its own). Ray's default is 15, which
 puts the workers, where the stages compute (SFT, the trainer shards, the engines), below every service
 of a one-machine run (the Prefect server, the MLflow UI, the flow process, Ray's own GCS and raylet). It
-is not what makes the demo's SFT step ~1.2x slower than alone (measured: docs/pipeline.md, "Demo").
+is not what makes the demo's SFT step ~1.2x slower than alone (measured: docs/demo.md, "What each mode runs").
 A Ray cluster started with `ray start` keeps its own setting (`ray start --system-config`)."""
 INHERITED_ENV = ("RSTAR2_HOME", "RSTAR2_CONFIG_DIR", "RSTAR2_FAULT_INJECT", "HF_HOME", "HF_HUB_OFFLINE",
                  "XDG_CACHE_HOME", "MPLCONFIGDIR", "TOKENIZERS_PARALLELISM", "AWS_ACCESS_KEY_ID",

@@ -1,26 +1,13 @@
 """Inference engines as Ray actors: `EngineActor` (one engine built inside the actor) and `RemoteEngine`.
 
-- `EngineActor(spec, threads)`: an async Ray actor (many `generate` calls in flight) holding one engine
-  built inside it by `rstar2_core.runtime.engine_builder.build_engine(spec)` (the same builder as the local
-  runtime), so GPU state never crosses processes. It also answers the weight-sync calls of
-  rstar2_core/runtime/ray/weight_sync.py and the rehearsal faults (`fail_requests`).
-- `RemoteEngine(handle, name, tp, on_failure)`: the driver-side proxy; it implements the `Engine` protocol
-  (rollout/types.py), so `rollout_groups(engines=[RemoteEngine, ...])` schedules over the cluster
-  unchanged. An actor death noticed by any of its calls (`generate` included) surfaces as the error
-  `on_failure(name, error)` returns: `start_engines` passes the group's `failure`, which shuts the group
-  down (as for every call through `ActorGroup`, no actor is left holding a GPU meanwhile) and names the
-  engine (`ActorFailure`) or the lost node and its actors (`NodeLost`), both retryable (errors.py).
-- `engine_actor_options(slot, pg)`: Ray options for one `EngineSlot` of the layout (layout.py).
-  TP = 1: the actor takes `slot.gpu_fraction` of its bundle's GPU (0.5 when colocated with a trainer
-  shard, which pins both to the same device). TP > 1: the actor takes no GPU and vLLM's Ray executor
-  (`distributed_executor_backend="ray"`) starts one worker per TP rank on the slot's bundles of the
-  same placement group (`VLLM_RAY_BUNDLE_INDICES`, `VLLM_RAY_PER_WORKER_GPUS`, captured child tasks); the
-  actor drops the visible-device variables Ray gave it (`clear_visible_devices`).
-  With the `ipc` weight sync it also sets `VLLM_ALLOW_INSECURE_SERIALIZATION=1` (IPC handles need vLLM's
-  pickle fallback; trade-off in `engine_actor_options`).
+`EngineActor` builds its engine with `runtime.engine_builder.build_engine` (the local runtime's builder),
+so GPU state never crosses processes; `RemoteEngine` is the driver-side proxy implementing the `Engine`
+protocol, so `rollout_groups` schedules over the cluster unchanged; `engine_actor_options` gives the Ray
+options of one `EngineSlot` of the layout (a GPU share, or vLLM's TP workers on the slot's bundles).
+Invariant: an actor death noticed by any call (`generate` included) shuts the whole group down first and
+surfaces as `ActorFailure` or `NodeLost` (retryable). See docs/ray-runtime.md, "Engine actors".
 
     engines = start_engines(group, layout, runtime_spec.engines)     # one EngineSpec per engine slot
-    groups = await rollout_groups(engines, sandbox, chat, problems, n=32, limits=limits)
 """
 
 from __future__ import annotations
@@ -36,9 +23,11 @@ import ray
 from rstar2_core import storage
 from rstar2_core.rollout.types import GenerationOutput, SamplingParams
 from rstar2_core.runtime.engine_builder import EngineFault, EngineSpec, build_engine, engine_busy_seconds
-from rstar2_core.runtime.ray.errors import ActorFailure
-from rstar2_core.runtime.ray.layout import ENGINE_ACTOR_CPUS, ClusterLayout, EngineSlot
-from rstar2_core.runtime.ray.placement import _ACTOR_DEATHS, ActorGroup, bundle_strategy
+from rstar2_core.runtime.layout import ENGINE_ACTOR_CPUS, ClusterLayout, EngineSlot
+from rstar2_core.runtime.ray.errors import ActorFailure, ray_actor_deaths
+from rstar2_core.runtime.ray.placement import ActorGroup, bundle_strategy
+
+_ACTOR_DEATHS = ray_actor_deaths()   # the one list: runtime/ray/errors.py
 
 VISIBLE_DEVICE_VARS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
 """What an actor with `num_gpus: 0` inherits from Ray that would hide the GPUs from vLLM's Ray executor."""

@@ -1,23 +1,12 @@
 """The Ray backend's errors: its own typed errors, and the one list of Ray's infrastructure errors.
 
-`ray_actor_deaths()` (an actor or its process gone: what the placement and engine code turn into
-`ActorFailure`) and `ray_infra_errors()` (those, plus lost objects, system errors, OOM kills and get
-timeouts: what the pipeline's retry rule, tasks/retry.py, retries when one reaches a task unwrapped) are
-the only lists of Ray's exception classes in the project; `ray_task_error_cause` unwraps a plain
-`RayTaskError`. Ray is imported inside these functions only, so importing this module (the retry rule
-does) never imports Ray.
-
-`ActorFailure` is what any call into a cluster actor raises when the actor died, was killed, or its
-node went away. It is an `rstar2_core.errors.InfraError` (a `ConnectionError`): the pipeline's retry
-rule (tasks/retry.py) retries it without importing this module, the agent loop lets it through instead
-of marking one trajectory as infra-failed (a dead actor ends the step), and a retried stage resumes
-from its last checkpoint. `PlacementTimeout` (a `TimeoutError`, also retried) means the cluster did not have the
-resources of a placement group in time, e.g. while another job holds them; `ActorStartTimeout` (also a
-`TimeoutError`, retried) that actors were not scheduled and constructed in time, naming them.
-
-The errors with constructor arguments (`ActorFailure`, `ActorStartTimeout`, `ActorConfigError`) are
-`PicklableError`s: raised in a stage task on a Ray worker, they reach the flow with their type, message
-and attributes (a cause that cannot be pickled travels as its "Type: message").
+`ray_actor_deaths()` (an actor or its process gone) and `ray_infra_errors()` (those, plus lost objects,
+system errors, OOM kills and get timeouts: what tasks/retry.py retries) are the only lists of Ray's
+exception classes in the project; `ray_task_error_cause` unwraps a plain `RayTaskError`. `ActorFailure`,
+`NodeLost` and `LayoutDoesNotFit` are `InfraError`s, `PlacementTimeout` and `ActorStartTimeout`
+`TimeoutError`s (all retried), `ActorConfigError` a `ValueError` (not). Invariant: Ray is imported inside
+the functions only, so the retry rule imports this module without Ray.
+See docs/runtime.md, "Errors: what is retried, and how they travel".
 """
 
 from __future__ import annotations

@@ -1,31 +1,14 @@
 """Ray placement groups from a `ClusterLayout`, and `ActorGroup`: the stage's actors with one failure
 rule and one clean shutdown.
 
-- `create_placement_groups(layout)` reserves the layout's groups (one STRICT_PACK group per node,
-  layout.py) all or none. Ray places each group atomically but not a set of groups, so this is gang
-  placement on top: first the live nodes' total resources are checked (`fit_layout`); a layout no set
-  of nodes can hold raises `LayoutDoesNotFit` at once, naming per node what it lacks, instead of leaving
-  groups pending forever. Then every group is created and waited for together, the fit checked again
-  every `REFIT_EVERY_S` (a node lost meanwhile raises `LayoutDoesNotFit` then); if they are not all
-  scheduled within `timeout_s` every group is removed (none keeps holding GPUs a later attempt needs)
-  and `PlacementTimeout` lists the free resources per node. Both are retryable: a node that comes back
-  within the task's retries makes a retry fit (an autoscaler sees no demand from a layout refused before
-  its groups exist: docs/cluster.md).
-- `ActorGroup` owns actors and placement groups, and knows each ready actor's node. `call_all`/`get`
-  turn any actor death (crash, OOM kill, `ray.kill`) into `ActorFailure` (retryable, errors.py), or,
-  when a node of the group died, `NodeLost` naming the node and the actors it held, *after* killing
-  every other actor of the group and removing its placement groups, so no process is left holding GPU
-  memory while Prefect waits to retry. An actor whose constructor raised a `ValueError`/`TypeError` (bad config) or an
-  `ImportError` (a package missing on the node) raises `ActorConfigError` instead (not retried; same
-  shutdown first): Ray reports it as a death.
-  `wait_ready(names, timeout_s)` waits for actors to be scheduled and constructed and raises
-  `ActorStartTimeout` (retryable) naming those still pending, after the same shutdown (an actor Ray
-  cannot place in its bundle would otherwise be waited for forever). `shutdown()` does the same on the
-  normal path; the group is a context manager.
+`create_placement_groups(layout)` reserves the layout's groups all or none (gang placement: a layout no
+set of live nodes can hold raises `LayoutDoesNotFit` at once; one not placed in time, `PlacementTimeout`).
+Invariant: an actor death kills every other actor of the `ActorGroup` and removes its placement groups
+*before* the error (`ActorFailure`, `NodeLost`, `ActorConfigError`, `ActorStartTimeout`) propagates, so
+nothing holds a GPU while Prefect waits to retry. See docs/ray-runtime.md, "Placement".
 
     with ActorGroup(layout) as group:                       # creates the placement groups
         a = group.spawn("engine-0", EngineActor, args, **engine_actor_options(slot, group.pg(slot.node)))
-        group.call_all("ping")
 """
 
 from __future__ import annotations
@@ -41,6 +24,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rstar2_core.runtime.layout import ClusterLayout, NodeResources, describe_nodes, fit_layout
 from rstar2_core.runtime.ray.errors import (
     ActorConfigError,
     ActorFailure,
@@ -50,7 +34,6 @@ from rstar2_core.runtime.ray.errors import (
     PlacementTimeout,
     ray_actor_deaths,
 )
-from rstar2_core.runtime.ray.layout import ClusterLayout, NodeResources, describe_nodes, fit_layout
 
 _ACTOR_DEATHS = ray_actor_deaths()   # the one list: runtime/ray/errors.py
 
@@ -123,14 +106,14 @@ def may_be_node_loss(e: BaseException) -> bool:
     return isinstance(e, _UNAVAILABLE + _NODE_DEATHS) or "node has died" in str(e).lower()
 
 
-def _lost_nodes(nodes: dict[str, str], e: BaseException) -> dict[str, list[str]]:
+def _lost_nodes(nodes: dict[str, str], e: BaseException, wait_s: float = NODE_DEATH_WAIT_S) -> dict[str, list[str]]:
     """{dead node's label: the actors it held} for the nodes in `nodes` (actor -> node id) that Ray reports
     dead. An actor call fails a few seconds after its node goes away (the connection drops), well before
     Ray's health check declares the node dead (~15 s by default: `health_check_period_ms` x
     `health_check_failure_threshold`), so when `may_be_node_loss(e)` this waits up to
     `NODE_DEATH_WAIT_S` for the verdict; any other death is checked once, without waiting."""
     try:
-        dead = _dead_nodes(set(nodes.values()), NODE_DEATH_WAIT_S if may_be_node_loss(e) else 0.0)
+        dead = _dead_nodes(set(nodes.values()), wait_s if may_be_node_loss(e) else 0.0)
     except Exception:  # noqa: BLE001 - naming the node must not mask the death being raised
         return {}
     return {f"node {nid[:8]} ({n.get('NodeManagerAddress', '?')})": sorted(a for a, x in nodes.items() if x == nid)

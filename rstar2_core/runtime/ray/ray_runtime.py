@@ -1,33 +1,13 @@
-"""`RayRuntime`: the `StageRuntime` (runtime/protocol.py) on a Ray cluster, built from a
-`RuntimeSpec` (runtime/specs.py).
+"""`RayRuntime`: the `StageRuntime` (runtime/protocol.py) on a Ray cluster, built from a `RuntimeSpec`.
 
-Start order: Ray (connected, or started locally from `cluster.*`) -> one placement group per node
-(layout.py) -> trainer shards (they briefly hold the model on their device before ZeRO partitions it,
-so they go before the engines reserve KV-cache memory; under ZeRO-3 the model is built partitioned)
--> inference engines (`runtime.engine_builder.build_engine` inside each actor) -> the sandbox pool on the
-layout's sandbox bundles (rstar2_core/runtime/ray/sandbox_pool.py) -> the grader pool in this driver process. If any
-start fails, whatever started is stopped before the error propagates. An actor death later raises
-`ActorFailure` (retryable) from the call that noticed it, after the whole group was shut down; leaving
-the `async with` block stops every actor and removes the placement groups in any case (each cleanup
-step runs even when one before it fails; a cleanup error never replaces the error being raised).
+Start order: Ray -> one placement group per node -> trainer shards (before the engines reserve KV-cache
+memory) -> inference engines -> the sandbox pool on the layout's sandbox bundles -> the grader pool in
+this driver process. Invariant: whatever started is stopped on every failure path and on leaving the
+`async with` (each cleanup step runs even when one before it fails; a cleanup error never replaces the
+error being raised), and one runtime per process holds the cluster at a time (`_OPEN`).
+See docs/ray-runtime.md, "Start order and teardown".
 
-One runtime per process at a time (`_OPEN`: a second one, e.g. an evaluation running in a thread beside
-the next RL stage, waits for the first to close), and one runtime-driving pipeline task per cluster at
-a time (the `rstar2_runtime` resource, rstar2_core/runtime/ray/connect.py): a runtime's layout takes the cluster. A
-constructor that fails anywhere after taking `_OPEN` (e.g. an S3 error reading the tokenizer, Ray, the
-placement groups, an actor) releases it, so the Prefect retry of the task in the same process can open
-the next runtime.
-
-Weight sync (`rollout.weight_sync`, rstar2_core/runtime/ray/weight_sync.py): `object_store` (rank 0's state dict, one
-`ray.put`, every engine loads the same object), `checkpoint` (engines reload the published step),
-`nccl` / `ipc` (vLLM's weight transfer, GPU only). Faults (`inject_fault`): `kill-engine` SIGKILLs
-engine actor 0, `kill-trainer` trainer rank 1 (rank 0 with one rank), `kill-node` the raylet of the node
-that holds trainer rank 1 (a local multi-node cluster: local_cluster.py), `engine-errors` makes engine
-actor 0 fail every request.
-
-    spec = RuntimeSpec.from_config(cfg, policy_url=url, max_model_len=n, trainer=TrainerSpec(...))
     async with RayRuntime(spec) as rt:      # what open_runtime(cfg, ...) does for cluster.runtime = "ray"
-        ...
 """
 
 from __future__ import annotations
@@ -36,16 +16,19 @@ import asyncio
 import logging
 import threading
 import uuid
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 from typing import Any, Self
 
 from rstar2_core.config import ConfigError
+from rstar2_core.config.pipeline_sections import ClusterConfig
+from rstar2_core.config.rollout_sections import SandboxConfig
 from rstar2_core.config.runtime_rules import computes_on_gpu
-from rstar2_core.config.sections import ClusterConfig, SandboxConfig
 from rstar2_core.runtime.protocol import OwnedGrader, RuntimeUsage, WeightSyncReport
 from rstar2_core.runtime.ray.connect import ensure_ray, holds_runtime_slot
 from rstar2_core.runtime.ray.engine_actors import RemoteEngine, start_engines
+from rstar2_core.runtime.ray.node_kill import kill_local_raylet
 from rstar2_core.runtime.ray.placement import (
     RUNTIME_GROUP_PREFIX,
     ActorGroup,
@@ -55,6 +38,7 @@ from rstar2_core.runtime.ray.placement import (
 )
 from rstar2_core.runtime.ray.trainer_shards import TrainerGroup
 from rstar2_core.runtime.ray.weight_sync import make_weight_sync
+from rstar2_core.runtime.sandboxes import ray_sandbox_pool
 from rstar2_core.runtime.specs import RuntimeSpec
 
 _OPEN = threading.Lock()
@@ -81,12 +65,14 @@ class RayRuntime:
 
     `model_factory`, `engine_factory` (index -> zero-argument engine builder), `sandbox_factory`
     ((sandbox config, [(placement group, bundle, CPUs)]) -> pool) and `tokenizer` replace the production
-    builders (tests pass fakes)."""
+    builders (tests pass fakes); `node_killer` (Ray node id -> PID killed) carries out the `kill-node`
+    fault (default: `node_kill.kill_local_raylet`, a raylet of this machine)."""
 
     kind = "ray"
 
     def __init__(self, spec: RuntimeSpec, *, model_factory: Any = None, engine_factory: Any = None,
-                 sandbox_factory: Any = None, tokenizer: Any = None):
+                 sandbox_factory: Any = None, tokenizer: Any = None,
+                 node_killer: Callable[[str], int] | None = None):
         from rstar2_core.models.backend import backend_options
         from rstar2_core.models.io import load_tokenizer
 
@@ -99,6 +85,7 @@ class RayRuntime:
         self.sandbox = None
         self.grader = None
         self._grader = OwnedGrader()
+        self._node_killer = node_killer or kill_local_raylet
         self.group: ActorGroup | None = None
         self._holds_lock = False
         if not _OPEN.acquire(blocking=False):
@@ -175,15 +162,13 @@ class RayRuntime:
                 raise ValueError("kill-trainer: this runtime has no trainer")
             kill_and_wait(self.trainer.actor(min(1, self.trainer.world - 1)))
         elif kind == "kill-node":
-            from rstar2_core.runtime.ray.local_cluster import kill_local_raylet
-
             if self.trainer is None:
                 raise ValueError("kill-node: this runtime has no trainer (the fault takes trainer rank 1's node)")
             name = self.trainer.names[min(1, self.trainer.world - 1)]
             node = self.group.nodes.get(name)
             if node is None:
                 raise ValueError(f"kill-node: the node of {name} is not known")
-            pid = kill_local_raylet(node)
+            pid = self._node_killer(node)
             log.warning("fault kill-node: SIGKILLed the raylet (pid %d) and the workers of node %s, which holds %s",
                         pid, node[:8], ", ".join(sorted(a for a, n in self.group.nodes.items() if n == node)))
             wait_node_dead(node)     # as kill-engine waits for the death to be visible: the step goes on after
@@ -270,6 +255,4 @@ def _refuse_node_local_storage() -> None:
 
 
 def _ray_sandbox(sandbox_cfg: SandboxConfig, placements: list[tuple]):
-    from rstar2_core.runtime.ray.sandbox_pool import RaySandboxPool
-
-    return RaySandboxPool(sandbox_cfg, placements=placements)
+    return ray_sandbox_pool(sandbox_cfg, placements=placements)

@@ -2,18 +2,11 @@
 each running a `LocalSandbox` on that node's CPUs, behind the same async API as the local service
 (`await pool.run(req)`, `await pool.run_batch(reqs)`, `run_sync`, `close()`).
 
-- Placement: by default one actor per node (node affinity); or one per given placement-group bundle
-  (the sandbox bundles of `rstar2_core/runtime/ray/layout.py`), holding that bundle's CPUs.
-- Backpressure: at most `max_inflight_per_actor` requests are outstanding on an actor (default
-  4 x its workers); callers beyond that wait, so a burst of 45K tool calls queues in the caller, not in
-  the object store.
-- Health: `await pool.health()` pings every actor; an actor that died (or fails a call with
-  RayActorError) is replaced on the same node and the requests it held are answered `internal`.
-- Grading can run on the same actors (`await pool.grade_many(items)`), as the paper offloads
-  verification to the environment: each actor keeps a `rstar2_core.reward.GraderPool` (hard timeouts).
-
-Run: `ray.init(...)` (or a cluster address) first, then `make_sandbox(cfg.sandbox)` with
-`backend = "ray"`. Tests: tests/unit/sandbox/test_ray_pool.py (local Ray, marked slow).
+Placement: one actor per node (node affinity), or one per given placement-group bundle (the layout's
+sandbox bundles). Invariant: at most `max_inflight_per_actor` requests are outstanding on an actor
+(callers beyond that wait, so a burst queues in the caller, not in the object store), and an actor that
+dies is replaced on its node with the requests it held answered `internal`. Runtimes open it through
+runtime/sandboxes.py. See docs/sandbox.md, "How it works" (Ray pool).
 """
 
 from __future__ import annotations
@@ -82,7 +75,7 @@ class RaySandboxPool:
     def __init__(self, cfg: SandboxConfig, max_inflight_per_actor: int = 0, chunk: int = 16,
                  placements: list[tuple[PlacementGroup, int, int]] | None = None):
         """`placements`: (placement group, bundle index, CPUs) per actor, e.g. from the sandbox slots of
-        `rstar2_core/runtime/ray/layout.py`; the actor then holds that bundle's CPUs. Without it: `ray_actors_per_node`
+        `rstar2_core/runtime/layout.py`; the actor then holds that bundle's CPUs. Without it: `ray_actors_per_node`
         actors (default 1) on every alive node with CPUs, pinned by node affinity, reserving no CPU in
         Ray's accounting (they use the node's CPUs outside of Ray tasks)."""
         if not ray.is_initialized():

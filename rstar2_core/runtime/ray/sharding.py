@@ -2,10 +2,11 @@
 
 Under DeepSpeed ZeRO-2 every `backward()` reduces gradients and under ZeRO-3 every forward gathers
 parameters: ranks that run different numbers of forward/backward calls issue mismatched collectives and
-hang (PEERS.md). So the work is split by token count (`split_by_weight`, greedy longest-first onto the
+hang. So the work is split by token count (`split_by_weight`, greedy longest-first onto the
 least-loaded rank) and every rank runs the same number of micro-batches, `micro_batches_per_rank`,
 padding with zero-weight passes (rl.trainer.padding_trajectory, sft.step.padding_row). A rank may get
 no real work at all and still takes part in every collective.
+See docs/ray-runtime.md, "Trainer shards that cannot deadlock".
 """
 
 from __future__ import annotations

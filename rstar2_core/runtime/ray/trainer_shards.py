@@ -1,27 +1,12 @@
 """Trainer shards as Ray actors: the data-parallel DeepSpeed ranks of the policy, one per trainer slot
-of the layout, behind the `PolicyTrainer` protocol (rstar2_core/runtime/protocol.py).
+of the layout, behind the `PolicyTrainer` protocol (runtime/protocol.py).
 
-- `TrainerShardActor(rank, world, model_factory, backend_options, step, threads)`: a Ray actor;
-  `init(master_addr, port)` joins the process group (gloo on CPU, nccl/rccl on GPUs; Ray has set the
-  visible device, so LOCAL_RANK is 0 inside the actor), loads the policy onto the shard's device and
-  builds the `DeepSpeedBackend`. Under ZeRO-3 the model is built inside `deepspeed.zero.Init` (through
-  transformers' `HfDeepSpeedConfig`), so no GPU ever holds the whole model.
-- `TrainerGroup`: spawns the shards in an `ActorGroup` (placement from the layout), waits until all are
-  placed (`ready_timeout_s`: `ActorStartTimeout` naming the shards still pending), initialises them
-  together (the rendezvous blocks until every rank has joined), and runs each optimizer step on all
-  ranks with the stage's step body (`TrainerStep`: rl.trainer.RL_STEP, sft.step.SFT_STEP): the step's
-  items ((trajectory, advantage) pairs or packed rows) are split by token count (rstar2_core/runtime/ray/sharding.py),
-  every rank runs the same number of micro-batches (zero-weight padding passes where it has fewer), each
-  rank's loss is the global token mean's share times the world size (DeepSpeed averages gradients over
-  ranks), so the step's gradient is exactly that of the whole batch's token mean.
+`TrainerShardActor` joins the process group in `init` (gloo on CPU, nccl/rccl on GPUs) and builds its
+`DeepSpeedBackend` (under ZeRO-3 inside `deepspeed.zero.Init`); `TrainerGroup` spawns, places and
+initialises the shards together and runs each optimizer step on all of them with the stage's step body.
+Invariant: every rank runs the same number of micro-batches over its token-balanced share (sharding.py),
+and the step's gradient is exactly the whole batch's token mean. See docs/ray-runtime.md, "Trainer shards".
 
-Checkpoints: `save(staging_url)` has every rank take part (ZeRO-3 gathers the 16-bit weights to rank
-0, which writes the HF folder) and each rank write its own optimizer partition
-(`trainer/rank-NNNNN.pt`, rstar2_core/runtime/checkpoint.py) straight to storage; `load_state(url)` reads them
-back and refuses another world size. Weight sync: `weights_ref()` (object store) and the vLLM
-transfer calls in rstar2_core/runtime/ray/weight_sync.py.
-
-    trainers = TrainerGroup(group, layout, model_factory, backend_options(cfg.rl, cfg.model, ...), RL_STEP)
     metrics = trainers.step(list(zip(trajectories, advantages)), micro_batch_size=8, pad_id=pad_id, ...)
 """
 
@@ -36,8 +21,8 @@ from typing import Any
 import ray
 
 from rstar2_core import storage
+from rstar2_core.runtime.layout import TRAINER_SHARD_CPUS, ClusterLayout, TrainerShard
 from rstar2_core.runtime.protocol import TrainerStep
-from rstar2_core.runtime.ray.layout import TRAINER_SHARD_CPUS, ClusterLayout, TrainerShard
 from rstar2_core.runtime.ray.placement import ActorGroup, bundle_strategy
 from rstar2_core.runtime.ray.sharding import micro_batches_per_rank, split_by_weight
 

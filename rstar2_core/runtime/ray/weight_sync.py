@@ -3,52 +3,11 @@
     sync = make_weight_sync(mode, runtime)      # built once per runtime
     report = sync.push(checkpoint_url)         # after every optimizer step; bytes and seconds
 
-Backends (each push waits until every engine serves the new weights; no request is in flight between
-RL steps, and vLLM engines additionally pause generation and reset their prefix cache):
-
-- `object_store` (`ObjectStoreSync`): trainer rank 0 (after a collective gather under ZeRO-3) puts the
-  full 16-bit state dict in Ray's object store once; every engine actor gets the same reference (Ray
-  moves it once per node) and loads it (`Engine.update_weights`). Bytes = one state dict. For 14B
-  (~29.5 GB) that is a host copy per node per step: fine on CPU and for small models.
-- `checkpoint` (`CheckpointSync`): engines reload the checkpoint the step just published; nothing goes
-  through Ray, every engine reads the whole checkpoint.
-- `nccl` (`NCCLSync`, vLLM, `separate` layout): vLLM's NCCL weight transfer. Once, trainer rank 0 and
-  every engine's TP workers join one NCCL group: each rank builds vLLM's trainer engine
-  (`WeightTransferTrainerFactory.trainer_init(NCCLTrainerInitInfo(...))`, rank 0 opening the group as its
-  rank 0) while each engine joins with its rank offset (1 + the TP sizes of the engines before it) and the
-  packed wire settings (`nccl_engine_init_info`). Per push every rank runs `send_weights()` (ZeRO-3:
-  `GatheredParameters` one at a time, a collective; rank 0 broadcasts packed) while each engine opens an
-  update, receives and loads incrementally, and closes it (`start_weight_update`, `update_weights` with
-  names/dtypes/shapes only, `finish_weight_update`). No host copy. The driver, not rank 0, makes the
-  engine-side calls (`DriverDrivenClient`), so it waits on both sides of the collective at once.
-- `ipc` (`IPCSync`, vLLM, `colocated` layout): each trainer rank shares a GPU with one engine TP worker;
-  per push every engine opens an update, then per bucket of parameters (`IPC_BUCKET_BYTES`) every rank
-  gathers the bucket, keeps it alive and returns CUDA-IPC handles keyed by its GPU's UUID; the driver
-  merges, per engine, the handles of the ranks colocated with its workers and the engine loads them
-  (vLLM's unpacked IPC update info), then the ranks drop the bucket; the engines close the update. No
-  copy leaves the GPU. The engine actors run with `VLLM_ALLOW_INSECURE_SERIALIZATION=1`
-  (rstar2_core/runtime/ray/engine_actors.py `engine_actor_options`: vLLM's msgpack encoder refuses the handles without its
-  pickle fallback).
-
-Sleep mode (`rollout.release_memory_during_training`, vLLM engines in the colocated layout): the RL
-step runs its optimizer step and the push inside `RayRuntime.training()` (`_Sync.training`). On entry
-every engine `sleep(level=1)`s (vLLM drops the KV cache and offloads the weights to host memory, so the
-trainer shard on the same GPU gets it back); `push` then wakes the weights (`wake_up(["weights"])`),
-transfers, and wakes the KV cache (`wake_up(["kv_cache"])`): vLLM's documented order, which keeps the
-KV cache unallocated while the transfer runs. On a normal exit without a push (the step took no update)
-the engines `wake_up()` fully; an exception leaves them asleep (the runtime is being torn down).
-
-GPU only: `nccl` and `ipc` are written against vLLM 0.32's weight-transfer API and have not run on GPUs
-in this project. What runs for real on CPU (tests/vllm/): the engine side of the protocol against vLLM's
-CPU build (an update without a start, unknown update keys and a finish without a start are refused the
-way the fake of the GPU-only paths refuses them). What is tested in one process
-(tests/unit/runtime/ray/test_weight_transfer.py): the `NCCLSync` and `IPCSync` drivers, the per-rank steps
-through the real `TrainerShardActor.call`, and the real `EngineActor` + `VLLMEngine` over a strict fake
-`vllm` (tests/vllm_fake.py): what each engine is told per push or bucket, the NCCL rank offsets, which
-ranks' handles (by GPU UUID) reach which engine, what rank 0 sends, that every rank joins each ZeRO-3
-gather, that IPC buckets stay alive until loaded, and that an engine raising or dying in its side of the
-NCCL rendezvous or broadcast fails the sync (after the group shut down) instead of leaving it waiting.
-Not tested: real NCCL, CUDA IPC, vLLM on GPUs. Sleep mode: tests/unit/runtime/ray/test_sleep_mode.py.
+Backends: `object_store` (`ObjectStoreSync`), `checkpoint` (`CheckpointSync`), `nccl` (`NCCLSync`, vLLM,
+separate layout), `ipc` (`IPCSync`, vLLM, colocated); sleep mode around the step is `_Sync.training`.
+Invariant: a push returns only once every engine serves the new weights, and an engine failing its side
+of a transfer fails the sync instead of leaving a trainer rank in the collective. `nccl` and `ipc` have
+not run on GPUs. See docs/ray-runtime.md, "Weight sync".
 """
 
 from __future__ import annotations

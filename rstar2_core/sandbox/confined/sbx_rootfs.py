@@ -1,18 +1,12 @@
 """The calls' minimal root, built once per template in its own mount namespace (standard library only;
-loaded by template.py): a small tmpfs holding
-- the host paths of the service's plan (rstar2_core/sandbox/rootfs.py), each bind-mounted read-only
-  (nosuid, nodev) at its own path, or copied where small, with the symlinks on the way there
-  recreated as symlinks;
-- `/dev` with null, zero, random, urandom (device nodes, or binds of the host's where mknod is not
-  allowed), `/dev/shm` -> `/tmp`, `/dev/fd` and `/dev/std*` -> `/proc/self/fd`;
-- empty `/proc` and `/tmp`, on which each call mounts its own procfs and tmpfs (sbx_child.py);
+loaded by template.py): a small tmpfs holding the host paths of the service's plan
+(rstar2_core/sandbox/rootfs.py), each bind-mounted read-only (nosuid, nodev) at its own path or
+copied where small, a minimal `/dev`, and empty `/proc` and `/tmp` on which each call mounts its own;
 then `pivot_root` into it, detach the host's tree, and make the root itself read-only.
 
-Paths of the plan under `/tmp` (a checkout or virtual environment there, as on many CI runners) would be
-hidden by each call's own `/tmp`: they are built under `TMP_HOLD` (`/.tmp-host/...`) instead, and each
-call links its `/tmp/<entry>` to `/.tmp-host/<entry>` after mounting its tmpfs (`tmp_links`), so the
-interpreter finds them at their own paths, still read-only. The root's own `/tmp`, which the template
-itself sees while it imports its preloads, holds the same links.
+Invariant: the plan's paths under `/tmp` are built under `TMP_HOLD` (`/.tmp-host/...`) and linked from
+each call's own `/tmp` (`tmp_links`), so that a call's tmpfs does not hide them. See docs/sandbox.md,
+"How it works" (A minimal root per template).
 """
 
 from __future__ import annotations

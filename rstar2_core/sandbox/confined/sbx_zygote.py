@@ -1,19 +1,13 @@
 """The zygote: the process every call's child is cloned from, so that no child inherits the memory of
-the template, which holds the requests' code and stdin and the calls' output.
+the template, which holds the requests' code and stdin and the calls' output. The template forks it
+once at start-up, before it reads any request; per call it receives (SOCK_SEQPACKET) the call's slot,
+uid, cwd and limits with the call's pipe fds, clones the child with CLONE_PARENT inside the call's own
+mount namespace (made ahead), and answers its pid and that namespace's fd. It also keeps the slots'
+network namespaces.
 
-The template forks it once at start-up, after its imports and preloads and before it reads any
-request. For a call, the template sends it (a SOCK_SEQPACKET socketpair) the call's slot, uid, cwd
-and limits, never its code or stdin, with the call's pipe fds (SCM_RIGHTS: stdin, stdout, stderr
-and a pipe the child reads its code from after the fork). The zygote moves into the call's own mount
-namespace (one made ahead, after the previous call), clones the child with CLONE_PARENT, so the child
-is the template's (which waits for it, reads its rusage and kills it, as before), moves back, and
-answers the child's pid with the namespace's fd (the template hands it to the reaper after the call).
-The zygote also keeps the slots' network namespaces. So a child's memory is the template's as it was
-before the first request plus the zygote's own small messages; it cannot find another call's code or
-output by walking frames or scanning its memory.
-
-Loaded by template.py from this directory; standard library only. It dies with the template
-(PR_SET_PDEATHSIG), and stops when the template's end of the socket closes.
+Invariant: it never receives a call's code or stdin. Standard library only; loaded by template.py;
+it dies with the template (PR_SET_PDEATHSIG) and stops when the template's end of the socket closes.
+See docs/sandbox.md, "How it works" (A zygote clones the children).
 """
 
 from __future__ import annotations

@@ -209,13 +209,13 @@ def _flags(cmd: str | list[str]) -> dict[str, str]:
 
 
 def test_the_local_cluster_starts_its_nodes_as_the_manifests_do(prod):
-    """The local multi-node cluster (`rstar2 cluster up`, rstar2_core/runtime/ray/local_cluster.py) and the
+    """The local multi-node cluster (`rstar2 cluster up`, rstar2_core/runtime/ray/rehearsal/local_cluster.py) and the
     cluster manifests start Ray nodes with the same resource flags: the head offers the one
     `rstar2_runtime` unit and (on KubeRay and locally) no GPU; every GPU node declares its GPUs and CPUs,
     the manifests with the production profile's numbers, the local cluster with the rehearsal's."""
     from rstar2_cli.cluster import rehearsal_overrides
     from rstar2_core.runtime.ray.connect import RUNTIME_RESOURCE
-    from rstar2_core.runtime.ray.local_cluster import node_command
+    from rstar2_core.runtime.ray.rehearsal.local_cluster import node_command
 
     reh = load_config("tiny", rehearsal_overrides()).cluster
     local_head = _flags(node_command("head", port=1, num_cpus=3, temp_dir="/tmp/x"))

@@ -10,7 +10,7 @@ def test_the_overlay_changes_only_allowed_keys():
     base, rehearsed = load_config("qwen3-14b-mi300x"), load_config("qwen3-14b-mi300x", overlay_overrides())
     diffs = differences(base, rehearsed)
     assert not_allowed(diffs) == [], not_allowed(diffs)
-    assert 40 <= len(diffs) <= 60, len(diffs)           # docs/production.md lists them
+    assert 40 <= len(diffs) <= 60, len(diffs)           # docs/rehearsal.md lists them
     # what an ML engineer would not want a rehearsal to change, it does not
     assert base.rl.grpo.model_dump(exclude={"group_size"}) == rehearsed.rl.grpo.model_dump(exclude={"group_size"})
     assert base.data.sources == rehearsed.data.sources
@@ -33,7 +33,7 @@ def test_a_change_outside_the_allow_list_is_named():
 
 
 def test_the_rehearsed_layout_spans_two_nodes_of_one_logical_gpu():
-    from rstar2_core.runtime.ray.layout import compute_layout
+    from rstar2_core.runtime.specs import layout_for
 
-    layout = compute_layout(load_config("qwen3-14b-mi300x", overlay_overrides()))
+    layout = layout_for(load_config("qwen3-14b-mi300x", overlay_overrides()))
     assert layout.nodes * layout.gpus_per_node == 2 and len(layout.trainer_shards) == 2 and len(layout.engines) == 1

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rstar2_core.rollout.admission import Job, KVAdmission, LengthModel, StaticAdmission, static_assignment
+from rstar2_core.rollout.admission import Job, KVAdmission, StaticAdmission, static_assignment
+from rstar2_core.rollout.length_model import LengthModel
 
 P, MAX = 100, 1000                     # prompt tokens, max response tokens
 

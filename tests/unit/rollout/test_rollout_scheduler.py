@@ -15,8 +15,9 @@ from rollout_fakes import ScriptedSandbox, call_text, tiny_model
 
 from rstar2_core.chat.tokens import ANSWER_CLOSE, TOOL_CALL_CLOSE
 from rstar2_core.rollout import scheduler
-from rstar2_core.rollout.admission import Job, LengthModel
+from rstar2_core.rollout.admission import Job
 from rstar2_core.rollout.hf_engine import HFEngine
+from rstar2_core.rollout.length_model import LengthModel
 from rstar2_core.rollout.scheduler import rollout_groups, rollout_metrics, run_rollout_groups
 from rstar2_core.rollout.types import GenerationOutput, RolloutLimits
 

@@ -91,19 +91,19 @@ def test_weight_transfer_groups_and_buckets_of_the_production_layout():
     from types import SimpleNamespace
 
     from rstar2_core.config import load_config
-    from rstar2_core.runtime.ray.layout import compute_layout
     from rstar2_core.runtime.ray.weight_sync import IPCSync, buckets, nccl_group
+    from rstar2_core.runtime.specs import layout_for
 
     assert nccl_group([2, 2, 2]) == (7, [1, 3, 5])
     assert buckets([4, 4, 9, 1, 1], 8) == [[0, 1], [2], [3, 4]]
     cfg = load_config("qwen3-14b-mi300x")
-    rt = SimpleNamespace(layout=compute_layout(cfg))
+    rt = SimpleNamespace(layout=layout_for(cfg))
     ranks = IPCSync.colocated_ranks(SimpleNamespace(rt=rt))
     assert len(ranks) == 32 and ranks[0] == [0, 1] and ranks[5] == [10, 11] and ranks[31] == [62, 63]
     sep = load_config("qwen3-14b-mi300x", ['cluster.layout="separate"', "cluster.trainer_gpus=32",
                                            "rollout.num_engines=16", 'rollout.weight_sync="nccl"'])
     with pytest.raises(ValueError, match="colocated"):
-        IPCSync.colocated_ranks(SimpleNamespace(rt=SimpleNamespace(layout=compute_layout(sep))))
+        IPCSync.colocated_ranks(SimpleNamespace(rt=SimpleNamespace(layout=layout_for(sep))))
 
 
 def test_an_engine_actor_with_tp_over_ray_drops_the_visible_devices_ray_set():

@@ -13,7 +13,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rstar2_core.rollout.admission import KVAdmission, LengthModel, StaticAdmission, static_assignment
+from rstar2_core.rollout.admission import KVAdmission, StaticAdmission, static_assignment
+from rstar2_core.rollout.length_model import LengthModel
 
 
 def _engine_sim():

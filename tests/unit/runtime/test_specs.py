@@ -15,7 +15,7 @@ from rstar2_core.sft.step import SFT_STEP
 
 ROOT = Path(__file__).resolve().parents[3]
 # the translation from the config: these may name it; every other module under runtime/ and the step may not
-TRANSLATORS = {"rstar2_core/runtime/specs.py", "rstar2_core/runtime/factory.py", "rstar2_core/runtime/ray/layout.py"}
+TRANSLATORS = {"rstar2_core/runtime/specs.py", "rstar2_core/runtime/factory.py"}
 
 
 def test_a_local_spec_has_one_engine_spec_per_engine_and_the_trainers_own_section():

@@ -126,7 +126,7 @@ def test_settings_that_turn_isolation_off_must_allow_it(make_cfg, caplog):
 def test_the_config_names_every_isolation_property():
     from typing import get_args
 
-    from rstar2_core.config.sections import IsolationProperty
+    from rstar2_core.config.rollout_sections import IsolationProperty
     from rstar2_core.sandbox.properties import PROPERTIES
 
     assert list(get_args(IsolationProperty)) == list(PROPERTIES)

@@ -1,4 +1,4 @@
-"""One adversarial property per test (docs/sandbox.md lists what is and is not isolated)."""
+"""One adversarial property per test (docs/sandbox-isolation.md lists what is and is not isolated)."""
 
 from __future__ import annotations
 
@@ -199,7 +199,7 @@ def test_without_namespaces_daemons_still_die(make_cfg):
         f = box.features["light"]["features"]
         assert not f["pidns"] and not f["netns"]
         if not f["uid_drop"]:
-            pytest.skip("not root: without namespaces a daemon that calls setsid can escape (docs/sandbox.md)")
+            pytest.skip("not root: without namespaces a daemon that calls setsid can escape (docs/sandbox-isolation.md)")
         r = run(box, _SPAWN_TREE.format(name=name).replace("while True:\n    pass", "time.sleep(0.5)"))
         assert r.status is Status.OK
         time.sleep(0.2)

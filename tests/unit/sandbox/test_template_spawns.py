@@ -1,4 +1,4 @@
-"""The template's pipelined spawns (template.py `_spawn`, `_on_zygote`), driven in this process with a
+"""The template's pipelined spawns (confined/sbx_calls.py `_spawn`, `_on_zygote`), driven in this process with a
 fake zygote: the template sends a call's spec and goes on; the answers come as events, in order. Covered
 here because a real zygote refuses a clone only when the host runs out of processes: a refused clone
 fails that call alone, an answer out of order stops the template, a kill asked for before the pid

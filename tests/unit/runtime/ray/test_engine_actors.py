@@ -13,7 +13,7 @@ import torch
 from rstar2_core.config import load_config
 from rstar2_core.rollout.types import GenerationOutput, SamplingParams
 from rstar2_core.runtime.ray.errors import ActorFailure
-from rstar2_core.runtime.ray.layout import compute_layout
+from rstar2_core.runtime.specs import layout_for
 
 
 class FakeEngine:
@@ -65,7 +65,7 @@ def _fake_factory(i):
 
 
 def _cpu_layout(n_engines: int):
-    return compute_layout(load_config("tiny", [f"rollout.num_engines={n_engines}"]))
+    return layout_for(load_config("tiny", [f"rollout.num_engines={n_engines}"]))
 
 
 class _Trainer:
@@ -137,11 +137,11 @@ def test_production_engine_options_pin_tp_workers():
     from rstar2_core.runtime.specs import engine_spec
 
     cfg = load_config("qwen3-14b-mi300x")
-    layout = compute_layout(cfg)
+    layout = layout_for(cfg)
     opts = engine_actor_options(layout.engines[5], None)
     assert opts["num_gpus"] == 0
     assert opts["runtime_env"]["env_vars"] == {"VLLM_RAY_BUNDLE_INDICES": "2,3", "VLLM_RAY_PER_WORKER_GPUS": "0.5"}
-    tp1 = compute_layout(load_config("qwen3-14b-mi300x", ["rollout.tensor_parallel_size=1",
+    tp1 = layout_for(load_config("qwen3-14b-mi300x", ["rollout.tensor_parallel_size=1",
                                                           "rollout.num_engines=64"]))
     assert engine_actor_options(tp1.engines[9], None) == {"num_cpus": 1, "num_gpus": 0.5}
     spec = engine_spec(cfg, "s3://rstar2-artifacts/runs/x/sft", 12288 + 2048, "cuda")

@@ -8,18 +8,18 @@ from collections import Counter
 import pytest
 
 from rstar2_core.config import ConfigError, load_config
-from rstar2_core.runtime.ray.layout import (
+from rstar2_core.runtime.layout import (
     LayoutError,
     NodeResources,
-    compute_layout,
     driver_conflicts,
     fit_layout,
 )
+from rstar2_core.runtime.specs import layout_for
 
 
 def test_production_layout_uses_64_gpus_colocated():
     cfg = load_config("qwen3-14b-mi300x")
-    lay = compute_layout(cfg)
+    lay = layout_for(cfg)
     assert (lay.nodes, lay.gpus_per_node, lay.total_gpus) == (8, 8, 64)
     assert len(lay.placement_groups) == 8 and all(pg.strategy == "STRICT_PACK" for pg in lay.placement_groups)
     assert [pg.gpus for pg in lay.placement_groups] == [8] * 8
@@ -48,7 +48,7 @@ def test_production_layout_uses_64_gpus_colocated():
 
 def test_production_profile_driver_holds_no_gpu_and_a_reservation_is_refused():
     cfg = load_config("qwen3-14b-mi300x")
-    lay = compute_layout(cfg)
+    lay = layout_for(cfg)
     assert cfg.cluster.runtime == "ray" and cfg.cluster.resources["rl"].num_gpus == 0
     assert driver_conflicts(lay, cfg.cluster.resources.get("rl")) == []
     with pytest.raises(ConfigError, match=r"cluster.resources.rl.num_gpus = 0"):
@@ -63,7 +63,7 @@ def test_separate_layout_splits_gpus():
     cfg = load_config("qwen3-14b-mi300x", ["cluster.layout=\"separate\"", "cluster.trainer_gpus=32",
                                            "rollout.weight_sync=\"nccl\"",
                                            "rollout.num_engines=16", "sandbox.ray_actors_per_node=4"])
-    lay = compute_layout(cfg)
+    lay = layout_for(cfg)
     trainer = {(t.node, t.bundle_index) for t in lay.trainer_shards}
     engine = {(e.node, b) for e in lay.engines for b in e.bundle_indices}
     assert len(trainer) == 32 and len(engine) == 32 and not trainer & engine
@@ -83,18 +83,18 @@ def test_separate_layout_splits_gpus():
 ])
 def test_bad_layouts_name_the_fix(overrides, needle):
     with pytest.raises(LayoutError, match=needle.replace(".", r"\.")):
-        compute_layout(load_config("qwen3-14b-mi300x", overrides))
+        layout_for(load_config("qwen3-14b-mi300x", overrides))
 
 
 def test_cpu_only_layout_runs_engines_in_the_driver():
-    lay = compute_layout(load_config("tiny"))
+    lay = layout_for(load_config("tiny"))
     assert lay.total_gpus == 0 and lay.trainer_shards[0].bundle_index == -1
     assert all(e.bundle_indices == () for e in lay.engines)
     assert [b.resources() for b in lay.placement_groups[0].bundles] == [{"CPU": 1.0}]  # 2 CPUs - 1 driver
     with pytest.raises(ConfigError, match="the HF engine has no tensor parallelism"):
         load_config("tiny", ["rollout.tensor_parallel_size=2"])
     with pytest.raises(LayoutError, match="needs GPUs"):
-        compute_layout(load_config("tiny", ["rollout.tensor_parallel_size=2", 'rollout.engine="vllm"']))
+        layout_for(load_config("tiny", ["rollout.tensor_parallel_size=2", 'rollout.engine="vllm"']))
 
 
 @pytest.mark.parametrize("overrides", [
@@ -108,7 +108,7 @@ def test_every_bundle_holds_the_cpus_its_actors_ask(overrides):
     from rstar2_core.runtime.ray.engine_actors import engine_actor_options
     from rstar2_core.runtime.ray.trainer_shards import trainer_shard_options
 
-    lay = compute_layout(load_config("qwen3-14b-mi300x", overrides))
+    lay = layout_for(load_config("qwen3-14b-mi300x", overrides))
     demand = Counter()
     for s in lay.trainer_shards:
         demand[(s.node, s.bundle_index)] += trainer_shard_options(s, None)["num_cpus"]
@@ -130,16 +130,16 @@ def _node(nid: str, cpu: float, gpu: float = 0.0, free: dict | None = None, head
 
 
 def test_the_rehearsal_is_the_gpu_layout_computed_on_the_cpu():
-    lay = compute_layout(load_config("tiny", REHEARSAL))
+    lay = layout_for(load_config("tiny", REHEARSAL))
     assert lay.device == "cpu" and [pg.gpus for pg in lay.placement_groups] == [1, 1]
     assert [(t.node, t.bundle_index) for t in lay.trainer_shards] == [(0, 0), (1, 0)]
     assert [(e.node, e.bundle_indices) for e in lay.engines] == [(0, (0,)), (1, (0,))]
     assert "1 logical GPU" in lay.describe()[0]
-    assert compute_layout(load_config("qwen3-14b-mi300x")).device == "cuda"
+    assert layout_for(load_config("qwen3-14b-mi300x")).device == "cuda"
 
 
 def test_fit_places_each_group_on_a_node_that_holds_it_whole():
-    lay = compute_layout(load_config("tiny", REHEARSAL))       # 2 groups of {GPU 1, CPU 3}
+    lay = layout_for(load_config("tiny", REHEARSAL))       # 2 groups of {GPU 1, CPU 3}
     head, w1, w2 = _node("h", 3, head=True), _node("a", 4, 1), _node("b", 4, 1)
     fit = fit_layout(lay, [head, w1, w2])
     assert fit.fits and fit.placement == {"rstar2-node0": w1.label, "rstar2-node1": w2.label}

@@ -11,8 +11,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from rstar2_core.runtime.ray import local_cluster
-from rstar2_core.runtime.ray.local_cluster import LocalCluster, Node
+from rstar2_core.runtime.ray.rehearsal import local_cluster
+from rstar2_core.runtime.ray.rehearsal.local_cluster import LocalCluster, Node
 
 
 def _cluster(tmp_path: Path, worker_pid: int, started: float) -> LocalCluster:

@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from rstar2_core.config import load_config
+from rstar2_core.runtime.layout import LayoutError
 from rstar2_core.runtime.ray.errors import (
     ActorConfigError,
     ActorFailure,
@@ -22,7 +23,7 @@ from rstar2_core.runtime.ray.errors import (
     LayoutDoesNotFit,
     PlacementTimeout,
 )
-from rstar2_core.runtime.ray.layout import LayoutError, compute_layout
+from rstar2_core.runtime.specs import layout_for
 from tasks import retry
 
 pytestmark = pytest.mark.slow
@@ -61,7 +62,7 @@ def test_killed_actor_fails_the_group_cleanly(ray_here):
     ray = ray_here
     from rstar2_core.runtime.ray.placement import ActorGroup, bundle_strategy
 
-    layout = compute_layout(load_config("tiny"))  # one CPU bundle (2 CPUs - 1 for the driver)
+    layout = layout_for(load_config("tiny"))  # one CPU bundle (2 CPUs - 1 for the driver)
     group = ActorGroup(layout, timeout_s=60, prefix="t-kill-")
     pgs = list(group.pgs)
     assert _pg_states(ray, pgs) == {"CREATED"}
@@ -128,7 +129,7 @@ def test_a_class_named_by_a_remote_traceback_is_never_imported(tmp_path, monkeyp
     assert "rstar2_remote_only" not in sys.modules and "RSTAR2_REMOTE_ONLY_RAN" not in os.environ
     assert creation_config_error(death("no_such_pkg.Error: x")) is None
     assert creation_config_error(death("ValueError: bad")) == "ValueError: bad"
-    layout_error = "rstar2_core.runtime.ray.layout.LayoutError: set rollout.num_engines = 32"
+    layout_error = "rstar2_core.runtime.layout.LayoutError: set rollout.num_engines = 32"
     assert creation_config_error(death(layout_error)) == layout_error
 
 
@@ -140,7 +141,7 @@ def test_a_layout_no_node_can_hold_fails_at_once_naming_what_each_node_lacks(loc
     ray = local_ray
     from rstar2_core.runtime.ray.placement import create_placement_groups
 
-    layout = compute_layout(load_config("tiny", ["cluster.cpus_per_node=64"]))  # 63 sandbox CPUs on a 2-CPU Ray
+    layout = layout_for(load_config("tiny", ["cluster.cpus_per_node=64"]))  # 63 sandbox CPUs on a 2-CPU Ray
     before = _live_groups(ray)
     with pytest.raises(LayoutDoesNotFit, match="rstar2-node0 needs 63 CPU on one node") as ei:
         create_placement_groups(layout, timeout_s=600.0, prefix="t-nofit-")
@@ -157,7 +158,7 @@ def test_a_layout_that_fits_but_not_now_times_out_and_frees_every_group(local_ra
 
     from rstar2_core.runtime.ray.placement import create_placement_groups
 
-    layout = compute_layout(load_config("tiny", ["cluster.nodes=2", "cluster.cpus_per_node=2",
+    layout = layout_for(load_config("tiny", ["cluster.nodes=2", "cluster.cpus_per_node=2",
                                                  "storage.shared_filesystem=true"]))
     assert [pg.cpus for pg in layout.placement_groups] == [1, 1]
     blocker = placement_group([{"CPU": 1}], name="t-blocker")
@@ -219,8 +220,8 @@ def test_engines_not_ready_in_time_raise_a_retryable_error_naming_them(ray_here)
     the engine actor asking 1 CPU of the same bundle is never scheduled; the readiness wait gives up after
     its timeout, names the engine and shuts the group down. A second engine still constructing is named
     too; the one that started is not."""
+    from rstar2_core.runtime.layout import Bundle, ClusterLayout, EngineSlot, PlacementGroupSpec
     from rstar2_core.runtime.ray.engine_actors import start_engines
-    from rstar2_core.runtime.ray.layout import Bundle, ClusterLayout, EngineSlot, PlacementGroupSpec
     from rstar2_core.runtime.ray.placement import ActorGroup, bundle_strategy
 
     layout = ClusterLayout("colocated", 1, 0, 2, (PlacementGroupSpec("t-ready", 0, (Bundle(0, 1, "gpu"),)),),
@@ -243,7 +244,7 @@ def test_engines_not_ready_in_time_raise_a_retryable_error_naming_them(ray_here)
 def test_trainer_shards_not_placed_in_time_raise_a_retryable_error(ray_here):
     """A shard Ray cannot place (here: half a GPU on a CPU-only Ray) fails the trainer's start after the
     timeout instead of blocking the rendezvous forever."""
-    from rstar2_core.runtime.ray.layout import ClusterLayout, TrainerShard
+    from rstar2_core.runtime.layout import ClusterLayout, TrainerShard
     from rstar2_core.runtime.ray.placement import ActorGroup
     from rstar2_core.runtime.ray.trainer_shards import TrainerGroup
 

@@ -196,7 +196,7 @@ def test_ipc_buckets_carry_the_colocated_ranks_handles_by_gpu_uuid_and_are_relea
     from torch.multiprocessing import reductions
 
     from rstar2_core.runtime.ray import weight_sync
-    from rstar2_core.runtime.ray.layout import compute_layout
+    from rstar2_core.runtime.specs import layout_for
 
     shared: list[tuple] = []     # what each handle points at: (GPU uuid, tensor)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: _RANK["current"])
@@ -205,7 +205,7 @@ def test_ipc_buckets_carry_the_colocated_ranks_handles_by_gpu_uuid_and_are_relea
                         lambda t: shared.append((f"GPU-{_RANK['current']}", t)) or ("handle", len(shared) - 1))
     monkeypatch.setattr(weight_sync, "IPC_BUCKET_BYTES", 60)           # lin.weight + lin.bias | emb.weight
     cfg = load_config("qwen3-14b-mi300x", ["cluster.nodes=1", "rollout.num_engines=4"])
-    layout = compute_layout(cfg)
+    layout = layout_for(cfg)
     trainer, engines = _Trainer(8), _engines(4, 2, "ipc", tmp_path)
     sync = weight_sync.IPCSync(SimpleNamespace(engines=engines, trainer=trainer, layout=layout))
     rep = sync.push()
@@ -237,7 +237,7 @@ def test_ipc_holds_each_bucket_until_the_engines_loaded_it(monkeypatch, tmp_path
     from torch.multiprocessing import reductions
 
     from rstar2_core.runtime.ray import weight_sync
-    from rstar2_core.runtime.ray.layout import compute_layout
+    from rstar2_core.runtime.specs import layout_for
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: _RANK["current"])
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(uuid=f"GPU-{i}"))
@@ -252,7 +252,7 @@ def test_ipc_holds_each_bucket_until_the_engines_loaded_it(monkeypatch, tmp_path
         await update(self, request)
 
     monkeypatch.setattr(FakeAsyncLLM, "update_weights", recording)
-    weight_sync.IPCSync(SimpleNamespace(engines=engines, trainer=trainer, layout=compute_layout(cfg))).push()
+    weight_sync.IPCSync(SimpleNamespace(engines=engines, trainer=trainer, layout=layout_for(cfg))).push()
     assert held_at_load == [8 * 3] * 4          # one bucket (1 GiB default): all 3 tensors held on 8 ranks
     assert all("ipc_held" not in s.extras for s in trainer.shards)
     _close(engines)

@@ -1,39 +1,14 @@
 """Actor layout of an RL stage on the cluster: which GPUs/CPUs each engine, trainer shard and sandbox
-actor gets, as Ray placement-group bundles. Pure logic (no ray import): `rstar2 plan` prints it without
-a cluster, `rstar2_core/runtime/ray/placement.py` turns it into real placement groups.
+actor gets, as Ray placement-group bundles (one STRICT_PACK group per node).
 
-One placement group per node, strategy STRICT_PACK (all its bundles on one node), bundles in order:
+Pure logic (no Ray import) over the config's `cluster`, `rollout` and `sandbox` sections: `rstar2 plan`
+prints it without a cluster, runtime/ray/placement.py turns it into placement groups, and `fit_layout`
+places it on paper on a live cluster's nodes. Invariant: a layout that would leave an actor pending
+forever (too few CPUs in a GPU bundle, an engine across nodes) raises `LayoutError` naming the field.
 
-    [GPU bundle 0 .. GPU bundle g-1]  each {"GPU": 1, "CPU": cluster.cpus_per_gpu}
-    [sandbox bundle 0 .. s-1]         each {"CPU": (free CPUs of the node) // s}
-
-A trainer shard and an engine actor each ask 1 CPU of their (first) GPU bundle, so the colocated layout
-needs `cluster.cpus_per_gpu >= 2` (the separate layout 1); a smaller value is a `LayoutError` naming it.
-
-Layouts (`cluster.layout`):
-- `colocated` (the paper's and verl's default): every GPU holds one trainer shard (ZeRO-3 data-parallel
-  rank) *and* a share of one inference engine; they take turns (engines generate, then sleep/free KV
-  cache while the trainer steps). In Ray terms each of the two asks for a fraction of the same GPU
-  bundle (`gpu_fraction` 0.5 + 0.5), which is what pins them to the same physical GPU.
-- `separate`: the first `cluster.trainer_gpus` GPUs hold trainer shards (whole GPUs), the rest hold
-  engines (whole GPUs); generation and training can overlap, at the cost of the weights living twice.
-
-An engine with tensor parallelism `tp` spans `tp` consecutive GPU bundles of one node (never across
-nodes: TP all-reduces every layer and needs the intra-node fabric). With tp > 1 the engine actor itself
-takes no GPU: vLLM's Ray executor starts one worker per TP rank on the listed bundles
-(`VLLM_RAY_BUNDLE_INDICES`, `VLLM_RAY_PER_WORKER_GPUS`), see rstar2_core/runtime/ray/engine_actors.py.
-
-CPU-only clusters (`cluster.gpus_per_node = 0`, the tiny profile with `cluster.runtime = "ray"`):
-`rollout.num_engines` engine actors and `cluster.trainer_ranks` (default 1) gloo trainer shards take
-no bundle (num_cpus 0: they share the node's cores with the sandbox, each with
-`cluster.actor_torch_threads` threads); the placement groups hold only the sandbox bundles. On every
-node the RL driver task's CPUs (`cluster.resources.rl.num_cpus`) stay free.
-
-Departure from the paper: the paper does not describe its placement. This follows verl/OpenRLHF.
-
-    layout = compute_layout(cfg)          # raises LayoutError naming the config field to change
-    print("\\n".join(layout.describe()))
+    layout = compute_layout(cfg.cluster, cfg.rollout, cfg.sandbox)          # or specs.layout_for(cfg)
     problems = driver_conflicts(layout, cfg.cluster.resources.get("rl"))   # [] when it fits
+See docs/ray-runtime.md, "Cluster layout".
 """
 
 from __future__ import annotations
@@ -41,7 +16,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from rstar2_core.config import Config
+from rstar2_core.config import ClusterConfig, RolloutConfig, SandboxConfig
 from rstar2_core.config.runtime_rules import computes_on_gpu
 
 COLOCATED_GPU_FRACTION = 0.5  # engine share + trainer share of one GPU bundle in the colocated layout
@@ -172,18 +147,19 @@ def _ranges(xs: list[int]) -> str:
     return f"{xs[0]}" if len(xs) == 1 else f"{xs[0]}-{xs[-1]}"
 
 
-def _driver(cfg: Config) -> Any | None:
-    return cfg.cluster.resources.get("rl")
+def _driver(cl: ClusterConfig) -> Any | None:
+    return cl.resources.get("rl")
 
 
-def compute_layout(cfg: Config) -> ClusterLayout:
-    """The RL stage's actor layout for `cfg.cluster` and `cfg.rollout` (see the module docstring).
+def compute_layout(cluster: ClusterConfig, rollout: RolloutConfig, sandbox: SandboxConfig) -> ClusterLayout:
+    """The RL stage's actor layout for the config's `cluster`, `rollout` and `sandbox` sections (see the
+    module docstring).
 
     The RL driver task's CPUs (`cluster.resources.rl.num_cpus`, default 1: Ray's default for a task) are
     kept free on every node, since the driver may land on any of them."""
-    cl, ro = cfg.cluster, cfg.rollout
+    cl, ro = cluster, rollout
     gpn, tp = cl.gpus_per_node, ro.tensor_parallel_size
-    driver = _driver(cfg)
+    driver = _driver(cl)
     driver_cpus = int(-(-float(driver.num_cpus) // 1)) if driver is not None else 1
     reserved = gpn * cl.cpus_per_gpu + driver_cpus
     free = cl.cpus_per_node - reserved
@@ -191,13 +167,13 @@ def compute_layout(cfg: Config) -> ClusterLayout:
         raise LayoutError(f"cluster.cpus_per_node = {cl.cpus_per_node} leaves no CPU for the sandbox after "
                           f"{gpn} GPUs x cluster.cpus_per_gpu = {cl.cpus_per_gpu} and {driver_cpus} for the RL "
                           "driver task (cluster.resources.rl.num_cpus); lower those or raise cluster.cpus_per_node")
-    n_sb = cfg.sandbox.ray_actors_per_node or 1
+    n_sb = sandbox.ray_actors_per_node or 1
     if n_sb > free:
         raise LayoutError(f"sandbox.ray_actors_per_node = {n_sb} exceeds the {free} free CPUs of a node; "
                           f"set it to at most {free} (0 = one actor per node)")
     sb_cpus = free // n_sb
     if gpn == 0:
-        return _cpu_layout(cfg, sb_cpus, n_sb)
+        return _cpu_layout(cl, ro, sb_cpus, n_sb)
     if gpn % tp:
         raise LayoutError(f"rollout.tensor_parallel_size = {tp} must divide cluster.gpus_per_node = {gpn} "
                           "(an engine's TP ranks stay on one node)")
@@ -250,15 +226,14 @@ def _check_bundle_cpus(cl: Any, engines: list[EngineSlot], shards: list[TrainerS
                           f"cluster.cpus_per_gpu >= {need}")
 
 
-def _cpu_layout(cfg: Config, sb_cpus: int, n_sb: int) -> ClusterLayout:
+def _cpu_layout(cl: ClusterConfig, ro: RolloutConfig, sb_cpus: int, n_sb: int) -> ClusterLayout:
     """No GPUs: engines and the trainer run in the driver process (bundle index -1); placement groups
     hold only the sandbox actors."""
-    cl = cfg.cluster
-    if cfg.rollout.tensor_parallel_size != 1:
+    if ro.tensor_parallel_size != 1:
         raise LayoutError("rollout.tensor_parallel_size > 1 needs GPUs; set it to 1 or cluster.gpus_per_node > 0")
     pgs = tuple(PlacementGroupSpec(f"rstar2-node{n}", n, (Bundle(0, sb_cpus, "sandbox"),) * n_sb)
                 for n in range(cl.nodes))
-    engines = tuple(EngineSlot(i, 0, (), 1, 0.0) for i in range(cfg.rollout.num_engines))
+    engines = tuple(EngineSlot(i, 0, (), 1, 0.0) for i in range(ro.num_engines))
     sandbox = tuple(SandboxSlot(n, j, sb_cpus) for n in range(cl.nodes) for j in range(n_sb))
     shards = tuple(TrainerShard(r, 0, -1, 0.0) for r in range(max(1, cl.trainer_ranks)))
     return ClusterLayout(cl.layout, cl.nodes, 0, cl.cpus_per_node, pgs, engines, shards, sandbox)

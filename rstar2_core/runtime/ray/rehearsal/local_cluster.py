@@ -1,28 +1,13 @@
 """A multi-node Ray cluster on this machine: a head and N worker nodes, each its own raylet with its own
 logical resources, so placement across nodes, cross-node object transfer and the loss of a node are
-Ray's real ones. What `rstar2 cluster up` starts (the way to rehearse a cluster run on a laptop) and what
-the multi-node tests run on.
+Ray's real ones. What `rstar2 cluster up` starts and what the multi-node tests run on.
 
     with LocalCluster(workers=2, cpus_per_node=4, gpus_per_node=1, root=tmp) as c:   # head + 2 workers
-        c.address                     # "127.0.0.1:<port>": cluster.ray_address / RAY_ADDRESS (Ray itself
-                                      # binds every interface and names the nodes by the machine's IP)
-        c.kill_node(1)                # SIGKILL worker 1's raylet and its workers: a lost node
-        c.restart_node(1)             # the node is back (a new raylet with the same resources)
-        c.restart_dead_nodes()        # every worker whose raylet died
+        c.kill_node(1); c.restart_node(1)       # a lost node; the node back with the same resources
 
-Every node is one `ray start --block` process started here, whose children are the node's raylet (and,
-on the head, the GCS): stopping a node is a signal to that PID (`stop` sends SIGTERM to the workers, then
-the head, and SIGKILLs whatever of their process trees is left); a raylet that dies takes its
-`ray start` process down with it. Each process is recorded with its start time, and only signalled
-while that PID is still the same process (a PID the system reused is left alone). `node_command(...)` is the one place the `ray start` arguments are
-written: the head offers the `rstar2_runtime` unit (connect.py) and no GPU, as the CPU head of
-infra/k8s/raycluster.yaml does (the `ray up` head of infra/ray/cluster.yaml is one of the GPU machines and
-also offers the unit); the workers offer `gpus_per_node` GPUs,
-logical on this CPU machine (the config says `cluster.logical_gpus = true`) and `cpus_per_node` CPUs.
-
-The head runs with a shorter node health check than Ray's default (`HEALTH_CHECK`: a lost node declared
-dead after ~3 s instead of ~15 s) so that a rehearsed node loss is named quickly; everything else is
-Ray's defaults. Nothing here imports Ray: the nodes are processes, and callers connect with `ray.init`.
+Invariant: every node is one `ray start --block` process, recorded with its start time and signalled
+only while that PID is still the same process (never a reused PID); `node_command` is the one place the
+`ray start` arguments are written. See docs/cluster.md, "The local cluster harness".
 """
 
 from __future__ import annotations
@@ -40,9 +25,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Self
 
 from rstar2_core.runtime.ray.connect import RUNTIME_RESOURCE
+from rstar2_core.runtime.ray.node_kill import kill_process_tree, process_tree, signal_recorded, start_times
 
 if TYPE_CHECKING:
-    from rstar2_core.config.sections import ClusterConfig
+    from rstar2_core.config.pipeline_sections import ClusterConfig
 
 HEALTH_CHECK = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
 OBJECT_STORE_BYTES = 128 * 1024 * 1024
@@ -137,10 +123,10 @@ class LocalCluster:
             with open(node.log, "rb") as f:
                 f.seek(start)
                 if STARTED.encode() in f.read():
-                    node.procs = _procs([node.pid, *_tree(node.pid)])
+                    node.procs = start_times([node.pid, *process_tree(node.pid)])
                     return node
             time.sleep(0.25)
-        _signal(_procs([node.pid, *_tree(node.pid)]), signal.SIGKILL)
+        signal_recorded(start_times([node.pid, *process_tree(node.pid)]), signal.SIGKILL)
         raise TimeoutError(f"ray start ({node.role} {node.index}) not up within {START_TIMEOUT_S:.0f} s; "
                            f"its log: {node.log}")
 
@@ -158,7 +144,7 @@ class LocalCluster:
     def raylet_pid(self, index: int) -> int:
         """The raylet of node `index` (0 = head)."""
         node = self.nodes[index]
-        for pid in _tree(node.pid):
+        for pid in process_tree(node.pid):
             if _name(pid) == "raylet":
                 return pid
         raise RuntimeError(f"node {index} has no running raylet")
@@ -176,9 +162,9 @@ class LocalCluster:
         if index < 1:
             raise ValueError("kill_node takes a worker node (1..workers): the head holds the GCS")
         node = self.nodes[index]
-        _kill_raylet(self.raylet_pid(index))
+        kill_process_tree(self.raylet_pid(index))
         _wait_gone(node.pid, node.procs.get(node.pid), 30.0)
-        _signal(node.procs, signal.SIGKILL)
+        signal_recorded(node.procs, signal.SIGKILL)
 
     def node_down(self, index: int) -> bool:
         """Whether worker node `index` is lost: its `ray start` process has exited, or its raylet is gone
@@ -186,7 +172,7 @@ class LocalCluster:
         node = self.nodes[index]
         if not _alive(node.pid, node.procs.get(node.pid)):
             return True
-        return not any(_name(pid) == "raylet" for pid in _tree(node.pid))
+        return not any(_name(pid) == "raylet" for pid in process_tree(node.pid))
 
     def restart_node(self, index: int) -> None:
         """Start worker node `index` again (a new raylet with the same resources). A node whose raylet is
@@ -195,7 +181,7 @@ class LocalCluster:
         if not self.node_down(index):
             raise RuntimeError(f"node {index} is still running (pid {node.pid})")
         _wait_gone(node.pid, node.procs.get(node.pid), RESTART_WAIT_S)
-        _signal(node.procs, signal.SIGKILL)
+        signal_recorded(node.procs, signal.SIGKILL)
         self.nodes[index] = self._launch(self._spec(node.role, index))
 
     def restart_dead_nodes(self) -> list[int]:
@@ -213,7 +199,7 @@ class LocalCluster:
         out = []
         for n in self.nodes:
             alive = _alive(n.pid, n.procs.get(n.pid))       # a dead node's PID may be another process's now
-            raylets = [pid for pid in _tree(n.pid) if _name(pid) == "raylet"] if alive else []
+            raylets = [pid for pid in process_tree(n.pid) if _name(pid) == "raylet"] if alive else []
             out.append(f"--- {n.role} {n.index}: ray start pid {n.pid} "
                        f"{'alive' if alive else 'gone'}, raylet {raylets or 'none'}, "
                        f"log {n.log}")
@@ -260,40 +246,14 @@ def stop_recorded(state: dict) -> list[int]:
     signalled = []
     nodes = [(n["pid"], {int(p): t for p, t in n["procs"].items()}) for n in reversed(state.get("nodes", []))]
     for pid, procs in nodes:
-        signalled += _signal({p: t for p, t in procs.items() if p == pid}, signal.SIGTERM)
+        signalled += signal_recorded({p: t for p, t in procs.items() if p == pid}, signal.SIGTERM)
     for pid, procs in nodes:
         _wait_gone(pid, procs.get(pid), 20.0)
-        signalled += _signal(procs, signal.SIGKILL)
+        signalled += signal_recorded(procs, signal.SIGKILL)
     return signalled
 
 
-def kill_local_raylet(node_id: str) -> int:
-    """SIGKILL Ray node `node_id` as a vanished machine: its raylet and every process below it (the
-    node's actor workers) at once, if the raylet is a process of this machine (the `kill-node` fault of a
-    local multi-node cluster); returns the raylet's PID. Refuses the head (it holds the GCS)."""
-    import psutil
-
-    for p in psutil.process_iter(["name", "cmdline"]):
-        cmd = p.info["cmdline"] or []
-        if p.info["name"] == "raylet" and f"--node_id={node_id}" in cmd:
-            if any("node:__internal_head__" in c for c in cmd):
-                raise ValueError(f"node {node_id[:8]} is the head (it holds the GCS): kill-node takes a worker node")
-            _kill_raylet(p.pid)
-            return p.pid
-    raise ValueError(f"node {node_id[:8]}'s raylet is not a process of this machine: the kill-node fault "
-                     "rehearses a lost node on a local multi-node cluster (`rstar2 cluster up`)")
-
-
 # ----------------------------------------------------------------------------------------- processes
-def _tree(pid: int) -> list[int]:
-    import psutil
-
-    try:
-        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return []
-
-
 def _name(pid: int) -> str:
     import psutil
 
@@ -332,38 +292,3 @@ def _wait_gone(pid: int, started: float | None, timeout_s: float) -> None:
             os.waitpid(pid, os.WNOHANG)    # reap our own child, if it is one
         except ChildProcessError:
             pass
-
-
-def _procs(pids: list[int]) -> dict[int, float]:
-    """{pid: start time} of the processes of `pids` that exist."""
-    import psutil
-
-    out = {}
-    for pid in pids:
-        try:
-            out[pid] = psutil.Process(pid).create_time()
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
-
-def _signal(procs: dict[int, float], sig: int) -> list[int]:
-    """Send `sig` to each recorded process that is still the same one (pid and start time); returns those."""
-    import psutil
-
-    sent = []
-    for pid, started in procs.items():
-        try:
-            p = psutil.Process(pid)
-            if p.create_time() == started and p.status() != psutil.STATUS_ZOMBIE:
-                p.send_signal(sig)
-                sent.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return sent
-
-
-def _kill_raylet(pid: int) -> None:
-    """SIGKILL a raylet and every process below it (the node's actor workers) at once: a vanished machine.
-    A raylet killed alone leaves its workers answering calls for seconds."""
-    _signal(_procs([*_tree(pid), pid]), signal.SIGKILL)
