@@ -40,7 +40,7 @@ def _curate(args: argparse.Namespace) -> int:
     from rstar2_core.eval.sampler import label_check_sampler
 
     cfg = load(args)
-    storage.configure_s3(cfg.storage.s3_endpoint_url, cfg.storage.s3_region)
+    storage.configure_from(cfg.storage)
     out = args.out or storage.join(cfg.resolved_storage_root(), "datasets", "curated")
     try:
         with label_check_sampler(cfg) as sampler:

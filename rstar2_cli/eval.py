@@ -38,7 +38,7 @@ def _eval(args: argparse.Namespace) -> int:
     from tasks.modelref import ModelRefError, resolve_model_ref
 
     cfg = load(args)
-    storage.configure_s3(cfg.storage.s3_endpoint_url, cfg.storage.s3_region)
+    storage.configure_from(cfg.storage)
     try:
         ckpt = resolve_model_ref(args.model, cfg.resolved_tracking_uri())
         names = [benchmark_from_url(b, layout=args.layout) if args.layout else b for b in args.bench]

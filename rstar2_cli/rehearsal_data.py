@@ -96,7 +96,7 @@ def fill(cfg: Any) -> list[str]:
     URLs written. Checks that they are the URLs the profile reads, so that a renamed one fails here."""
     from rstar2_cli.rehearsal_model import BASE_URL, rehearsal_base_model_in_child
 
-    storage.configure_s3(endpoint_url=cfg.storage.s3_endpoint_url, region=cfg.storage.s3_region)
+    storage.configure_from(cfg.storage)
     files = datasets()
     wanted = {s.url for s in cfg.data.sources} | set(cfg.data.sft_sources) | {b.url for b in cfg.eval.benchmarks}
     if set(files) != wanted:

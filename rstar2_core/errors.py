@@ -72,6 +72,21 @@ class StaleEngineWeights(InfraError):
     holds (the failure TRL issue #5312 describes for sleep-mode engines)."""
 
 
+class StoreUnavailable(InfraError):
+    """The artifact store (S3, a network file system) did not answer a read or write for longer than
+    `storage.outage_retry_s`, through every retry (rstar2_core/storage.py). Retryable: the stage's retry
+    resumes from its last complete checkpoint; nothing half-written is marked complete."""
+
+    def __init__(self, what: str, url: str, tries: int, waited_s: float, budget_s: float, cause: BaseException):
+        self.what, self.url, self.tries, self.waited_s, self.budget_s = what, url, tries, waited_s, budget_s
+        self.cause = cause
+        super().__init__(f"the store did not answer while it {what} {url}: {type(cause).__name__}: "
+                         f"{str(cause)[:300]} (retried {tries} times over {waited_s:.0f} s; "
+                         f"storage.outage_retry_s = {budget_s:g} s). Check the endpoint "
+                         "(storage.s3_endpoint_url) and its credentials; a retry of the stage resumes from its "
+                         "last complete checkpoint")
+
+
 class CorruptCheckpoint(ValueError):
     """A checkpoint marked complete lacks what resuming from it needs (the RL or SFT trainer state, a
     rank's optimizer state). Deterministic: the message names the checkpoint and the fix (delete it, and

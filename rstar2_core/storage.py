@@ -3,7 +3,9 @@
 Files are written to a temporary name beside the target and renamed (local) or uploaded then
 committed (object stores, where a PUT is atomic per object). Directories (checkpoints) are complete
 only when their `_COMPLETE` marker exists; `write_dir_atomic` writes the marker last and readers
-use `is_complete` / `latest_complete` to ignore half-written ones.
+use `is_complete` / `latest_complete` to ignore half-written ones. A remote operation that cannot reach
+its store (connection refused or reset, a timeout) is retried with backoff for `outage_retry_s` seconds
+(`storage.outage_retry_s`), then raises `StoreUnavailable` (retryable). See docs/faults.md.
 """
 
 from __future__ import annotations
@@ -11,7 +13,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
+import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -20,25 +25,108 @@ from typing import Any
 
 import fsspec
 
+from rstar2_core.errors import StoreUnavailable
+
 COMPLETE_MARKER = "_COMPLETE"
 _S3_OPTIONS: dict[str, Any] = {}
+DEFAULT_OUTAGE_RETRY_S = 120.0          # StorageConfig.outage_retry_s's default
+_OUTAGE_RETRY_S = DEFAULT_OUTAGE_RETRY_S
+_RETRIES = {"n": 0}
+_RETRIES_LOCK = threading.Lock()
 
 
-def configure_s3(endpoint_url: str | None = None, region: str | None = None) -> None:
-    """Set s3fs client options for every s3:// URL this process opens afterwards (from StorageConfig).
+def configure_s3(endpoint_url: str | None = None, region: str | None = None,
+                 outage_retry_s: float | None = None) -> None:
+    """Set s3fs client options for every s3:// URL this process opens afterwards (from StorageConfig), and
+    how long a remote operation waits out an unreachable store (`outage_retry_s`; None: the default).
     Process-wide: a Ray actor that reads or writes the store gets the driver's settings
     (`s3_settings()`) as a constructor argument and calls this first."""
+    global _OUTAGE_RETRY_S
     _S3_OPTIONS.clear()
     if endpoint_url or region:
         _S3_OPTIONS["client_kwargs"] = {k: v for k, v in
                                         (("endpoint_url", endpoint_url), ("region_name", region)) if v}
+    _OUTAGE_RETRY_S = DEFAULT_OUTAGE_RETRY_S if outage_retry_s is None else float(outage_retry_s)
 
 
-def s3_settings() -> dict[str, str]:
+def set_outage_retry_s(seconds: float) -> None:
+    """How long a remote operation waits out an unreachable store in this process (leaves the endpoint)."""
+    global _OUTAGE_RETRY_S
+    _OUTAGE_RETRY_S = float(seconds)
+
+
+def configure_from(section: Any) -> None:
+    """`configure_s3` from a config's `storage` section (its endpoint, region and outage budget)."""
+    configure_s3(section.s3_endpoint_url, section.s3_region, section.outage_retry_s)
+
+
+def s3_settings() -> dict[str, Any]:
     """The arguments `configure_s3` was last given in this process ({} for none): what an actor on another
-    node needs to reach the same S3 endpoint."""
+    node needs to reach the same S3 endpoint, and wait out its outages as long."""
     kw = _S3_OPTIONS.get("client_kwargs", {})
-    return {k: v for k, v in (("endpoint_url", kw.get("endpoint_url")), ("region", kw.get("region_name"))) if v}
+    out: dict[str, Any] = {k: v for k, v in (("endpoint_url", kw.get("endpoint_url")),
+                                             ("region", kw.get("region_name"))) if v}
+    if _OUTAGE_RETRY_S != DEFAULT_OUTAGE_RETRY_S:
+        out["outage_retry_s"] = _OUTAGE_RETRY_S
+    return out
+
+
+def outage_retries() -> int:
+    """How many remote operations this process retried because the store was unreachable."""
+    return _RETRIES["n"]
+
+
+def _unreachable_errors() -> tuple[type[BaseException], ...]:
+    errs: tuple[type[BaseException], ...] = (ConnectionError, TimeoutError)
+    try:
+        from botocore.exceptions import ConnectionError as BotoConnectionError
+        from botocore.exceptions import HTTPClientError
+        errs += (BotoConnectionError, HTTPClientError)
+    except ImportError:
+        pass
+    try:
+        from fsspec.exceptions import FSTimeoutError
+        errs += (FSTimeoutError,)
+    except ImportError:
+        pass
+    return errs
+
+
+def _is_unreachable(exc: BaseException) -> bool:
+    """The store did not answer (refused, reset, timed out), as opposed to an answer (missing key, denied)."""
+    if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
+        return False
+    if isinstance(exc, _unreachable_errors()):
+        return True
+    cause = exc.__cause__ or exc.__context__
+    return isinstance(exc, OSError) and cause is not None and cause is not exc and _is_unreachable(cause)
+
+
+def _remote(what: str, url: str, fn: Callable[[], Any]) -> Any:
+    """`fn()` (one idempotent remote operation: a whole object written, read, listed or removed), retried
+    with exponential backoff (0.5 s doubling to 8 s) while the store is unreachable, for at most
+    `outage_retry_s` seconds from the start of the first failed attempt (which includes the S3 client's
+    own retries, up to ~15 s); then `StoreUnavailable`."""
+    first, delay, tries = None, 0.5, 0
+    while True:
+        started = time.monotonic()
+        try:
+            return fn()
+        except Exception as e:
+            if not _is_unreachable(e):
+                raise
+            first = started if first is None else first      # the client's own retries count as waiting
+            waited = time.monotonic() - first
+            if waited >= _OUTAGE_RETRY_S:
+                raise StoreUnavailable(what, url, tries, waited, _OUTAGE_RETRY_S, e) from e
+            tries += 1
+            with _RETRIES_LOCK:
+                _RETRIES["n"] += 1
+            if tries == 1:
+                print(f"WARNING: the store is unreachable ({type(e).__name__}: {str(e)[:200]}) while it {what} "
+                      f"{url}; retrying for up to {_OUTAGE_RETRY_S:g} s (storage.outage_retry_s)", file=sys.stderr)
+            time.sleep(min(delay, max(0.0, _OUTAGE_RETRY_S - waited)))
+            delay = min(delay * 2, 8.0)
 
 
 def fs_for(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
@@ -69,13 +157,19 @@ def to_local_path(url: str) -> Path | None:
 
 def exists(url: str) -> bool:
     fs, path = fs_for(url)
-    return fs.exists(path)
+    if to_local_path(url) is not None:
+        return fs.exists(path)
+    return _remote("checked", url, lambda: fs.exists(path))
 
 
 def read_bytes(url: str) -> bytes:
     fs, path = fs_for(url)
-    with fs.open(path, "rb") as f:
-        return f.read()
+
+    def read() -> bytes:
+        with fs.open(path, "rb") as f:
+            return f.read()
+
+    return read() if to_local_path(url) is not None else _remote("read", url, read)
 
 
 def read_text(url: str) -> str:
@@ -102,8 +196,11 @@ def write_bytes_atomic(url: str, data: bytes) -> None:
             Path(tmp).unlink(missing_ok=True)
             raise
         return
-    with fs.open(path, "wb") as f:  # one PUT: an object store never shows a partial object
-        f.write(data)
+    def put() -> None:
+        with fs.open(path, "wb") as f:  # one PUT: an object store never shows a partial object
+            f.write(data)
+
+    _remote("wrote", url, put)
 
 
 def write_file_atomic(url: str, local_file: Path) -> None:
@@ -123,7 +220,7 @@ def write_file_atomic(url: str, local_file: Path) -> None:
             Path(tmp).unlink(missing_ok=True)
             raise
         return
-    fs.put_file(str(local_file), path)
+    _remote("uploaded", url, lambda: fs.put_file(str(local_file), path))
 
 
 def write_text_atomic(url: str, text: str) -> None:
@@ -141,10 +238,12 @@ def is_complete(dir_url: str) -> bool:
 def list_dirs(url: str) -> list[str]:
     """Immediate sub-directory URLs of `url` (empty when it does not exist)."""
     fs, path = fs_for(url)
-    if not fs.exists(path):
+    if not exists(url):
         return []
+    infos = fs.ls(path, detail=True) if to_local_path(url) is not None else \
+        _remote("listed", url, lambda: fs.ls(path, detail=True))
     out = []
-    for info in fs.ls(path, detail=True):
+    for info in infos:
         if info.get("type") == "directory":
             name = info["name"].rstrip("/").rsplit("/", 1)[-1]
             out.append(join(url, name))
@@ -167,8 +266,12 @@ def upload_dir(local_dir: Path, url: str) -> None:
         if f.is_file():
             rel = f.relative_to(local_dir).as_posix()
             target = f"{path.rstrip('/')}/{rel}"
-            fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
-            fs.put_file(str(f), target)
+
+            def put(f=f, target=target) -> None:
+                fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
+                fs.put_file(str(f), target)
+
+            put() if to_local_path(url) is not None else _remote("uploaded", f"{url.rstrip('/')}/{rel}", put)
 
 
 def write_dir_atomic(local_dir: Path, url: str, meta: dict | None = None) -> None:
@@ -199,7 +302,7 @@ def begin_dir(url: str) -> str:
         return tmp.as_uri()
     if exists(join(url, COMPLETE_MARKER)):
         fs, path = fs_for(url)
-        fs.rm(join(path, COMPLETE_MARKER))
+        _remote("removed", join(url, COMPLETE_MARKER), lambda: fs.rm(join(path, COMPLETE_MARKER)))
     return url
 
 
@@ -235,17 +338,20 @@ def download_dir(url: str, local_dir: Path, select: Callable[[str], bool] | None
         return local
     fs, path = fs_for(url)
     local_dir.mkdir(parents=True, exist_ok=True)
-    for rpath in fs.find(path):
+    for rpath in _remote("listed", url, lambda: fs.find(path)):
         rel = rpath[len(path.rstrip("/")) + 1:]
         if select is not None and not select(rel):
             continue
         dst = local_dir / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
-        fs.get_file(rpath, str(dst))
+        _remote("downloaded", f"{url.rstrip('/')}/{rel}", lambda rpath=rpath, dst=dst: fs.get_file(rpath, str(dst)))
     return local_dir
 
 
 def remove(url: str) -> None:
     fs, path = fs_for(url)
-    if fs.exists(path):
-        fs.rm(path, recursive=True)
+    if exists(url):
+        if to_local_path(url) is not None:
+            fs.rm(path, recursive=True)
+        else:
+            _remote("removed", url, lambda: fs.rm(path, recursive=True))

@@ -46,9 +46,12 @@ class RecipeContext:
 
 
 def apply_storage_settings(cfg: Config) -> None:
-    """Point s3fs at `cfg.storage.s3_endpoint_url`/`s3_region` in this process (no-op when unset)."""
+    """Point s3fs at `cfg.storage.s3_endpoint_url`/`s3_region` in this process (left as it is when unset)
+    and set the store's outage budget (`storage.outage_retry_s`)."""
     if cfg.storage.s3_endpoint_url or cfg.storage.s3_region:
-        storage.configure_s3(endpoint_url=cfg.storage.s3_endpoint_url, region=cfg.storage.s3_region)
+        storage.configure_from(cfg.storage)
+    else:
+        storage.set_outage_retry_s(cfg.storage.outage_retry_s)
 
 
 def stage_label(cfg: Config, stage_index: int) -> str:

@@ -50,7 +50,7 @@ def locate_store(profile: str, overrides: list[str] | tuple[str, ...], run_id: s
     """The run's store under the profile's storage root (s3fs configured from its `[storage]`)."""
     root, section = profile_storage(profile, overrides)
     if section.s3_endpoint_url or section.s3_region:
-        storage.configure_s3(endpoint_url=section.s3_endpoint_url, region=section.s3_region)
+        storage.configure_from(section)
     return RunStore.for_run(root, run_id)
 
 

@@ -58,10 +58,13 @@ def _run_tracked(ctx: RecipeContext, cfg: Config, kind: str, key: str, params: d
         return done
     run_id = store.tracking_id(key)
     written = None
+    unsent = store.url("state", "unsent-metrics", f"{key}.json")   # an earlier attempt's unwritten points
     if run_id is None:
         run_id = tracking.start_stage_run(cfg, parent_run_id=ctx.parent_run_id, stage=key, params=params)
         store.set_tracking_id(key, run_id)
     else:
+        if n := tracking.replay_points(cfg, run_id, unsent):
+            log.info(f"{key}: wrote the {n} metric points an earlier attempt kept while MLflow was down")
         written = tracking.written_steps(cfg, run_id)
         top = max(written.values(), default=None)
         log.info(f"{key}: continuing MLflow run {run_id}" + ("" if top is None else
@@ -74,11 +77,18 @@ def _run_tracked(ctx: RecipeContext, cfg: Config, kind: str, key: str, params: d
         result = compute(cfg, log_metrics, run_id)
     except BaseException:
         try:
-            log_metrics.flush()              # the curves up to the failure
+            if not log_metrics.flush():      # the curves up to the failure; the retry writes what MLflow did not take
+                tracking.save_points(unsent, log_metrics.pending_points())
+            tracking.finish(cfg, run_id, "FAILED")
         except Exception as err:             # noqa: BLE001 - the stage's own error is the one to raise
             log.warning(f"{key}: could not write its last metrics to MLflow: {err}")
         raise
-    log_metrics.flush()
+    if not log_metrics.flush():
+        tracking.save_points(unsent, log_metrics.pending_points())
+        raise tracking.TrackingUnavailable(
+            f"{key}: the MLflow server ({cfg.resolved_tracking_uri()}) did not take the stage's last "
+            f"{len(log_metrics.pending_points())} metric points; they are kept at {unsent} and the retry writes "
+            "them first (an RL or SFT stage's retry finds its final checkpoint and returns)")
     if isinstance(result, StageResult):
         tracking.log_checkpoint(cfg, run_id, result.checkpoint_url)  # per-step metrics came through log_metrics
     elif isinstance(result, DatasetRef):

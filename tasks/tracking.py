@@ -24,6 +24,7 @@ from typing import Any
 
 from rstar2_core.config import REPO_ROOT, Config
 from rstar2_core.config.snapshot import flatten_tree
+from rstar2_core.errors import InfraError
 from rstar2_core.results import DatasetRef
 
 # The panels a stage's PNG shows first, by the names the core emits (tests/flows/test_task_helpers.py
@@ -158,6 +159,7 @@ class MetricsLogger:
         self._client, self.run_id, self.prefix, self.flush_s = client(cfg), run_id, prefix, flush_s
         self.written = dict(written or {})
         self._pending: list = []
+        self.outages = 0
         self._last = time.monotonic()
 
     def __call__(self, metrics: dict[str, float], step: int) -> None:
@@ -171,12 +173,73 @@ class MetricsLogger:
         if time.monotonic() - self._last >= self.flush_s:
             self.flush()
 
-    def flush(self) -> None:
-        """Write every buffered metric (MLflow takes at most 1,000 per call)."""
+    def flush(self) -> bool:
+        """Write every buffered metric (MLflow takes at most 1,000 per call). When the tracking server does
+        not answer (after the MLflow client's own retries), the points stay buffered for the next flush
+        and this returns False: a server restarted mid-stage costs no point."""
         batch, self._pending = self._pending, []
         self._last = time.monotonic()
         for i in range(0, len(batch), 1000):
-            self._client.log_batch(self.run_id, metrics=batch[i:i + 1000])
+            try:
+                self._client.log_batch(self.run_id, metrics=batch[i:i + 1000])
+            except Exception as e:
+                if not unreachable(e):
+                    raise
+                self._pending = batch[i:] + self._pending
+                self.outages += 1
+                if self.outages == 1 or self.outages % 20 == 0:
+                    warnings.warn(f"the MLflow server does not answer ({str(e)[:200]}); {len(self._pending)} "
+                                  f"metric points of run {self.run_id} stay buffered and are written when it is "
+                                  "back", stacklevel=2)
+                return False
+        return True
+
+    def pending_points(self) -> list[dict]:
+        """The buffered points, as JSON (what `save_points` keeps for the stage's retry)."""
+        return [{"key": m.key, "value": m.value, "timestamp": m.timestamp, "step": m.step} for m in self._pending]
+
+
+class TrackingUnavailable(InfraError):
+    """The MLflow server did not take a stage's last metric points (after the client's retries). The points
+    are kept beside the run's state (`save_points`) and the stage's retry writes them first; retryable."""
+
+
+def unreachable(exc: BaseException) -> bool:
+    """An MLflow client call that did not reach its server: the `MlflowException` the REST client raises
+    while handling a connection error or timeout (after its own retries)."""
+    if not type(exc).__module__.startswith("mlflow"):
+        return False
+    seen, e = set(), exc.__cause__ or exc.__context__
+    while e is not None and id(e) not in seen:
+        if isinstance(e, (OSError, ConnectionError, TimeoutError)):   # requests' errors are OSErrors
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return "failed with exception" in str(exc) and ("Connection" in str(exc) or "Max retries" in str(exc))
+
+
+def save_points(url: str, points: list[dict]) -> None:
+    """Keep metric points the server did not take (a stage ending during a tracking outage) at `url`, for
+    `replay_points` in the stage's retry."""
+    from rstar2_core import storage
+
+    storage.write_json_atomic(url, points)
+
+
+def replay_points(cfg: Config, run_id: str, url: str) -> int:
+    """Write the points `save_points` kept at `url` into run `run_id` and delete the file; returns how many."""
+    from mlflow.entities import Metric
+
+    from rstar2_core import storage
+
+    if not storage.exists(url):
+        return 0
+    points = [Metric(p["key"], float(p["value"]), int(p["timestamp"]), int(p["step"]))
+              for p in storage.read_json(url)]
+    for i in range(0, len(points), 1000):
+        client(cfg).log_batch(run_id, metrics=points[i:i + 1000])
+    storage.remove(url)
+    return len(points)
 
 
 def written_steps(cfg: Config, run_id: str) -> dict[str, int]:

@@ -93,6 +93,12 @@ class StorageConfig(_Section):
     """S3 endpoint for s3:// URLs (a local moto server in tests; None = AWS)."""
     s3_region: str | None = None
     """S3 region name."""
+    outage_retry_s: float = Field(120.0, ge=0)
+    """How long a read or write waits out a store that does not answer (connection refused or reset, a
+    timeout; after the S3 client's own few retries), retrying with backoff (0.5 s doubling to 8 s), before
+    it raises `StoreUnavailable` (retryable: the stage's retry resumes from its last complete checkpoint).
+    Trade-off: longer rides out a longer outage without restarting the stage (minutes of engine and
+    trainer start-up at 14B), but a store that is really gone is reported that much later. 0 = no wait."""
     shared_filesystem: bool = False
     """A local root (`file://` or a path) is one file system that every Ray node mounts at the same path
     (NFS, Lustre, or one machine: the local multi-node rehearsal, `rstar2 cluster up`). On a multi-node Ray
@@ -167,6 +173,13 @@ class ClusterConfig(_Section):
     for its trainer shards and then its engine actors to be scheduled and constructed before raising
     ActorStartTimeout naming those still pending (also retryable). An engine's construction includes
     loading its model (vLLM: and profiling memory), so raise this when engines load slowly."""
+    node_death_wait_s: float = Field(60.0, ge=0)
+    """When an actor call fails as a vanished node's would (the connection dropped), how long the runtime
+    waits for Ray to declare the node dead before it names the failure: Ray's verdict comes after its health
+    check (`health_check_period_ms` x `health_check_failure_threshold`, ~15 s by default), the call fails
+    within seconds. Found dead: `NodeLost` naming the node and the actors it held; not by then: the plain
+    `ActorFailure`. Both are retryable. Trade-off: longer names more losses correctly on a cluster with a
+    slower health check, and delays the stage's failure (and its retry) by up to this much. 0 = check once."""
     logical_gpus: bool = False
     """The cluster's GPUs are logical Ray resources on CPU nodes (`ray start --num-gpus=N` without GPUs: the
     local multi-node rehearsal, `rstar2 cluster up`). The layout, placement groups and every actor's place

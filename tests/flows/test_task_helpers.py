@@ -292,3 +292,30 @@ def test_stage_plot_panels_name_metrics_the_stages_emit(tmp_path):
     assert {"actor/pg_loss", "actor/grad_norm", "rollout/reward_mean"} <= rl  # a real step, not an empty one
     assert [k for k in _PLOT_FIRST if k not in emitted] == []
     assert "actor/pg_loss" in _PLOT_FIRST  # the policy loss is among the panels an RL stage's PNG shows
+
+
+class _NeedsTwo(Exception):
+    def __init__(self, a, b):
+        super().__init__(f"{a} and {b}")
+
+
+def test_a_ray_system_error_from_a_failed_unpickle_is_not_retried_and_names_its_cause(capsys):
+    """Ray raises `RaySystemError(<the deserializer's exception>, traceback)` when it cannot unpickle what a
+    task returned or raised (ray/_private/serialization.py): a defect a retry repeats, not infrastructure."""
+    import pickle
+
+    import ray.exceptions as rex
+    from prefect.states import Failed
+
+    from tasks.retry import retry_on_infrastructure_error
+
+    with pytest.raises(TypeError) as unpickle:
+        pickle.loads(pickle.dumps(_NeedsTwo(1, 2)))
+    err = rex.RaySystemError(unpickle.value, "Traceback (most recent call last): ...")
+    assert not is_infrastructure_error(err)
+    assert not retry_on_infrastructure_error(None, None, Failed(data=err))
+    said = capsys.readouterr().err
+    assert "not retried: Ray could not deserialize" in said and "missing 1 required positional argument" in said
+    # a system error given as text (a raylet gone), or an I/O error while reading the bytes, stays retryable
+    assert is_infrastructure_error(rex.RaySystemError("the raylet died"))
+    assert is_infrastructure_error(rex.RaySystemError(ConnectionResetError("reading the object"), "Traceback ..."))

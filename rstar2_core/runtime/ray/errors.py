@@ -54,6 +54,19 @@ def ray_task_error_cause(exc: BaseException) -> BaseException | None:
     return None
 
 
+def ray_system_error_cause(exc: BaseException) -> BaseException | None:
+    """The exception behind a `RaySystemError` that Ray raised because it could not deserialize a result
+    or an error (its `client_exc`: e.g. a `TypeError` from an exception class whose `__init__` needs other
+    arguments than its `args`); None for anything else, a system error given as text included (a raylet
+    gone, a worker that did not start: infrastructure)."""
+    try:
+        from ray.exceptions import RaySystemError
+    except ImportError:
+        return None
+    cause = getattr(exc, "client_exc", None)
+    return cause if isinstance(exc, RaySystemError) and isinstance(cause, BaseException) else None
+
+
 class ActorFailure(InfraError):
     """A Ray actor of the stage (engine, trainer shard, sandbox) died or became unreachable."""
 

@@ -111,7 +111,7 @@ def _lost_nodes(nodes: dict[str, str], e: BaseException, wait_s: float = NODE_DE
     dead. An actor call fails a few seconds after its node goes away (the connection drops), well before
     Ray's health check declares the node dead (~15 s by default: `health_check_period_ms` x
     `health_check_failure_threshold`), so when `may_be_node_loss(e)` this waits up to
-    `NODE_DEATH_WAIT_S` for the verdict; any other death is checked once, without waiting."""
+    `wait_s` (`cluster.node_death_wait_s`) for the verdict; any other death is checked once, without waiting."""
     try:
         dead = _dead_nodes(set(nodes.values()), wait_s if may_be_node_loss(e) else 0.0)
     except Exception:  # noqa: BLE001 - naming the node must not mask the death being raised
@@ -263,8 +263,10 @@ def bundle_strategy(pg: PlacementGroup | None, bundle_index: int) -> dict[str, A
 class ActorGroup:
     """Named actors of one stage + the placement groups they live in (see the module docstring)."""
 
-    def __init__(self, layout: ClusterLayout | None = None, *, timeout_s: float = 600.0, prefix: str = ""):
+    def __init__(self, layout: ClusterLayout | None = None, *, timeout_s: float = 600.0, prefix: str = "",
+                 node_death_wait_s: float = NODE_DEATH_WAIT_S):
         self.layout = layout
+        self.node_death_wait_s = node_death_wait_s
         self.actors: dict[str, Any] = {}
         self.nodes: dict[str, str] = {}     # actor name -> the id of the node it runs on (once ready)
         self._lock = threading.RLock()      # a pipelined stage's update thread and event loop can both fail it
@@ -307,7 +309,7 @@ class ActorGroup:
             if config is not None:
                 self._failed = ActorConfigError(failed, config)
                 return self._failed
-            lost = _lost_nodes(nodes, e)
+            lost = _lost_nodes(nodes, e, self.node_death_wait_s)
             self._failed = NodeLost(lost, e) if lost else ActorFailure(failed, e)
             return self._failed
 

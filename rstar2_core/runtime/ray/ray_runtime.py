@@ -106,7 +106,8 @@ class RayRuntime:
             if stale:
                 log.warning("removed %d placement groups a killed runtime left behind (%s): they held the "
                             "cluster this runtime needs", len(stale), ", ".join(stale))
-            self.group = ActorGroup(self.layout, timeout_s=timeout, prefix=prefix)
+            self.group = ActorGroup(self.layout, timeout_s=timeout, prefix=prefix,
+                                    node_death_wait_s=cluster.node_death_wait_s)
             threads = actor_threads(cluster)
             if spec.trainer is not None:
                 t = spec.trainer
@@ -171,7 +172,7 @@ class RayRuntime:
             pid = self._node_killer(node)
             log.warning("fault kill-node: SIGKILLed the raylet (pid %d) and the workers of node %s, which holds %s",
                         pid, node[:8], ", ".join(sorted(a for a, n in self.group.nodes.items() if n == node)))
-            wait_node_dead(node)     # as kill-engine waits for the death to be visible: the step goes on after
+            wait_node_dead(node, self.group.node_death_wait_s)     # as kill-engine waits for the death to be visible: the step goes on after
         elif kind == "engine-errors":
             ray.get(self.group.actors["engine-0"].fail_requests.remote(True))
         elif kind == "stale-weights":

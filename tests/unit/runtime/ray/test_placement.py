@@ -292,6 +292,25 @@ def test_only_an_unreachable_actor_or_a_dead_node_waits_for_the_nodes_verdict():
     assert not may_be_node_loss(init)
 
 
+def test_the_wait_for_a_nodes_death_verdict_is_the_groups_setting(monkeypatch):
+    """`cluster.node_death_wait_s` bounds how long a failure that looks like a node loss waits for Ray's
+    verdict (the RayRuntime builds its group with it); any other death is checked once, without waiting."""
+    import ray.exceptions as rex
+
+    from rstar2_core.runtime.ray import placement
+
+    waits: list[float] = []
+    monkeypatch.setattr(placement, "_dead_nodes", lambda ids, wait_s: waits.append(wait_s) or {})
+    for death, expected in ((rex.ActorUnavailableError("RpcError: Socket closed", None), 7.5),
+                            (rex.ActorDiedError(), 0.0)):
+        group = placement.ActorGroup(None, node_death_wait_s=7.5)
+        group.nodes = {"engine-0": "a" * 56}
+        assert isinstance(group.failure("engine-0", death), ActorFailure)
+        assert waits[-1] == expected
+    assert load_config("tiny").cluster.node_death_wait_s == placement.NODE_DEATH_WAIT_S == 60.0
+    assert load_config("tiny", ["cluster.node_death_wait_s=5"]).cluster.node_death_wait_s == 5.0
+
+
 def test_two_threads_failing_one_group_get_one_error_and_one_shutdown():
     """A pipelined stage's update thread and its event loop can both see the same loss: the group is shut
     down once, and both raise the first caller's error (no dict changed while iterated)."""

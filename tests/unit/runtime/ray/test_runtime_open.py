@@ -55,7 +55,7 @@ class _Group:
 
     made: ClassVar[list[_Group]] = []
 
-    def __init__(self, layout, *, timeout_s, prefix):
+    def __init__(self, layout, *, timeout_s, prefix, node_death_wait_s):
         self.shutdowns = 0
         _Group.made.append(self)
 
@@ -87,6 +87,9 @@ def offline(monkeypatch):
 
     monkeypatch.setattr(rtmod, "ensure_ray", lambda cfg: None)
     monkeypatch.setattr(rtmod, "ActorGroup", _Group)
+    monkeypatch.setattr(rtmod, "holds_runtime_slot", lambda: False)     # both ask a live Ray
+    monkeypatch.setattr(rtmod, "remove_stale_runtime_groups", lambda prefix, holds_slot: [])
+    monkeypatch.setattr(rtmod, "_refuse_node_local_storage", lambda: None)   # reads ray.nodes()
     cfg = load_config("tiny", RAY)
 
     def open_(**kwargs):

@@ -1,0 +1,139 @@
+"""The object store goes away for 30 s while an RL stage writes a step checkpoint (issue #44): a real moto
+S3 server behind an endpoint the test closes (connections refused, transfers in flight reset) and opens
+again. Within `storage.outage_retry_s` the writes wait and the stage finishes as if nothing happened;
+past it the stage fails with a retryable error and its retry resumes from the last complete checkpoint.
+Either way every checkpoint that says it is complete reads back whole."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from flaky_endpoint import FlakyEndpoint
+from s3_server import moto_s3
+
+from rstar2_core import storage
+from rstar2_core.config import load_config
+from rstar2_core.models.io import load_model_and_tokenizer, read_meta
+from rstar2_core.rl.checkpoint import read_rl_state
+from rstar2_core.rl.stage import run_rl_stage
+from rstar2_core.runtime.checkpoint import read_rank_state
+from tasks.retry import is_infrastructure_error
+
+pytestmark = pytest.mark.slow
+
+REGION, BUCKET = "eu-west-1", "rstar2-outage"
+OUTAGE_S = 30.0
+OVERRIDES = ["rl.prompts_per_step=2", "rl.grpo.group_size=4", "rl.grpo.oversample=2", "rl.stages.0.steps=3",
+             "rl.stages.0.max_response_tokens=120", "rl.stages.0.max_turns=2", "rl.micro_batch_size=8",
+             "rl.checkpoint_every=1", "rl.keep_checkpoints=3", "rollout.max_batch_size=16", "sandbox.workers=2",
+             "rl.temperature=0.6", "sandbox.timeout_s=30", "rl.require_update=false"]
+
+
+class Outage:
+    """Takes `endpoint` down for `seconds` as soon as the first object of `prefix` is in the store (read
+    from the server directly, not through the endpoint)."""
+
+    def __init__(self, endpoint: FlakyEndpoint, moto_url: str, prefix: str, seconds: float):
+        import boto3
+
+        self.s3 = boto3.client("s3", endpoint_url=moto_url, region_name=REGION)
+        self.endpoint, self.prefix, self.seconds = endpoint, prefix, seconds
+        self.started = self.ended = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while not self._stop.is_set():
+            if self.s3.list_objects_v2(Bucket=BUCKET, Prefix=self.prefix).get("KeyCount", 0):
+                self.endpoint.down()
+                self.started = time.monotonic()
+                self._stop.wait(self.seconds)
+                self.endpoint.up()
+                self.ended = time.monotonic()
+                return
+            time.sleep(0.02)
+
+    def close(self):
+        self._stop.set()
+        self._thread.join(timeout=60)
+        self.endpoint.up()
+
+
+@pytest.fixture(scope="module")
+def moto_url():
+    with moto_s3(BUCKET, REGION) as url:
+        yield url
+
+
+@pytest.fixture
+def store(moto_url):
+    endpoint = FlakyEndpoint("127.0.0.1", int(moto_url.rsplit(":", 1)[1]))
+    try:
+        yield moto_url, endpoint
+    finally:
+        endpoint.close()
+        storage.configure_s3(moto_url, REGION)
+
+
+def _assert_complete_checkpoints_read_back(out_url: str) -> list[int]:
+    """Every step checkpoint marked complete loads whole (weights, every rank's trainer state, the RL
+    state); returns their steps."""
+    steps = []
+    for d in storage.list_dirs(storage.join(out_url, "steps")):
+        if not storage.is_complete(d):
+            continue
+        model, _ = load_model_and_tokenizer(d)
+        assert sum(p.numel() for p in model.parameters()) > 0
+        assert read_rank_state(d, 0, 1) is not None, d
+        state = read_rl_state(d)
+        assert state is not None and state["step"] == read_meta(d)["step"], d
+        steps.append(int(state["step"]))
+    return steps
+
+
+def test_a_30s_outage_while_a_step_checkpoint_is_written_is_waited_out(toy_policy, store):
+    ckpt, data, _ = toy_policy
+    moto_url, endpoint = store
+    storage.configure_s3(endpoint.url, REGION, outage_retry_s=120)     # moto_s3 restores the settings on exit
+    cfg = load_config("tiny", OVERRIDES)
+    out = f"s3://{BUCKET}/waited/rl-stage-1"
+    retries_before = storage.outage_retries()
+    outage = Outage(endpoint, moto_url, "waited/rl-stage-1/steps/step-000002/", OUTAGE_S)
+    logged: list[int] = []
+    try:
+        res = run_rl_stage(cfg, 0, init_checkpoint_url=ckpt, data_url=data, out_url=out,
+                           log_metrics=lambda m, s: logged.append(s))
+    finally:
+        outage.close()
+    assert outage.started is not None and outage.ended - outage.started >= OUTAGE_S   # the store was away 30 s
+    assert storage.outage_retries() > retries_before                                # ... and the writes waited
+    assert logged == [1, 2, 3] and storage.is_complete(res.checkpoint_url)
+    assert _assert_complete_checkpoints_read_back(out) == [1, 2, 3]
+
+
+def test_an_outage_longer_than_the_budget_fails_retryable_and_the_retry_resumes(toy_policy, store):
+    ckpt, data, _ = toy_policy
+    moto_url, endpoint = store
+    storage.configure_s3(endpoint.url, REGION, outage_retry_s=5)
+    cfg = load_config("tiny", OVERRIDES)
+    out = f"s3://{BUCKET}/failed/rl-stage-1"
+    outage = Outage(endpoint, moto_url, "failed/rl-stage-1/steps/step-000002/", OUTAGE_S)
+    logged: list[int] = []
+    try:
+        with pytest.raises(Exception) as err:
+            run_rl_stage(cfg, 0, init_checkpoint_url=ckpt, data_url=data, out_url=out,
+                         log_metrics=lambda m, s: logged.append(s))
+        assert is_infrastructure_error(err.value), repr(err.value)          # Prefect retries the task
+        assert "5 s" in str(err.value) or "outage_retry_s" in str(err.value), str(err.value)
+    finally:
+        outage.close()
+    assert logged == [1]                                     # step 2's checkpoint never completed
+    assert _assert_complete_checkpoints_read_back(out) == [1]
+    resumed: list[int] = []
+    res = run_rl_stage(cfg, 0, init_checkpoint_url=ckpt, data_url=data, out_url=out,
+                       log_metrics=lambda m, s: resumed.append(s))
+    assert resumed == [2, 3] and storage.is_complete(res.checkpoint_url)
+    assert _assert_complete_checkpoints_read_back(out) == [1, 2, 3]
