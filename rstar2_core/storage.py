@@ -55,6 +55,17 @@ def set_outage_retry_s(seconds: float) -> None:
     _OUTAGE_RETRY_S = float(seconds)
 
 
+@contextmanager
+def outage_budget(seconds: float) -> Iterator[None]:
+    """`outage_retry_s` set to `seconds` in this process for a block (preflight: a check must not wait)."""
+    global _OUTAGE_RETRY_S
+    before, _OUTAGE_RETRY_S = _OUTAGE_RETRY_S, float(seconds)
+    try:
+        yield
+    finally:
+        _OUTAGE_RETRY_S = before
+
+
 def configure_from(section: Any) -> None:
     """`configure_s3` from a config's `storage` section (its endpoint, region and outage budget)."""
     configure_s3(section.s3_endpoint_url, section.s3_region, section.outage_retry_s)
@@ -102,16 +113,22 @@ def _is_unreachable(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and cause is not None and cause is not exc and _is_unreachable(cause)
 
 
-def _remote(what: str, url: str, fn: Callable[[], Any]) -> Any:
+def _remote(what: str, url: str, fn: Callable[[], Any], gone_ok: bool = False) -> Any:
     """`fn()` (one idempotent remote operation: a whole object written, read, listed or removed), retried
     with exponential backoff (0.5 s doubling to 8 s) while the store is unreachable, for at most
     `outage_retry_s` seconds from the start of the first failed attempt (which includes the S3 client's
-    own retries, up to ~15 s); then `StoreUnavailable`."""
+    own retries: ~15 s for a refused connection, minutes for a store that accepts connections and never
+    answers); then `StoreUnavailable`. `gone_ok` (a removal): a retry that finds the object gone counts as
+    done (the first attempt removed it and lost the answer)."""
     first, delay, tries = None, 0.5, 0
     while True:
         started = time.monotonic()
         try:
             return fn()
+        except FileNotFoundError:
+            if gone_ok and tries > 0:
+                return None
+            raise
         except Exception as e:
             if not _is_unreachable(e):
                 raise
@@ -302,7 +319,7 @@ def begin_dir(url: str) -> str:
         return tmp.as_uri()
     if exists(join(url, COMPLETE_MARKER)):
         fs, path = fs_for(url)
-        _remote("removed", join(url, COMPLETE_MARKER), lambda: fs.rm(join(path, COMPLETE_MARKER)))
+        _remote("removed", join(url, COMPLETE_MARKER), lambda: fs.rm(join(path, COMPLETE_MARKER)), gone_ok=True)
     return url
 
 
@@ -354,4 +371,4 @@ def remove(url: str) -> None:
         if to_local_path(url) is not None:
             fs.rm(path, recursive=True)
         else:
-            _remote("removed", url, lambda: fs.rm(path, recursive=True))
+            _remote("removed", url, lambda: fs.rm(path, recursive=True), gone_ok=True)

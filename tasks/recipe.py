@@ -33,19 +33,20 @@ def preflight(cfg: Config, kind: str = "recipe") -> None:
     dead_s3 = s3_endpoint_problem(cfg)
     if dead_s3:     # every object check would wait out botocore's retries against it: name the endpoint once
         raise ConfigError("the recipe cannot start:\n  " + "\n  ".join([dead_s3, *endpoint_problems(cfg)]))
-    problems = [*_recipe_input_problems(cfg)] if kind == "recipe" else []
-    for i, b in enumerate(cfg.eval.benchmarks):
-        if b.url and not storage.exists(b.url):
-            problems.append(f"eval.benchmarks.{i}.url = {b.url!r} ({b.name}) does not exist; fix the URL "
-                            "or drop the benchmark")
-    root = cfg.resolved_storage_root()
-    try:
-        probe = storage.join(root, ".preflight")
-        storage.write_text_atomic(probe, "ok")
-        storage.remove(probe)
-    except Exception as e:  # noqa: BLE001 - whatever the cause, the run could not save anything: say so
-        problems.append(f"storage root {root!r} is not writable ({type(e).__name__}: {e}); fix storage.root "
-                        "or storage.s3_endpoint_url")
+    with storage.outage_budget(0):  # a check fails at once on a store that does not answer (StoreUnavailable)
+        problems = [*_recipe_input_problems(cfg)] if kind == "recipe" else []
+        for i, b in enumerate(cfg.eval.benchmarks):
+            if b.url and not storage.exists(b.url):
+                problems.append(f"eval.benchmarks.{i}.url = {b.url!r} ({b.name}) does not exist; fix the URL "
+                                "or drop the benchmark")
+        root = cfg.resolved_storage_root()
+        try:
+            probe = storage.join(root, ".preflight")
+            storage.write_text_atomic(probe, "ok")
+            storage.remove(probe)
+        except Exception as e:  # noqa: BLE001 - whatever the cause, the run could not save anything: say so
+            problems.append(f"storage root {root!r} is not writable ({type(e).__name__}: {e}); fix storage.root "
+                            "or storage.s3_endpoint_url")
     problems += endpoint_problems(cfg)
     if problems:
         raise ConfigError("the recipe cannot start:\n  " + "\n  ".join(problems))

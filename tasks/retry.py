@@ -34,10 +34,26 @@ def is_infrastructure_error(exc: BaseException) -> bool:
     cause = ray_task_error_cause(exc)
     if cause is not None:
         return is_infrastructure_error(cause)
-    unpickled = ray_system_error_cause(exc)          # Ray could not deserialize what a task returned or raised:
-    if unpickled is not None:                        # a code defect (retrying sends the same bytes), or an I/O
-        return is_infrastructure_error(unpickled)    # error while reading them (retried); the message names it
+    if _undeserializable(exc) is not None:           # a class that does not round-trip pickle: retrying sends
+        return False                                 # the same bytes (the retry condition's log names it)
     return isinstance(exc, ray_infra_errors())
+
+
+_DEFECTS = (TypeError, AttributeError, ImportError)   # what unpickling a class that cannot round-trip raises
+
+
+def _undeserializable(exc: BaseException) -> str | None:
+    """What Ray could not deserialize, when the cause is a defect of the code: a returned value whose
+    unpickling raised a TypeError/AttributeError/ImportError (`RaySystemError` carrying it), or a raised
+    error Ray could not unpickle (`UnserializableException`, carrying the original traceback). Any other
+    cause of a `RaySystemError` (an I/O or memory error while reading the bytes) is left to the infra rule."""
+    cause = ray_system_error_cause(exc)
+    if cause is not None:
+        return f"{type(cause).__name__}: {cause}" if isinstance(cause, _DEFECTS) else None
+    if type(exc).__name__ == "UnserializableException" and type(exc).__module__.startswith("ray"):
+        lines = [x for x in str(exc).strip().splitlines() if x.strip()]
+        return lines[-1] if lines else "an exception Ray could not unpickle"
+    return None
 
 
 def _botocore_connection_errors() -> tuple[type[BaseException], ...]:
@@ -57,10 +73,9 @@ def retry_on_infrastructure_error(task, task_run, state) -> bool:
     if not isinstance(exc, BaseException):
         return False
     retry = is_infrastructure_error(exc)
-    unpickled = ray_system_error_cause(exc)
-    if unpickled is not None and not retry:
-        print(f"not retried: Ray could not deserialize what the task returned or raised "
-              f"({type(unpickled).__name__}: {unpickled}); a retry would send the same bytes. Fix the class the "
-              "traceback names (a project error must round-trip pickle: rstar2_core.errors.PicklableError)",
-              file=sys.stderr)
+    defect = _undeserializable(exc)
+    if defect is not None and not retry:
+        print(f"not retried: Ray could not deserialize what the task returned or raised ({defect}); a retry "
+              "would send the same bytes. Fix the class the traceback names (a project error must round-trip "
+              "pickle: rstar2_core.errors.PicklableError)", file=sys.stderr)
     return retry

@@ -6,7 +6,7 @@ fix it), then answer with what the tool printed. After SFT the policy is right a
 when it follows the format, so GRPO groups have signal; RL should learn to print 1, and RoC should
 prefer positives without the failing first call.
 
-A test fixture of the RL stage tests (`tests/unit/rl/conftest.py`): it builds in seconds, where the
+A test fixture of the RL stage tests (`toy_policy` in tests/conftest.py): it builds in seconds, where the
 `tiny` profile's synthetic task (what bench/learning.py measures) needs minutes of SFT.
 
     ckpt, data, loss = build_toy_policy(Path("/tmp/toy"), sft_steps=60)

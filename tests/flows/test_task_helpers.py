@@ -299,9 +299,10 @@ class _NeedsTwo(Exception):
         super().__init__(f"{a} and {b}")
 
 
-def test_a_ray_system_error_from_a_failed_unpickle_is_not_retried_and_names_its_cause(capsys):
-    """Ray raises `RaySystemError(<the deserializer's exception>, traceback)` when it cannot unpickle what a
-    task returned or raised (ray/_private/serialization.py): a defect a retry repeats, not infrastructure."""
+def test_what_ray_cannot_unpickle_is_not_retried_and_the_log_names_it(capsys):
+    """A class that does not round-trip pickle reaches the flow as Ray's `RaySystemError(<the deserializer's
+    exception>, traceback)` (a returned value, ray/_private/serialization.py) or `UnserializableException`
+    (a raised error, ray/exceptions.py): a defect a retry repeats, not infrastructure."""
     import pickle
 
     import ray.exceptions as rex
@@ -311,11 +312,14 @@ def test_a_ray_system_error_from_a_failed_unpickle_is_not_retried_and_names_its_
 
     with pytest.raises(TypeError) as unpickle:
         pickle.loads(pickle.dumps(_NeedsTwo(1, 2)))
-    err = rex.RaySystemError(unpickle.value, "Traceback (most recent call last): ...")
-    assert not is_infrastructure_error(err)
-    assert not retry_on_infrastructure_error(None, None, Failed(data=err))
-    said = capsys.readouterr().err
-    assert "not retried: Ray could not deserialize" in said and "missing 1 required positional argument" in said
-    # a system error given as text (a raylet gone), or an I/O error while reading the bytes, stays retryable
+    returned = rex.RaySystemError(unpickle.value, "Traceback (most recent call last): ...")
+    raised = rex.UnserializableException("Traceback (most recent call last):\n  ...\n_NeedsTwo: 1 and 2\n")
+    for err, names in ((returned, "missing 1 required positional argument"), (raised, "_NeedsTwo: 1 and 2")):
+        assert not is_infrastructure_error(err)
+        assert not retry_on_infrastructure_error(None, None, Failed(data=err))
+        said = capsys.readouterr().err
+        assert "not retried: Ray could not deserialize" in said and names in said, said
+    # a system error given as text (a raylet gone), or another failure while reading the bytes, stays retried
     assert is_infrastructure_error(rex.RaySystemError("the raylet died"))
     assert is_infrastructure_error(rex.RaySystemError(ConnectionResetError("reading the object"), "Traceback ..."))
+    assert is_infrastructure_error(rex.RaySystemError(MemoryError(), "Traceback ..."))

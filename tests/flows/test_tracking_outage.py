@@ -81,25 +81,54 @@ def test_a_restart_mid_stage_loses_no_point(server, tmp_path):
         assert _history(cfg, run_id, key) == [1, 2, 3, 4, 5, 6]
 
 
-def test_points_a_stage_could_not_write_are_written_by_its_retry(server, tmp_path):
-    from rstar2_core import storage
+def test_points_a_stage_could_not_write_are_written_by_its_retry(server, tmp_path, monkeypatch):
+    """tasks/stages.py `_run_tracked` with the stage doubles (no Prefect server): the server goes away while
+    curation runs, the stage's last flush meets the outage, the task raises TrackingUnavailable (retryable)
+    with the points kept in the run store; its retry, with the server back, writes them before anything
+    else and logs no step twice."""
+    import logging
 
-    cfg = load_config("tiny", [f'tracking.tracking_uri="{server.uri}"', f'state_dir="{tmp_path / "state"}"'])
-    run_id = tracking.start_stage_run(cfg, parent_run_id="", stage="sft", params={})
-    log = tracking.metrics_logger(cfg, run_id, flush_s=3600)       # buffered to the end, as a short stage is
-    for step in (1, 2, 3):
-        log({"sft/loss": 1.0 / step}, step)
-    server.stop()
-    with pytest.warns(UserWarning):
-        assert not log.flush()                                     # the stage's last flush meets the outage
-    unsent = (tmp_path / "unsent" / "sft.json").as_uri()
-    tracking.save_points(unsent, log.pending_points())             # what tasks/stages.py does before raising
-    err = tracking.TrackingUnavailable("sft: the MLflow server did not take the stage's last 3 metric points")
-    assert is_infrastructure_error(err)
+    import stage_doubles
+
+    from rstar2_core import storage
+    from tasks import recipe, stages
+
+    logger = logging.getLogger("test-tracking-outage")
+    monkeypatch.setattr(recipe, "get_run_logger", lambda: logger)
+    monkeypatch.setattr(stages, "get_run_logger", lambda: logger)
+    monkeypatch.setenv("RSTAR2_HOME", str(tmp_path))
+    stage_doubles.install(monkeypatch)
+    ctx = recipe.open_recipe("tiny", [f'tracking.tracking_uri="{server.uri}"', "cluster.use_ray=false",
+                                      "cluster.resources={}"], "outage-run", "flow-1", attempt=1)
+    cfg = ctx.config()
+
+    def curate_through_an_outage(cfg, out_url, log_metrics=None, *, sampler=None):
+        log_metrics({"data/kept": 1.0}, 0)
+        assert log_metrics.flush()                 # step 0 reached the server
+        server.stop()
+        log_metrics({"data/kept": 2.0}, 1)         # buffered: the server is away
+        return stage_doubles.curate(cfg, out_url, None, sampler=sampler)
+
+    monkeypatch.setattr(stages, "curate", curate_through_an_outage)
+    with pytest.warns(UserWarning, match="does not answer"), pytest.raises(tracking.TrackingUnavailable) as err:
+        stages.curate_data.fn(ctx, label="curate")
+    assert is_infrastructure_error(err.value)      # Prefect retries the task
+    unsent = ctx.store(cfg).url("state", "unsent-metrics", "curate.json")
+    assert [p["step"] for p in storage.read_json(unsent)] == [1]
     server.start()
-    assert tracking.replay_points(cfg, run_id, unsent) == 3 and not storage.exists(unsent)
-    assert tracking.written_steps(cfg, run_id) == {"sft/loss": 3}  # the retry logs no step twice
-    assert _history(cfg, run_id, "sft/loss") == [1, 2, 3]
+
+    def curate_again(cfg, out_url, log_metrics=None, *, sampler=None):
+        log_metrics({"data/kept": 1.0}, 0)         # a stage that starts over logs the same steps again
+        log_metrics({"data/kept": 2.0}, 1)
+        return stage_doubles.curate(cfg, out_url, None, sampler=sampler)
+
+    monkeypatch.setattr(stages, "curate", curate_again)
+    stages.curate_data.fn(ctx, label="curate")
+    run_id = ctx.store(cfg).tracking_id("curate")
+    assert tracking.metric_steps(cfg, run_id, "data/kept") == [0, 1]             # each step once
+    assert [m.value for m in sorted(tracking.client(cfg).get_metric_history(run_id, "data/kept"),
+                                    key=lambda m: m.step)] == [1.0, 2.0]
+    assert not storage.exists(unsent)
 
 
 def test_an_mlflow_call_that_cannot_reach_its_server_is_retryable(tmp_path, monkeypatch):

@@ -64,9 +64,12 @@ def services(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("ui", "engine"), [("v2", "hf"), ("classic", "vllm")])
+@pytest.mark.parametrize(("ui", "engine"), [("v2", "hf"), ("classic", "hf")])
 def test_fault_retry_resume_through_the_deployment(services, monkeypatch, ui, engine):
-    """`ui`: what each Prefect UI's Retry sends (force=True / False); `engine`: rollout.engine of the run."""
+    """`ui`: what each Prefect UI's Retry sends (force=True / False); `engine`: rollout.engine of the run.
+    vLLM through a deployment runs in tests/rehearsal (every stage's engine) and a vLLM stage's retry in
+    tests/vllm/test_vllm_stages.py; a vLLM arm here added ~3 min to `make test` and nothing the UI's Retry
+    does differently."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from flows.client import retry_flow_run, watch

@@ -32,33 +32,33 @@ OVERRIDES = ["rl.prompts_per_step=2", "rl.grpo.group_size=4", "rl.grpo.oversampl
 
 
 class Outage:
-    """Takes `endpoint` down for `seconds` as soon as the first object of `prefix` is in the store (read
-    from the server directly, not through the endpoint)."""
+    """Takes `endpoint` down for `seconds` right before the first store operation on a URL under `prefix`
+    (storage's `_remote` wrapped: the outage meets the checkpoint's first write, whatever the machine's load)."""
 
-    def __init__(self, endpoint: FlakyEndpoint, moto_url: str, prefix: str, seconds: float):
-        import boto3
-
-        self.s3 = boto3.client("s3", endpoint_url=moto_url, region_name=REGION)
+    def __init__(self, endpoint: FlakyEndpoint, prefix: str, seconds: float, monkeypatch):
         self.endpoint, self.prefix, self.seconds = endpoint, prefix, seconds
         self.started = self.ended = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+        self._timer: threading.Timer | None = None
+        real = storage._remote
 
-    def _run(self):
-        while not self._stop.is_set():
-            if self.s3.list_objects_v2(Bucket=BUCKET, Prefix=self.prefix).get("KeyCount", 0):
+        def remote(what, url, fn, **kw):
+            if self.started is None and self.prefix in url:
                 self.endpoint.down()
                 self.started = time.monotonic()
-                self._stop.wait(self.seconds)
-                self.endpoint.up()
-                self.ended = time.monotonic()
-                return
-            time.sleep(0.02)
+                self._timer = threading.Timer(self.seconds, self._up)
+                self._timer.daemon = True
+                self._timer.start()
+            return real(what, url, fn, **kw)
+
+        monkeypatch.setattr(storage, "_remote", remote)
+
+    def _up(self):
+        self.ended = time.monotonic()
+        self.endpoint.up()
 
     def close(self):
-        self._stop.set()
-        self._thread.join(timeout=60)
+        if self._timer is not None:
+            self._timer.cancel()
         self.endpoint.up()
 
 
@@ -72,7 +72,7 @@ def moto_url():
 def store(moto_url):
     endpoint = FlakyEndpoint("127.0.0.1", int(moto_url.rsplit(":", 1)[1]))
     try:
-        yield moto_url, endpoint
+        yield endpoint
     finally:
         endpoint.close()
         storage.configure_s3(moto_url, REGION)
@@ -94,33 +94,33 @@ def _assert_complete_checkpoints_read_back(out_url: str) -> list[int]:
     return steps
 
 
-def test_a_30s_outage_while_a_step_checkpoint_is_written_is_waited_out(toy_policy, store):
+def test_a_30s_outage_while_a_step_checkpoint_is_written_is_waited_out(toy_policy, store, monkeypatch):
     ckpt, data, _ = toy_policy
-    moto_url, endpoint = store
+    endpoint = store
     storage.configure_s3(endpoint.url, REGION, outage_retry_s=120)     # moto_s3 restores the settings on exit
     cfg = load_config("tiny", OVERRIDES)
     out = f"s3://{BUCKET}/waited/rl-stage-1"
     retries_before = storage.outage_retries()
-    outage = Outage(endpoint, moto_url, "waited/rl-stage-1/steps/step-000002/", OUTAGE_S)
+    outage = Outage(endpoint, "waited/rl-stage-1/steps/step-000002/", OUTAGE_S, monkeypatch)
     logged: list[int] = []
     try:
         res = run_rl_stage(cfg, 0, init_checkpoint_url=ckpt, data_url=data, out_url=out,
                            log_metrics=lambda m, s: logged.append(s))
     finally:
         outage.close()
-    assert outage.started is not None and outage.ended - outage.started >= OUTAGE_S   # the store was away 30 s
+    assert outage.started is not None and outage.ended is not None                   # the store was away 30 s
     assert storage.outage_retries() > retries_before                                # ... and the writes waited
     assert logged == [1, 2, 3] and storage.is_complete(res.checkpoint_url)
     assert _assert_complete_checkpoints_read_back(out) == [1, 2, 3]
 
 
-def test_an_outage_longer_than_the_budget_fails_retryable_and_the_retry_resumes(toy_policy, store):
+def test_an_outage_longer_than_the_budget_fails_retryable_and_the_retry_resumes(toy_policy, store, monkeypatch):
     ckpt, data, _ = toy_policy
-    moto_url, endpoint = store
+    endpoint = store
     storage.configure_s3(endpoint.url, REGION, outage_retry_s=5)
     cfg = load_config("tiny", OVERRIDES)
     out = f"s3://{BUCKET}/failed/rl-stage-1"
-    outage = Outage(endpoint, moto_url, "failed/rl-stage-1/steps/step-000002/", OUTAGE_S)
+    outage = Outage(endpoint, "failed/rl-stage-1/steps/step-000002/", OUTAGE_S, monkeypatch)
     logged: list[int] = []
     try:
         with pytest.raises(Exception) as err:

@@ -1,10 +1,10 @@
-"""storage's outage rule against a real S3 API (moto) behind an endpoint the test closes: an unreachable
-store is waited out for `outage_retry_s`, then `StoreUnavailable` (retryable) names the object, the wait
-and the setting; an answer of the store (a missing key) is never retried."""
+"""storage's outage rule against a real S3 API (moto) behind an endpoint the test closes: past
+`outage_retry_s` an unreachable store raises `StoreUnavailable` (retryable) naming the object, the wait and
+the setting; an answer of the store (a missing key) is never retried. A 30 s outage waited out during an RL
+stage's checkpoint is tests/integration/test_store_outage.py."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -35,23 +35,6 @@ def endpoint(moto_url):
 
 
 @pytest.mark.slow
-def test_a_store_away_for_20_s_is_waited_out(endpoint):
-    """20 s: longer than botocore's own retries of a refused connection (legacy mode: 5 attempts, at most
-    ~15 s), so the wait is storage's."""
-    storage.configure_s3(endpoint.url, REGION, outage_retry_s=60)
-    url = f"s3://{BUCKET}/a/obj.bin"
-    storage.write_bytes_atomic(url, b"before")
-    before = storage.outage_retries()
-    endpoint.down()
-    threading.Timer(20.0, endpoint.up).start()
-    t0 = time.monotonic()
-    storage.write_bytes_atomic(url, b"during")          # waits for the endpoint, then writes
-    assert time.monotonic() - t0 >= 19
-    assert storage.outage_retries() > before
-    assert storage.read_bytes(url) == b"during"
-    assert storage.s3_settings()["outage_retry_s"] == 60  # what an actor on another node is given
-
-
 def test_past_the_budget_the_error_is_retryable_and_names_the_setting(endpoint):
     storage.configure_s3(endpoint.url, REGION, outage_retry_s=2)
     endpoint.down()
@@ -70,3 +53,17 @@ def test_an_answer_of_the_store_is_not_an_outage(endpoint):
     with pytest.raises(FileNotFoundError):
         storage.read_bytes(f"s3://{BUCKET}/missing/obj.bin")
     assert storage.outage_retries() == before
+
+
+def test_a_removal_retried_after_its_answer_was_lost_counts_as_done():
+    """The first attempt removed the object and its answer was lost (a reset): the retry finds it gone,
+    which for a removal is success; for a read it is the store's answer, raised."""
+    answers = iter([ConnectionResetError(104, "Connection reset by peer"), FileNotFoundError("s3://b/k")])
+
+    def rm():
+        raise next(answers)
+
+    assert storage._remote("removed", "s3://b/k", rm, gone_ok=True) is None
+    answers = iter([ConnectionResetError(104, "Connection reset by peer"), FileNotFoundError("s3://b/k")])
+    with pytest.raises(FileNotFoundError):
+        storage._remote("read", "s3://b/k", rm)

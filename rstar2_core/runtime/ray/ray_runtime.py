@@ -172,7 +172,7 @@ class RayRuntime:
             pid = self._node_killer(node)
             log.warning("fault kill-node: SIGKILLed the raylet (pid %d) and the workers of node %s, which holds %s",
                         pid, node[:8], ", ".join(sorted(a for a, n in self.group.nodes.items() if n == node)))
-            wait_node_dead(node, self.group.node_death_wait_s)     # as kill-engine waits for the death to be visible: the step goes on after
+            wait_node_dead(node)     # as kill-engine waits for the death to be visible: the step goes on after
         elif kind == "engine-errors":
             ray.get(self.group.actors["engine-0"].fail_requests.remote(True))
         elif kind == "stale-weights":
