@@ -288,7 +288,10 @@ def upload_dir(local_dir: Path, url: str) -> None:
                 fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
                 fs.put_file(str(f), target)
 
-            put() if to_local_path(url) is not None else _remote("uploaded", f"{url.rstrip('/')}/{rel}", put)
+            if to_local_path(url) is not None:
+                put()
+            else:
+                _remote("uploaded", f"{url.rstrip('/')}/{rel}", put)
 
 
 def write_dir_atomic(local_dir: Path, url: str, meta: dict | None = None) -> None:

@@ -8,6 +8,22 @@ from __future__ import annotations
 import socket
 import struct
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+@contextmanager
+def in_front_of(server_url: str, region: str) -> Iterator[FlakyEndpoint]:
+    """A FlakyEndpoint in front of the server at `server_url` (a moto S3); closed after, and this process's
+    S3 settings (`storage.configure_s3`) pointed back at the server."""
+    from rstar2_core import storage
+
+    ep = FlakyEndpoint("127.0.0.1", int(server_url.rsplit(":", 1)[1]))
+    try:
+        yield ep
+    finally:
+        ep.close()
+        storage.configure_s3(server_url, region)
 
 
 class FlakyEndpoint:

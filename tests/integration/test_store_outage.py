@@ -10,7 +10,7 @@ import threading
 import time
 
 import pytest
-from flaky_endpoint import FlakyEndpoint
+from flaky_endpoint import FlakyEndpoint, in_front_of
 from s3_server import moto_s3
 
 from rstar2_core import storage
@@ -70,12 +70,8 @@ def moto_url():
 
 @pytest.fixture
 def store(moto_url):
-    endpoint = FlakyEndpoint("127.0.0.1", int(moto_url.rsplit(":", 1)[1]))
-    try:
+    with in_front_of(moto_url, REGION) as endpoint:
         yield endpoint
-    finally:
-        endpoint.close()
-        storage.configure_s3(moto_url, REGION)
 
 
 def _assert_complete_checkpoints_read_back(out_url: str) -> list[int]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from flaky_endpoint import FlakyEndpoint
+from flaky_endpoint import in_front_of
 from s3_server import moto_s3
 
 from rstar2_core import storage
@@ -26,12 +26,8 @@ def moto_url():
 
 @pytest.fixture
 def endpoint(moto_url):
-    ep = FlakyEndpoint("127.0.0.1", int(moto_url.rsplit(":", 1)[1]))
-    try:
+    with in_front_of(moto_url, REGION) as ep:
         yield ep
-    finally:
-        ep.close()
-        storage.configure_s3(moto_url, REGION)
 
 
 @pytest.mark.slow
