@@ -87,7 +87,9 @@ def outage_retries() -> int:
     return _RETRIES["n"]
 
 
-def _unreachable_errors() -> tuple[type[BaseException], ...]:
+def unreachable_errors() -> tuple[type[BaseException], ...]:
+    """The errors that mean a store did not answer (refused, reset, timed out), botocore's endpoint errors
+    (no OSError) and fsspec's timeout included: what storage waits out and the pipeline's retry rule retries."""
     errs: tuple[type[BaseException], ...] = (ConnectionError, TimeoutError)
     try:
         from botocore.exceptions import ConnectionError as BotoConnectionError
@@ -107,7 +109,7 @@ def _is_unreachable(exc: BaseException) -> bool:
     """The store did not answer (refused, reset, timed out), as opposed to an answer (missing key, denied)."""
     if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
         return False
-    if isinstance(exc, _unreachable_errors()):
+    if isinstance(exc, unreachable_errors()):
         return True
     cause = exc.__cause__ or exc.__context__
     return isinstance(exc, OSError) and cause is not None and cause is not exc and _is_unreachable(cause)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sys
 
+from rstar2_core import storage
 from rstar2_core.errors import InfraError, SFTNotConverged
 from rstar2_core.runtime.ray.errors import ray_infra_errors, ray_system_error_cause, ray_task_error_cause
 from tasks.tracking import unreachable as tracking_unreachable
@@ -27,7 +28,7 @@ def is_infrastructure_error(exc: BaseException) -> bool:
         return True                                       # weights; an SFT draw that missed convergence
     if isinstance(exc, _NEVER):
         return False
-    if isinstance(exc, (OSError, ConnectionError, TimeoutError, *_botocore_connection_errors())):
+    if isinstance(exc, (OSError, ConnectionError, TimeoutError, *storage.unreachable_errors())):
         return True
     if tracking_unreachable(exc):                       # an MLflow call that did not reach its server
         return True
@@ -54,17 +55,6 @@ def _undeserializable(exc: BaseException) -> str | None:
         lines = [x for x in str(exc).strip().splitlines() if x.strip()]
         return lines[-1] if lines else "an exception Ray could not unpickle"
     return None
-
-
-def _botocore_connection_errors() -> tuple[type[BaseException], ...]:
-    """botocore's endpoint errors that are no OSError (`EndpointConnectionError`, `ConnectionClosedError`:
-    an S3 endpoint down or dropping connections), when botocore is installed."""
-    try:
-        from botocore.exceptions import ConnectionError as BotoConnectionError
-        from botocore.exceptions import HTTPClientError
-    except ImportError:
-        return ()
-    return (BotoConnectionError, HTTPClientError)
 
 
 def retry_on_infrastructure_error(task, task_run, state) -> bool:
