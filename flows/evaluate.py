@@ -16,6 +16,7 @@ from __future__ import annotations
 from prefect import flow, runtime
 from prefect.artifacts import create_markdown_artifact
 
+from flows.flow_process import final_state_accepted
 from rstar2_core.config import ConfigError
 from rstar2_core.eval.metrics import EvalReport
 from tasks import nightly, registry
@@ -30,6 +31,8 @@ class RegressionError(RuntimeError):
 
 def _close(status):
     def hook(flow, flow_run, state):
+        if status == "FAILED":
+            final_state_accepted(state)
         p = flow_run.parameters
         close_recipe(p.get("profile", "tiny"), list(p.get("overrides") or []), str(flow_run.id), status)
     return hook

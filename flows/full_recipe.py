@@ -17,6 +17,7 @@ import argparse
 from prefect import flow, runtime
 from prefect.artifacts import create_markdown_artifact
 
+from flows.flow_process import final_state_accepted
 from rstar2_cli.common import add_profile_args
 from tasks.context import RecipeContext, stage_label
 from tasks.recipe import close_recipe, open_recipe, register_best
@@ -87,6 +88,7 @@ def _first_failure_or(final, futures: list):
 
 
 def _on_failure(flow, flow_run, state):
+    final_state_accepted(state)
     p = flow_run.parameters
     close_recipe(p.get("profile", "tiny"), list(p.get("overrides") or []), p.get("run_id") or str(flow_run.id),
                  "FAILED")

@@ -210,6 +210,9 @@ class ServiceStack:
         props["env"]["default"].update({k: local[k] for k in props["env"]["default"] if k in local})
         if props.get("working_dir", {}).get("default") == IMAGE_WORKDIR:
             props["working_dir"]["default"] = str(ROOT)                 # the image's code is this checkout here
+        cmd = (props.get("command", {}).get("default") or "").split()
+        if cmd[:1] == ["python"]:
+            props["command"]["default"] = " ".join([sys.executable, *cmd[1:]])   # the image's python is this venv's
         path = self.root / "base-job-template.json"
         path.write_text(json.dumps(tmpl))
         cli = {**self.clean_env(), "PREFECT_API_URL": self.prefect_api}

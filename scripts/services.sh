@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Local services of the pipeline, started once and left up: a Prefect server (SQLite under
 # $RSTAR2_HOME/prefect, 127.0.0.1), the process work pool `rstar2-local` with one worker polling every
-# second, and the MLflow UI (127.0.0.1, the same SQLite DB the flows log to).
+# second (flow runs start as `python -m flows.flow_process`, docs/faults.md), and the MLflow UI (127.0.0.1, the
+# same SQLite DB the flows log to).
 #
 # Idle cost (bench/services_idle.py; figures in docs/demo.md): ~5% of one core in all, most of it the
 # Prefect server's own task loop. The MLflow server runs without its GenAI job runner (LLM judges, prompt
@@ -77,8 +78,17 @@ up() {
   fi
   export PREFECT_API_URL="http://127.0.0.1:$PREFECT_PORT/api"
   wait_http "$PREFECT_API_URL/health" "Prefect server" 240
-  "$BIN/prefect" work-pool inspect rstar2-local >/dev/null 2>&1 || \
-    "$BIN/prefect" work-pool create rstar2-local --type process >/dev/null
+  # the pool's flow-run command is flows/flow_process.py (Prefect's engine; a run whose final state the API
+  # accepted exits 0, so the worker does not mark it Crashed over a Retry): set on every `up`
+  "$PY" - "$PREFECT_HOME/rstar2-local-template.json" <<'PYEOF'
+import json, sys
+from prefect.workers.process import ProcessWorker
+t = ProcessWorker.get_default_base_job_template()
+t["variables"]["properties"]["command"]["default"] = f"{sys.executable} -m flows.flow_process"
+open(sys.argv[1], "w").write(json.dumps(t))
+PYEOF
+  "$BIN/prefect" work-pool create rstar2-local --type process --overwrite \
+    --base-job-template "$PREFECT_HOME/rstar2-local-template.json" >/dev/null
   if ! alive prefect-worker; then
     start prefect-worker env PREFECT_API_URL="$PREFECT_API_URL" PREFECT_WORKER_QUERY_SECONDS=1 \
       PREFECT_WORKER_PREFETCH_SECONDS=5 RSTAR2_REPO="$RSTAR2_REPO" \

@@ -15,52 +15,30 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
-import time
-from pathlib import Path
 from uuid import UUID
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-
-# The quick demo's sizes (what `make demo-quick` runs), with threads instead of Ray and no task retries.
-QUICK = [x.strip() for x in (ROOT / "scripts" / "demo-quick.overrides").read_text().splitlines()
-         if x.strip() and not x.lstrip().startswith("#")]
-E2E_EXTRA = ["pipeline.eval_stages=rl"]
-# threads in the flow process take no per-task Ray reservations: the profile's are dropped with them
-NO_RAY = ["cluster.use_ray=false", "cluster.resources={}"]
-E2E_OVERRIDES = [*NO_RAY, "pipeline.task_retries=0", *QUICK, *E2E_EXTRA]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from deployment_services import (
+    E2E_EXTRA,
+    E2E_OVERRIDES,
+    NO_RAY,
+    QUICK,
+    ROOT,
+    attempt_process_exited,
+    copy_profiles,
+    services_up,
+    worker_log_tail,
+)
 
 
 @pytest.fixture
 def services(tmp_path):
     home = tmp_path / "home"
-    profiles = tmp_path / "configs"  # the worker reads the profiles here; the test edits one mid-run
-    shutil.copytree(ROOT / "configs", profiles)
-    env = {**os.environ, "RSTAR2_HOME": str(home), "RSTAR2_PREFECT_PORT": str(_free_port()),
-           "RSTAR2_NO_MLFLOW_UI": "1", "RSTAR2_CONFIG_DIR": str(profiles)}
-    env.pop("PREFECT_API_URL", None)
-    env.pop("RSTAR2_FAULT_INJECT", None)  # the rehearsal injects it into its own flow run
-    subprocess.run(["bash", "scripts/services.sh", "up"], cwd=ROOT, env=env, check=True, timeout=600)
-    try:
-        api = next(line.split("=", 1)[1] for line in (home / "services.env").read_text().splitlines()
-                   if line.startswith("export PREFECT_API_URL="))
-        env["PREFECT_API_URL"] = api
-        subprocess.run([str(ROOT / ".venv/bin/prefect"), "--no-prompt", "deploy", "--name", "full-recipe"],
-                       cwd=ROOT, env={**env, "RSTAR2_REPO": str(ROOT)}, check=True, timeout=300,
-                       capture_output=True)
+    profiles = copy_profiles(tmp_path / "configs")  # the worker reads the profiles here; the test edits one mid-run
+    with services_up(home, RSTAR2_CONFIG_DIR=str(profiles)) as (api, env):
         yield home, api, profiles, env
-    finally:
-        subprocess.run(["bash", "scripts/services.sh", "down"], cwd=ROOT, env=env, timeout=120, check=False)
 
 
 @pytest.mark.slow
@@ -105,7 +83,7 @@ def test_fault_retry_resume_through_the_deployment(services, monkeypatch, ui, en
         tiny.write_text(tiny.read_text().replace("\nlr = 3e-4\n", "\nlr = 1e-3\n"))
         assert load_config("tiny", [*E2E_OVERRIDES, *extra]).rl.lr == 1e-3
 
-        asyncio.run(_attempt_process_exited(UUID(fid)))   # as a person does: after the failed process ended
+        asyncio.run(attempt_process_exited(UUID(fid)))   # as a person does: after the failed process ended
         asyncio.run(retry_flow_run(fid, ui))  # the UI's Retry
         assert asyncio.run(watch(UUID(fid), timeout_s=900, quiet=True)) == "Completed"
     summary = subprocess.run([str(ROOT / ".venv/bin/python"), "-m", "flows.client", "summary", fid], check=False,
@@ -162,51 +140,11 @@ def test_fault_retry_resume_through_the_deployment(services, monkeypatch, ui, en
 RAY_RUNTIME = ["cluster.use_ray=true", "rl.zero_stage=2", "sft.zero_stage=2"]
 
 
-def _worker_log_tail(home: Path, chars: int = 6000) -> str:
-    """The end of the process worker's log (the flow run's traceback), for a failed run's assertion."""
-    log = home / "logs" / "prefect-worker.log"
-    return log.read_text(errors="replace")[-chars:] if log.exists() else f"no worker log at {log}"
-
-
-async def _attempt_process_exited(flow_run_id: UUID, timeout_s: float = 300) -> None:
-    """Return once the worker has seen the failed attempt's process exit. A flow run turns Failed seconds
-    before its process ends (the failure hook, Ray's shutdown), and Prefect's process worker then reports
-    the run Crashed if it is no longer final: a Retry pressed in between is overwritten. The test presses
-    it after, as a person does."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
-    from prefect.client.schemas.sorting import LogSort
-
-    deadline = time.monotonic() + timeout_s
-    async with get_client() as c:
-        while time.monotonic() < deadline:
-            logs = await c.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), limit=200,
-                                     sort=LogSort.TIMESTAMP_DESC)
-            if any("exited with status code" in log.message for log in logs):
-                await asyncio.sleep(2)   # the worker's crash report follows that line (a no-op on a final state)
-                return
-            await asyncio.sleep(1)
-    raise AssertionError(f"the worker did not report the exit of flow run {flow_run_id}'s process in {timeout_s:.0f} s")
-
-
 @pytest.fixture
 def services_no_fault(tmp_path):
     home = tmp_path / "home"
-    env = {**os.environ, "RSTAR2_HOME": str(home), "RSTAR2_PREFECT_PORT": str(_free_port()),
-           "RSTAR2_NO_MLFLOW_UI": "1", "RSTAR2_RAY_TMP": f"/tmp/rstar2-ray-e2e-{os.getpid()}"}
-    env.pop("PREFECT_API_URL", None)
-    env.pop("RSTAR2_FAULT_INJECT", None)
-    subprocess.run(["bash", "scripts/services.sh", "up"], cwd=ROOT, env=env, check=True, timeout=600)
-    try:
-        api = next(line.split("=", 1)[1] for line in (home / "services.env").read_text().splitlines()
-                   if line.startswith("export PREFECT_API_URL="))
-        env["PREFECT_API_URL"] = api
-        subprocess.run([str(ROOT / ".venv/bin/prefect"), "--no-prompt", "deploy", "--name", "full-recipe"],
-                       cwd=ROOT, env={**env, "RSTAR2_REPO": str(ROOT)}, check=True, timeout=300,
-                       capture_output=True)
+    with services_up(home, RSTAR2_RAY_TMP=f"/tmp/rstar2-ray-e2e-{os.getpid()}") as (api, _env):
         yield home, api
-    finally:
-        subprocess.run(["bash", "scripts/services.sh", "down"], cwd=ROOT, env=env, timeout=120, check=False)
 
 
 @pytest.mark.slow
@@ -237,7 +175,7 @@ def test_full_recipe_through_the_deployment_on_a_multi_node_cluster(services_no_
             cfg = load_config("tiny", overrides)
             fid = asyncio.run(start_run("rstar2/full-recipe", {"profile": "tiny", "overrides": overrides},
                                         env={"RSTAR2_FAULT_INJECT": "rl-stage-1:step=2:kill-node"}))
-            assert asyncio.run(watch(fid, timeout_s=1800, quiet=True)) == "Failed", _worker_log_tail(home)
+            assert asyncio.run(watch(fid, timeout_s=1800, quiet=True)) == "Failed", worker_log_tail(home)
 
             async def message() -> str:
                 async with get_client() as c:
@@ -246,11 +184,11 @@ def test_full_recipe_through_the_deployment_on_a_multi_node_cluster(services_no_
             failed = asyncio.run(message())
             assert "NodeLost: Ray node lost mid-step: node " in failed and "RaySystemError" not in failed, failed
             assert "engine-1, trainer-1" in failed, failed
-            asyncio.run(_attempt_process_exited(fid))
+            asyncio.run(attempt_process_exited(fid))
             assert cluster.restart_dead_nodes(), cluster.describe()      # the node is back
             asyncio.run(retry_flow_run(fid))  # the UI's Retry
             state = asyncio.run(watch(fid, timeout_s=1800, quiet=True))
-            assert state == "Completed", _worker_log_tail(home)
+            assert state == "Completed", worker_log_tail(home)
     except BaseException:
         print(f"the cluster's node logs are kept in {root}")
         raise

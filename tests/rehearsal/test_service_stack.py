@@ -60,6 +60,7 @@ def test_a_flow_run_through_the_production_worker_reaches_preflight(stack):
 
     log = (stack.logs / "prefect-worker.log").read_text()
     assert "the recipe cannot start" in log, log[-4000:]           # the flow ran: pull step and import worked
+    assert "exiting 0 instead of 1" in log    # infra's job template starts flow runs as flows.flow_process
     for missing in ("data.sources.0.url = 's3://rstar2-data/raw/dapo-math-17k.parquet' does not exist",
                     "data.sft_sources.2 = 's3://rstar2-data/sft/chat.parquet' does not exist",
                     "eval.benchmarks.4.url = 's3://rstar2-data/bench/gpqa_diamond.parquet'",

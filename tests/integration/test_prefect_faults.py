@@ -1,0 +1,116 @@
+"""The Prefect side of a long run's faults, against the real stack of scripts/services.sh (Prefect server on
+SQLite, process worker, the full-recipe deployment at the quick demo's sizes): the Prefect server stopped
+for 30 s while stages run and started again on the same port and database (the run completes, every task
+run Completed in the API), and a Retry pressed while the failed attempt's process is still ending (kept:
+the run is not marked Crashed over it). docs/faults.md."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from uuid import UUID
+
+import pytest
+from deployment_services import (
+    E2E_OVERRIDES,
+    flow_run_processes,
+    services_up,
+    start_prefect_server,
+    stop_prefect_server,
+    worker_log_tail,
+)
+
+pytestmark = pytest.mark.slow
+
+
+async def _states(flow_run_id: UUID) -> list[str]:
+    from prefect.client.orchestration import get_client
+
+    async with get_client() as c:
+        return [f"{s.type.value}:{s.name}" for s in await c.read_flow_run_states(flow_run_id)]
+
+
+async def _task_states(flow_run_id: UUID) -> list[str]:
+    from prefect.client.orchestration import get_client
+
+    from flows.client import _task_lines
+
+    async with get_client() as c:
+        return await _task_lines(c, flow_run_id)
+
+
+def test_prefect_server_down_30_s_mid_stage_the_run_completes(tmp_path, monkeypatch):
+    """Prefect's client waits out a server it has reached before (it retries a refused connection with
+    backoff, ~1 min in all): a flow run whose stages start and end while the server is away reports every
+    state once it is back, and completes; the worker reconnects by itself."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.client import start_run, watch
+    from rstar2_core.config import load_config
+    from tasks import tracking
+    from tasks.run_store import RunStore
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("RSTAR2_HOME", str(home))
+    with services_up(home) as (api, env), temporary_settings({PREFECT_API_URL: api}):
+        cfg = load_config("tiny", E2E_OVERRIDES)
+        fid = asyncio.run(start_run("rstar2/full-recipe", {"profile": "tiny", "overrides": E2E_OVERRIDES}))
+        store = RunStore.for_run(cfg.resolved_storage_root(), str(fid))
+        deadline = time.monotonic() + 600
+        while store.record("sft-data") is None:      # SFT starts next; it ends during the outage
+            assert time.monotonic() < deadline, worker_log_tail(home)
+            time.sleep(0.2)
+        assert store.record("sft") is None
+        stop_prefect_server(home)
+        time.sleep(30)
+        during = {k: store.record(k) is not None for k in ("sft", "rl-stage-1")}
+        start_prefect_server(env)
+        assert asyncio.run(watch(fid, timeout_s=900, quiet=True)) == "Completed", worker_log_tail(home)
+        assert during["sft"], "SFT did not finish while the server was away: the outage missed every state report"
+        tasks = asyncio.run(_task_states(fid))
+        assert tasks and all(t.endswith(": Completed") for t in tasks), tasks
+        assert not [s for s in asyncio.run(_states(fid)) if s.startswith(("CRASHED", "FAILED"))]
+    assert store.record("sft")["attempt"] == 1 and store.record("rl-stage-3")["attempt"] == 1
+    assert tracking.metric_steps(cfg, store.tracking_id("rl-stage-1"), "rollout/trajectories") == [1, 2, 3]
+
+
+def test_a_retry_pressed_while_the_failed_attempts_process_ends_is_kept(tmp_path, monkeypatch):
+    """The UI's Retry pressed the moment the run shows Failed, while the failed attempt's process is still
+    ending (its failure hook, its teardown; the test holds it with SIGSTOP until the Retry is in): the
+    worker does not mark the run Crashed when that process exits, and the retry resumes to Completed.
+    Before flows/flow_process.py the process exited 1 and the worker's Crashed overwrote the Retry."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.client import retry_flow_run, start_run, watch
+    from rstar2_core.config import load_config
+    from tasks.run_store import RunStore
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("RSTAR2_HOME", str(home))
+    with services_up(home) as (api, _env), temporary_settings({PREFECT_API_URL: api}):
+        cfg = load_config("tiny", E2E_OVERRIDES)
+        fid = asyncio.run(start_run("rstar2/full-recipe", {"profile": "tiny", "overrides": E2E_OVERRIDES},
+                                    env={"RSTAR2_FAULT_INJECT": "sft:step=1"}))
+        deadline = time.monotonic() + 600
+        while not (states := asyncio.run(_states(fid))) or not states[-1].startswith("FAILED"):
+            assert time.monotonic() < deadline and states[-1:] != ["COMPLETED:Completed"], states
+            time.sleep(0.1)
+        pids = flow_run_processes(home)
+        assert pids, "the failed attempt's process had already exited: the race this test pins was missed"
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            asyncio.run(retry_flow_run(fid, "v2"))
+            assert asyncio.run(_states(fid))[-1] == "SCHEDULED:AwaitingRetry"
+        finally:
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
+        assert asyncio.run(watch(fid, timeout_s=900, quiet=True)) == "Completed", worker_log_tail(home)
+        history = asyncio.run(_states(fid))
+        assert not [s for s in history if s.startswith("CRASHED")], history
+        assert history.count("FAILED:Failed") == 1, history
+    store = RunStore.for_run(cfg.resolved_storage_root(), str(fid))
+    assert store.record("sft")["attempt"] == 2 and store.record("curate")["attempt"] == 1
+    assert "exiting 0 instead of 1" in worker_log_tail(home, 200_000)
