@@ -147,6 +147,19 @@ def _parse_params(items: list[str], overrides: list[str]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The commands below; a Prefect API that does not answer ends them with one line naming it."""
+    import httpx
+
+    try:
+        return _main(argv)
+    except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+        from prefect.settings import PREFECT_API_URL
+
+        raise SystemExit(f"the Prefect API at {PREFECT_API_URL.value()} does not answer ({type(e).__name__}: {e}); "
+                         "start it (scripts/services.sh up) or set PREFECT_API_URL to your server's API") from None
+
+
+def _main(argv: list[str] | None) -> int:
     ap = argparse.ArgumentParser(prog="python -m flows.client")
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="start a deployment run and watch it")

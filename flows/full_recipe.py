@@ -122,7 +122,13 @@ def main() -> None:
     add_profile_args(ap)
     ap.add_argument("--run-id", default=None, help="an earlier run's id resumes that run with its own config")
     a = ap.parse_args()
-    full_recipe(profile=a.profile, overrides=a.overrides, run_id=a.run_id)
+    try:
+        full_recipe(profile=a.profile, overrides=a.overrides, run_id=a.run_id)
+    except RuntimeError as e:
+        if not str(e).startswith("Failed to reach API"):      # Prefect's words for a PREFECT_API_URL that does not answer
+            raise
+        raise SystemExit(f"{e.args[0]}: the Prefect API does not answer; start it (scripts/services.sh up), set "
+                         "PREFECT_API_URL to your server's API, or unset it to run on a temporary one") from None
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Fault injection, to rehearse failures and the UI's Retry: `RSTAR2_FAULT_INJECT=<stage>:step=<n>[:<kind>]`.
 
 When step n (1-based) of `<stage>` begins, the fault of `kind` (`FAULT_KINDS`: raise, kill-engine,
-kill-trainer, kill-node, engine-errors, stale-weights) happens once per run; several faults: separate
+kill-trainer, kill-node, kill-sandbox, engine-errors, stale-weights) happens once per run; several faults: separate
 with commas. Invariant: a marker file in the stage's own output folder (`<out_url>/faults/`) records that
 it fired, so a retry of the same run goes through and a fresh run (a new output folder) fails again.
 `maybe_inject_fault` raises `InjectedFault` for `raise` and returns any other kind, which the stage loop
@@ -15,7 +15,7 @@ import os
 from rstar2_core import storage
 from rstar2_core.errors import InfraError
 
-FAULT_KINDS = ("raise", "kill-engine", "kill-trainer", "kill-node", "engine-errors", "stale-weights")
+FAULT_KINDS = ("raise", "kill-engine", "kill-trainer", "kill-node", "kill-sandbox", "engine-errors", "stale-weights")
 STALE_NOISE = 0.5
 """Noise of the `stale-weights` fault, as a share of each tensor's own standard deviation."""
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,7 @@ import pytest
 
 pytest.importorskip("deepspeed")
 
+from kept_logs import kept_if_a_test_fails
 from s3_server import AWS_TEST_CREDENTIALS, moto_s3
 from stage_compare import OVERRIDES, assert_same_steps
 
@@ -64,13 +64,9 @@ def cluster(s3, request):
     from rstar2_core.config import load_config
 
     root = tempfile.mkdtemp(prefix="rstar2-mn-", dir="/tmp")     # Ray's socket paths must stay short
-    with LocalCluster.for_config(load_config("tiny", _rehearsal()).cluster, root, env=AWS) as c:
-        failed = request.session.testsfailed
+    with kept_if_a_test_fails(request, root, "the cluster's node logs"), \
+            LocalCluster.for_config(load_config("tiny", _rehearsal()).cluster, root, env=AWS) as c:
         yield c
-    if request.session.testsfailed > failed:
-        print(f"a multi-node test failed: the cluster's node logs are kept in {root}")
-    else:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,10 @@ storage root it would write, the MLflow server and the Ray head, each with the s
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -75,3 +78,15 @@ def test_a_running_s3_server_that_refuses_anonymous_requests_is_an_answer():
 
     with moto_s3("rstar2-preflight-running", REGION) as s3:
         assert s3_endpoint_problem(load_config("tiny", [f'storage.s3_endpoint_url="{s3}"'])) is None
+
+
+@pytest.mark.parametrize("cmd", [["flows.client", "run", "rstar2/full-recipe"], ["flows.full_recipe"]])
+def test_a_prefect_api_that_does_not_answer_is_named_in_one_line(cmd):
+    """PREFECT_API_URL at a closed port: the client and the in-process recipe end in seconds with one line
+    naming the API, not a client trace."""
+    url = f"http://127.0.0.1:{_closed_port()}/api"
+    r = subprocess.run([sys.executable, "-m", *cmd], env={**os.environ, "PREFECT_API_URL": url}, capture_output=True,
+                       text=True, timeout=120, check=False)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert url.rstrip("/") in r.stderr and "does not answer" in r.stderr and "PREFECT_API_URL" in r.stderr, r.stderr
+

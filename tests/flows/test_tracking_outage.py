@@ -5,46 +5,15 @@ write before it ended are kept in the run store and written by its retry (no ste
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-from rstar2_cli.rehearsal_stack import free_port, wait_http
+from rstar2_cli.local_services import MlflowServer
+from rstar2_cli.rehearsal_stack import free_port
 from rstar2_core.config import load_config
 from tasks import tracking
 from tasks.retry import is_infrastructure_error
 
 pytestmark = pytest.mark.slow
-
-
-class MlflowServer:
-    def __init__(self, root: Path):
-        self.root, self.port, self.proc = root, free_port(), None
-        self.uri = f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        with open(self.root / "mlflow.log", "ab") as log:      # the child keeps its own copy of the fd
-            self.proc = subprocess.Popen(
-                [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port",
-                 str(self.port), "--workers", "1", "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
-                 "--default-artifact-root", (self.root / "artifacts").as_uri()],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                env={**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"})
-        wait_http(f"{self.uri}/health", "MLflow tracking server", 180, self.proc, self.root / "mlflow.log")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.proc = None
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ def test_other_kinds_are_returned_for_the_runtime(monkeypatch, tmp_path):
     assert maybe_inject_fault("rl-stage-1", 2, run) is None
     assert maybe_inject_fault("rl-stage-1", 3, run) == "engine-errors"
     assert parse_fault_spec("sft:step=1") == [("sft", 1, "raise")]
-    assert set(FAULT_KINDS) == {"raise", "kill-engine", "kill-trainer", "kill-node", "engine-errors", "stale-weights"}
+    assert set(FAULT_KINDS) == {"raise", "kill-engine", "kill-trainer", "kill-node", "kill-sandbox", "engine-errors", "stale-weights"}
 
 
 @pytest.mark.parametrize("spec", ["rl-stage-1@3", "rl-stage-1:step=x", "rl-stage-1:step=2:explode"])

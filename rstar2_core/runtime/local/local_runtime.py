@@ -4,8 +4,8 @@ Engines come from `engine_builder.build_engine` on this process's device; the tr
 (torch, or single-process DeepSpeed); the sandbox `LocalSandbox`, or with `sandbox.backend = "ray"` the
 Ray actor pool (through runtime/sandboxes.py); the grader a `GraderPool`; weight sync `state_dict` or
 `checkpoint`. Faults: `kill-engine` closes engine 0, `engine-errors` makes it fail every request,
-`stale-weights` loads it with noisy weights; `kill-trainer` and `kill-node` are refused (no trainer
-process to kill). Invariant: nothing here imports runtime/ray/ (nor Ray).
+`stale-weights` loads it with noisy weights; `kill-trainer`, `kill-node`, `kill-sandbox` are refused
+(no actor to kill). Invariant: nothing here imports runtime/ray/ (nor Ray).
 See docs/runtime.md, "The runtime seam".
 """
 
@@ -102,9 +102,9 @@ class LocalRuntime:
             if self.trainer is None:
                 raise ValueError("stale-weights: this runtime has no trainer whose weights the engine could differ from")
             self.engines[0].update_weights(stale_weights(self.trainer.weights()))
-        elif kind in ("kill-trainer", "kill-node"):
-            raise ValueError(f"RSTAR2_FAULT_INJECT kind {kind} kills a trainer-shard actor (or its node): it needs "
-                             "cluster.runtime = \"ray\" (the local runtime trains in this process)")
+        elif kind in ("kill-trainer", "kill-node", "kill-sandbox"):
+            raise ValueError(f"RSTAR2_FAULT_INJECT kind {kind} kills a Ray actor (or its node): it needs "
+                             "cluster.runtime = \"ray\" (the local runtime trains and runs its sandbox in this process)")
         else:
             raise ValueError(f"fault kind {kind!r} is not carried out by a runtime")
 

@@ -173,6 +173,11 @@ class RayRuntime:
             log.warning("fault kill-node: SIGKILLed the raylet (pid %d) and the workers of node %s, which holds %s",
                         pid, node[:8], ", ".join(sorted(a for a, n in self.group.nodes.items() if n == node)))
             wait_node_dead(node)     # as kill-engine waits for the death to be visible: the step goes on after
+        elif kind == "kill-sandbox":
+            slots = getattr(self.sandbox, "slots", None)
+            if not slots:
+                raise ValueError("kill-sandbox: this runtime has no Ray sandbox pool to kill an actor of")
+            kill_and_wait(slots[0].actor)     # the pool replaces it on its next call, answering that call `internal`
         elif kind == "engine-errors":
             ray.get(self.group.actors["engine-0"].fail_requests.remote(True))
         elif kind == "stale-weights":

@@ -120,6 +120,20 @@ def test_killed_trainer_then_killed_engine_resume_to_the_same_step(ray_here, toy
             torch.testing.assert_close(wr[k], wl[k], rtol=0, atol=1e-5)
 
 
+def test_a_killed_sandbox_actor_is_replaced_and_the_stage_goes_on(ray_here, toy, tmp_path, monkeypatch):
+    """`kill-sandbox` at step 2: the calls that meet the dead actor answer `internal` (an error tool
+    response each), the pool starts a new actor, and the stage finishes its steps without a retry."""
+    cfg = load_config("tiny", OVERRIDES + RAY + ["rl.zero_stage=2"])
+    monkeypatch.setenv("RSTAR2_FAULT_INJECT", "rl-stage-1:step=2:kill-sandbox")
+    trace: list = []
+    _, stream = _run(cfg, toy, (tmp_path / "sbx").as_uri(), trace)
+    assert [s for s, _ in stream] == [1, 2, 3]
+    statuses = {r["step"]: [c for g in r["groups"] for t in g for c in t["tools"]] for r in trace}
+    assert statuses[1] and "internal" not in statuses[1]
+    assert "internal" in statuses[2] + statuses[3], statuses
+    _assert_nothing_left(ray_here)
+
+
 def test_an_engine_that_fails_every_request_stops_the_stage(ray_here, toy, tmp_path, monkeypatch):
     cfg = load_config("tiny", OVERRIDES + RAY + ["rl.zero_stage=2"])
     monkeypatch.setenv("RSTAR2_FAULT_INJECT", "rl-stage-1:step=1:engine-errors")
