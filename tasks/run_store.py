@@ -35,26 +35,36 @@ class RunStore:
     def url(self, *parts: str) -> str:
         return storage.join(self.root, *parts)
 
-    def _record_url(self, stage: str) -> str:
-        return self.url("state", f"{stage}.json")
+    def _record_url(self, stage: str, untracked: bool = False) -> str:
+        return self.url("state", "untracked", f"{stage}.json") if untracked else self.url("state", f"{stage}.json")
 
     # finished stages -----------------------------------------------------------------------------
-    def save(self, stage: str, result: Any, attempt: int = 1) -> None:
-        """Record a finished stage (`DatasetRef`, `StageResult`, `EvalReport` or a JSON-able dict)."""
+    def save(self, stage: str, result: Any, attempt: int = 1, untracked: bool = False) -> None:
+        """Record a finished stage (`DatasetRef`, `StageResult`, `EvalReport` or a JSON-able dict).
+        `untracked`: its result, computed while MLflow was away, which the retry logs and then records
+        (`state/untracked/<stage>.json`; the stage is not done until it is recorded)."""
         kind = next((k for k, t in _KINDS.items() if isinstance(result, t)), "json")
         payload = result.to_json() if kind != "json" else result
-        storage.write_json_atomic(self._record_url(stage), {
+        storage.write_json_atomic(self._record_url(stage, untracked), {
             "stage": stage, "kind": kind, "result": payload, "attempt": attempt,
             "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
 
-    def record(self, stage: str) -> dict | None:
+    def untracked_url(self, stage: str) -> str:
+        return self._record_url(stage, untracked=True)
+
+    def drop_untracked(self, stage: str) -> None:
+        """Remove the stage's untracked result (once it is logged and recorded)."""
+        if storage.exists(url := self._record_url(stage, untracked=True)):
+            storage.remove(url)
+
+    def record(self, stage: str, untracked: bool = False) -> dict | None:
         """The raw record of a finished stage, or None."""
-        url = self._record_url(stage)
+        url = self._record_url(stage, untracked)
         return storage.read_json(url) if storage.exists(url) else None
 
-    def load(self, stage: str) -> Any | None:
+    def load(self, stage: str, untracked: bool = False) -> Any | None:
         """The finished stage's result when it and everything it points to is still complete, else None."""
-        rec = self.record(stage)
+        rec = self.record(stage, untracked)
         if rec is None:
             return None
         kind, payload = rec["kind"], rec["result"]

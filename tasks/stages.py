@@ -73,8 +73,14 @@ def _run_tracked(ctx: RecipeContext, cfg: Config, kind: str, key: str, params: d
     for name, ref in inputs:
         tracking.log_dataset(cfg, run_id, ref, name=name)
     log_metrics = tracking.metrics_logger(cfg, run_id, written=written)
+    result = store.load(key, untracked=True) if written is not None else None
     try:
-        result = compute(cfg, log_metrics, run_id)
+        if result is not None:
+            log.info(f"{key}: computed in attempt {store.record(key, untracked=True)['attempt']} while MLflow was "
+                     "away; logging that result instead of computing it again")
+        else:
+            result = compute(cfg, log_metrics, run_id)
+            store.save(key, result, attempt=ctx.attempt, untracked=True)  # until MLflow has it: a retry logs it
     except BaseException:
         try:
             if not log_metrics.flush():      # the curves up to the failure; the retry writes what MLflow did not take
@@ -87,8 +93,9 @@ def _run_tracked(ctx: RecipeContext, cfg: Config, kind: str, key: str, params: d
         tracking.save_points(unsent, log_metrics.pending_points())
         raise tracking.TrackingUnavailable(
             f"{key}: the MLflow server ({cfg.resolved_tracking_uri()}) did not take the stage's last "
-            f"{len(log_metrics.pending_points())} metric points; they are kept at {unsent} and the retry writes "
-            "them first (an RL or SFT stage's retry finds its final checkpoint and returns)")
+            f"{len(log_metrics.pending_points())} metric points; they are kept at {unsent}, the result at "
+            f"{store.untracked_url(key)}: the retry writes them and logs it without "
+            "computing it again")
     if isinstance(result, StageResult):
         tracking.log_checkpoint(cfg, run_id, result.checkpoint_url)  # per-step metrics came through log_metrics
     elif isinstance(result, DatasetRef):
@@ -96,6 +103,7 @@ def _run_tracked(ctx: RecipeContext, cfg: Config, kind: str, key: str, params: d
     tracking.log_metric_plot(cfg, run_id, key)
     tracking.finish(cfg, run_id)
     store.save(key, result, attempt=ctx.attempt)
+    store.drop_untracked(key)
     return result
 
 

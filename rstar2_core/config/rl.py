@@ -48,6 +48,7 @@ PIPELINE_KEYS: frozenset[str] = frozenset({
     "register", "promotion", "summary",         # records of register-best and of the recipe's summary
     "config", "mlflow", "parent",               # the config snapshot, the MLflow ids folder, the parent run
     "unsent-metrics",                           # metric points MLflow did not take, written by the retry
+    "untracked",                                # results computed while MLflow was away, logged by the retry
     "open-failure",                             # an attempt that failed before freezing the config
 })
 DERIVED_KEY_PREFIXES = ("eval-",)               # eval-<stage>: a stage's evaluation

@@ -53,8 +53,8 @@ def test_a_restart_mid_stage_loses_no_point(server, tmp_path):
 def test_points_a_stage_could_not_write_are_written_by_its_retry(server, tmp_path, monkeypatch):
     """tasks/stages.py `_run_tracked` with the stage doubles (no Prefect server): the server goes away while
     curation runs, the stage's last flush meets the outage, the task raises TrackingUnavailable (retryable)
-    with the points kept in the run store; its retry, with the server back, writes them before anything
-    else and logs no step twice."""
+    with the points and the stage's result kept in the run store; its retry, with the server back, writes
+    them before anything else, logs no step twice, and records the kept result without computing it again."""
     import logging
 
     import stage_doubles
@@ -87,13 +87,15 @@ def test_points_a_stage_could_not_write_are_written_by_its_retry(server, tmp_pat
     server.start()
 
     def curate_again(cfg, out_url, log_metrics=None, *, sampler=None):
-        log_metrics({"data/kept": 1.0}, 0)         # a stage that starts over logs the same steps again
-        log_metrics({"data/kept": 2.0}, 1)
-        return stage_doubles.curate(cfg, out_url, None, sampler=sampler)
+        raise AssertionError("the retry computed the stage again instead of logging the result it kept")
 
+    store = ctx.store(cfg)
+    kept = store.load("curate", untracked=True)
+    assert kept is not None and store.load("curate") is None   # computed, not done: MLflow lacks its end
     monkeypatch.setattr(stages, "curate", curate_again)
-    stages.curate_data.fn(ctx, label="curate")
-    run_id = ctx.store(cfg).tracking_id("curate")
+    assert stages.curate_data.fn(ctx, label="curate") == kept
+    assert store.load("curate") == kept and store.load("curate", untracked=True) is None
+    run_id = store.tracking_id("curate")
     assert tracking.metric_steps(cfg, run_id, "data/kept") == [0, 1]             # each step once
     assert [m.value for m in sorted(tracking.client(cfg).get_metric_history(run_id, "data/kept"),
                                     key=lambda m: m.step)] == [1.0, 2.0]
