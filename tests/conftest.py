@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+pytest_plugins = ["sigterm_teardown"]
 _STATE = Path(os.environ.get("RSTAR2_HOME", ROOT / ".rstar2")) / "test"
 for _k, _v in {
     "RSTAR2_HOME": str(_STATE),
