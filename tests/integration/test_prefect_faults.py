@@ -65,10 +65,10 @@ def test_prefect_server_down_30_s_mid_stage_the_run_completes(tmp_path, monkeypa
         assert store.record("sft") is None
         stop_prefect_server(home)
         time.sleep(30)
-        during = {k: store.record(k) is not None for k in ("sft", "rl-stage-1")}
+        sft_ran = store.tracking_id("sft") is not None     # SFT's task started (and maybe ended) in the outage
         start_prefect_server(env)
         assert asyncio.run(watch(fid, timeout_s=900, quiet=True)) == "Completed", worker_log_tail(home)
-        assert during["sft"], "SFT did not finish while the server was away: the outage missed every state report"
+        assert sft_ran, "SFT did not start while the server was away: the outage met no state report"
         tasks = asyncio.run(_task_states(fid))
         assert tasks and all(t.endswith(": Completed") for t in tasks), tasks
         assert not [s for s in asyncio.run(_states(fid)) if s.startswith(("CRASHED", "FAILED"))]
