@@ -48,8 +48,9 @@ def schedule(seed: int) -> dict:
 
 
 def quick_overrides() -> list[str]:
-    return [x.strip() for x in (ROOT / "scripts" / "demo-quick.overrides").read_text().splitlines()
-            if x.strip() and not x.lstrip().startswith("#")]
+    from rstar2_cli.common import read_overrides_file
+
+    return read_overrides_file(ROOT / "scripts" / "demo-quick.overrides")
 
 
 class Chaos(threading.Thread):
@@ -104,18 +105,11 @@ class Chaos(threading.Thread):
 
 async def _task_runs(flow_run_id):
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import (
-        FlowRunFilter,
-        FlowRunFilterParentFlowRunId,
-        TaskRunFilter,
-        TaskRunFilterFlowRunId,
-    )
+
+    from flows.client import task_runs
 
     async with get_client() as c:
-        subs = await c.read_flow_runs(flow_run_filter=FlowRunFilter(
-            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id])))
-        ids = [flow_run_id] + [s.id for s in subs]
-        return await c.read_task_runs(task_run_filter=TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(any_=ids)))
+        return await task_runs(c, flow_run_id)
 
 
 def rl_metrics(cfg, store) -> tuple[bool, int, dict]:

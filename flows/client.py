@@ -60,13 +60,18 @@ async def retry_flow_run(flow_run_id: UUID | str, ui: str = "v2") -> None:
                                    force=UI_RETRY_FORCE[ui])
 
 
-async def _task_lines(c, flow_run_id: UUID) -> list[str]:
+async def task_runs(c, flow_run_id: UUID) -> list:
+    """The stage task runs of a flow run and of its subflow runs (not the subflows' own entries)."""
     subs = await c.read_flow_runs(flow_run_filter=FlowRunFilter(
         parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id])))
     ids = [flow_run_id] + [s.id for s in subs]
     trs = await c.read_task_runs(task_run_filter=TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(any_=ids)))
     # a subflow run is itself a task run of its parent: skip those dummy entries
-    trs = [t for t in trs if not re.fullmatch(r"(recipe-stages|rstar2)-\d+", t.name)]
+    return [t for t in trs if not re.fullmatch(r"(recipe-stages|rstar2)-\d+", t.name)]
+
+
+async def _task_lines(c, flow_run_id: UUID) -> list[str]:
+    trs = await task_runs(c, flow_run_id)
     return [f"{t.name}: {t.state.name if t.state else '?'}" for t in sorted(trs, key=lambda t: t.expected_start_time or t.created)]
 
 

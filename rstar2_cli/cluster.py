@@ -17,14 +17,14 @@ import argparse
 import json
 from pathlib import Path
 
-from rstar2_cli.common import add_override_args
+from rstar2_cli.common import add_override_args, read_overrides_file
 
 REHEARSAL = Path(__file__).resolve().parents[1] / "scripts" / "cluster-rehearsal.overrides"
 
 
 def rehearsal_overrides() -> list[str]:
     """The dotted overrides of scripts/cluster-rehearsal.overrides (comments and blank lines dropped)."""
-    return [x.strip() for x in REHEARSAL.read_text().splitlines() if x.strip() and not x.lstrip().startswith("#")]
+    return read_overrides_file(REHEARSAL)
 
 
 def _record() -> Path:

@@ -29,3 +29,11 @@ def step_logger() -> Callable[[dict, int], None]:
         print(json.dumps({"step": step, **{k: round(float(v), 6) for k, v in sorted(metrics.items())}}), flush=True)
 
     return log
+
+
+def read_overrides_file(path) -> list[str]:
+    """The dotted overrides of a file of them, one per line (comments and blank lines dropped)."""
+    from pathlib import Path
+
+    return [x.strip() for x in Path(path).read_text().splitlines() if x.strip() and not x.lstrip().startswith("#")]
+

@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 from unittest.mock import patch
 
+from rstar2_cli.common import read_overrides_file
+
 OVERLAY = Path(__file__).resolve().parents[1] / "configs" / "production-rehearsal.overrides"
 
 ALLOWED: dict[str, str] = {
@@ -70,7 +72,7 @@ ALLOWED: dict[str, str] = {
 
 def overlay_overrides(path: Path = OVERLAY) -> list[str]:
     """The dotted overrides of the overlay file (comments and blank lines dropped)."""
-    return [x.strip() for x in path.read_text().splitlines() if x.strip() and not x.lstrip().startswith("#")]
+    return read_overrides_file(path)
 
 
 def _flat(x: Any, prefix: str = "") -> dict[str, Any]:

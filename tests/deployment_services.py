@@ -8,27 +8,22 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 from uuid import UUID
 
+from rstar2_cli.common import read_overrides_file
+from rstar2_cli.rehearsal_stack import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # The quick demo's sizes (what `make demo-quick` runs), with threads instead of Ray and no task retries.
-QUICK = [x.strip() for x in (ROOT / "scripts" / "demo-quick.overrides").read_text().splitlines()
-         if x.strip() and not x.lstrip().startswith("#")]
+QUICK = read_overrides_file(ROOT / "scripts" / "demo-quick.overrides")
 E2E_EXTRA = ["pipeline.eval_stages=rl"]
 # threads in the flow process take no per-task Ray reservations: the profile's are dropped with them
 NO_RAY = ["cluster.use_ray=false", "cluster.resources={}"]
 E2E_OVERRIDES = [*NO_RAY, "pipeline.task_retries=0", *QUICK, *E2E_EXTRA]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
