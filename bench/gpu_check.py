@@ -34,6 +34,7 @@ from gpu_probes import (
     deepspeed_step,
     device_peak,
     engine_variants,
+    flex_grads,
     liger_obstacles_on,
     log,
     make_engine,
@@ -43,6 +44,7 @@ from gpu_probes import (
     sft_step,
     sync,
     timed,
+    train_paths,
 )
 
 # engine logprobs vs a teacher-forced forward, fp32: CUDA kernels differ between a batched decode step
@@ -57,9 +59,9 @@ HEAD_TOL = 1e-3
 # (~3.5 minutes on the 2-core development machine) the first time.
 BUDGETS = {
     "cuda": {"total": 360, "versions": 30, "matmul": 30, "gates": 90, "head_kernel": 60, "build": 60, "sft": 60,
-             "rl": 90, "decode": 120, "deepspeed_zero2": 150},
+             "rl": 90, "decode": 120, "deepspeed_zero2": 150, "train_paths": 150, "flex_grads": 60},
     "cpu": {"total": 900, "versions": 60, "matmul": 60, "gates": 240, "head_kernel": 30, "build": 60, "sft": 120,
-            "rl": 120, "decode": 120, "deepspeed_zero2": 480},
+            "rl": 120, "decode": 120, "deepspeed_zero2": 480, "train_paths": 240, "flex_grads": 60},
 }
 
 
@@ -237,6 +239,15 @@ def model_sections(sec: Sections, shape: str, a, device, dtype, peak: float) -> 
         r["rl"] = dict(rl, update_mfu=8 * n * rl["update_tokens_per_s"] / (peak * 1e12))
         log(f"{shape} RL step {rl_b} rollouts x {rl_new} tokens: generate {rl['gen_s']:.2f} s "
             f"({rl['gen_tokens_per_s']:,.0f} tok/s), update {rl['update_s']:.2f} s (MFU {r['rl']['update_mfu']:.1%})")
+    if not a.no_train_paths:
+        if shape == "3b":                  # 8K-token passes of a 3B model fit one GPU only with recompute
+            model.gradient_checkpointing_enable()
+        tp = sec.run(f"{shape}/train_paths", budget["train_paths"], train_paths, model, backend, device, quick or cpu,
+                     peak, 8192 if shape == "3b" else 16384, cpu)
+        if shape == "3b":
+            model.gradient_checkpointing_disable()
+        if tp:
+            r["train_paths"] = tp
     del backend
     if not a.no_decode:
         d = sec.run(f"{shape}/decode", budget["decode"], decode_bench, model, dec_b, dec_prompt, dec_new,
@@ -276,6 +287,7 @@ def main(argv: list[str] | None = None) -> dict:
                     "CPU 900)")
     ap.add_argument("--no-deepspeed", action="store_true")
     ap.add_argument("--no-decode", action="store_true")
+    ap.add_argument("--no-train-paths", action="store_true", help="skip the old/new training path comparison (#42)")
     a = ap.parse_args(argv)
     if not a.cpu and not torch.cuda.is_available():
         ap.error("no CUDA/ROCm device visible to torch; run with --cpu for the CPU smoke test")
@@ -300,12 +312,16 @@ def main(argv: list[str] | None = None) -> dict:
     result["head_kernel"] = sec.run("head_kernel", budget["head_kernel"], head_kernel, device, a.quick) or {"ok": False}
     if "skipped" in result["head_kernel"]:
         log(f"head kernel: skipped ({result['head_kernel']['skipped']})")
+    result["flex_grads"] = (sec.run("flex_grads", budget["flex_grads"], flex_grads, device) or {"ok": False}
+                            if device.type == "cuda" else {"skipped": "CPU FlexAttention has no backward"})
+    log(f"flex kernel gradients: {json.dumps(result['flex_grads'])}")
     result["models"] = {shape: model_sections(sec, shape, a, device, dtype, peak) for shape in models}
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     result["sections"] = sec.record
     result["ok"] = (bool(result["gates"].get("ok")) and all(v["status"] == "ok" for v in sec.record.values())
-                    and ("skipped" in result["head_kernel"] or bool(result["head_kernel"].get("ok"))))
+                    and ("skipped" in result["head_kernel"] or bool(result["head_kernel"].get("ok")))
+                    and ("skipped" in result["flex_grads"] or bool(result["flex_grads"].get("ok"))))
     result["wall_s"] = time.perf_counter() - T0
     log(f"done in {result['wall_s']:.0f} s: {'all gates passed' if result['ok'] else 'FAILED (see sections/gates)'}")
     if a.json:

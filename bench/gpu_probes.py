@@ -27,6 +27,10 @@ SHAPES = {
              "num_key_value_heads": 4, "vocab_size": 512},
     "0.5b": {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
              "num_key_value_heads": 2, "vocab_size": 151936},
+    "smollm2-135m": {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+                     "num_key_value_heads": 3, "vocab_size": 49152},
+    "3b": {"hidden_size": 2048, "intermediate_size": 11008, "num_hidden_layers": 36, "num_attention_heads": 16,
+           "num_key_value_heads": 2, "vocab_size": 151936},
     "cpu-small": {"hidden_size": 128, "intermediate_size": 344, "num_hidden_layers": 2, "num_attention_heads": 4,
                   "num_key_value_heads": 2, "vocab_size": 512},
 }
@@ -294,3 +298,78 @@ def liger_obstacles_on(device: torch.device) -> list[str]:
     from rstar2_core.models.token_logprobs import liger_obstacles
 
     return liger_obstacles(torch.nn.Linear(8, 8, bias=False), on_cuda=device.type == "cuda", partitioned=False)
+
+
+def train_paths(model, backend, device: torch.device, quick: bool, peak: float, budget_tokens: int,
+                cpu: bool = False) -> dict:
+    """Issue #42's comparison on one model: the SFT step and the RL update on bench/train_step.py's
+    long-tailed mix, old path (micro-batches by count, one SDPA per segment) vs new (by `budget_tokens`,
+    the device's kernel: one FlexAttention call per layer on CUDA), each arm on its own rows, MFU each."""
+    from train_step import PAD
+    from train_step import sft_rows as mix_rows
+    from train_step import trajectories as mix_trajectories
+
+    from rstar2_core.models.packed_attention import attention_kernel, default_kernel
+    from rstar2_core.rl.trainer import rl_update
+    from rstar2_core.sft.step import sft_update
+
+    vocab, n = model.config.vocab_size, n_params(model)
+    cap, system, seq, count = (96, 32, 256, 8) if cpu else (1024, 256, 2048, 16) if quick else (4096, 512, 8192, 48)
+    budget_tokens = min(budget_tokens, 4 * seq)
+    steps = 1 if quick else 2
+    arms = {"old": ("segments", {"micro_batch_size": 8}, {"micro_batch_size": 2}),
+            "new": (default_kernel(device), {"micro_batch_size": None, "max_tokens_per_micro_batch": budget_tokens},
+                    {"micro_batch_size": None, "max_tokens_per_micro_batch": budget_tokens})}
+    out: dict = {"budget_tokens": budget_tokens, "mix": {"trajectories": count, "cap": cap, "system": system, "seq": seq}}
+    for arm, (kernel, rl_kw, sft_kw) in arms.items():
+        seed0 = 0 if arm == "old" else 1000                     # each arm on its own rows
+        rl_s = sft_s = 0.0
+        rl_tok = sft_flop = 0.0
+        with attention_kernel(kernel):
+            for i in range(steps + 1):
+                trajs = mix_trajectories(count, cap, system, vocab, seed=seed0 + i)
+                adv = [1.0 if j % 2 else -1.0 for j in range(count)]
+                s = timed(lambda t=trajs, v=adv, kw=rl_kw: rl_update(backend, t, v, pad_id=PAD, prefix_len=system,
+                                                                     **kw), device)
+                rows = mix_rows(count, cap, system, seq, vocab, seed=seed0 + i)
+                box: dict = {}
+                s2 = timed(lambda r=rows, b=box, kw=sft_kw: b.update(sft_update(backend, r, pad_id=PAD, **kw)), device)
+                if i:                                           # the first step compiles and warms up
+                    rl_s += s
+                    rl_tok += sum(len(t.prompt_ids) + len(t.response_ids) for t in trajs)
+                    sft_s += s2
+                    sft_flop += sft_flops(model, box["sft/computed_tokens"], box["sft/label_tokens"])
+        out[arm] = {"kernel": kernel, "rl_update_tokens_per_s": rl_tok / rl_s,
+                    "rl_update_mfu": 8 * n * rl_tok / rl_s / (peak * 1e12), "sft_mfu": sft_flop / sft_s / (peak * 1e12)}
+        log(f"train path {arm} ({kernel}): RL update MFU {out[arm]['rl_update_mfu']:.1%}, "
+            f"SFT MFU {out[arm]['sft_mfu']:.1%}")
+    out["rl_ratio"] = out["new"]["rl_update_tokens_per_s"] / out["old"]["rl_update_tokens_per_s"]
+    return out
+
+
+def flex_grads(device: torch.device) -> dict:
+    """The flex kernel's log-probs and gradients against the per-segment kernel's on one packed RL micro-batch
+    with a shared prefix (fp32, TF32 off): the check CPU cannot run (no FlexAttention backward there)."""
+    from train_step import PAD
+    from train_step import trajectories as mix_trajectories
+
+    from rstar2_core.models.packed_attention import attention_kernel
+    from rstar2_core.rl.logprobs import batch_logprobs, collate
+
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        model = build_model("cpu-small", device, torch.float32).train()
+        batch = collate(mix_trajectories(6, 96, 24, model.config.vocab_size, seed=5), PAD, device, 24)
+        got = {}
+        for kernel in ("segments", "flex"):
+            model.zero_grad(set_to_none=True)
+            with attention_kernel(kernel):
+                lp = batch_logprobs(model, batch)
+            lp.sum().backward()
+            got[kernel] = (lp.detach(), {k: p.grad.detach().clone() for k, p in model.named_parameters()})
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    lp_gap = float((got["flex"][0] - got["segments"][0]).abs().max())
+    grad_gap = max(float((got["flex"][1][k] - g).abs().max()) for k, g in got["segments"][1].items())
+    return {"logprob_max_gap": lp_gap, "grad_max_gap": grad_gap, "ok": lp_gap <= 1e-5 and grad_gap <= 1e-5}

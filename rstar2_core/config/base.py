@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -20,3 +20,11 @@ class _Section(BaseModel):
 
 AdamBetas = tuple[Annotated[float, Field(ge=0.0, lt=1.0)], Annotated[float, Field(ge=0.0, lt=1.0)]]
 """AdamW (beta1, beta2), each in [0, 1)."""
+
+
+def default_micro_batch_count(data: Any, count: int = 8) -> Any:
+    """A section's raw input with `micro_batch_size` = `count` where neither it nor
+    `max_tokens_per_micro_batch` is set (a config cuts micro-batches one way; a snapshot keeps the other None)."""
+    if isinstance(data, dict) and data.get("micro_batch_size") is None and data.get("max_tokens_per_micro_batch") is None:
+        return {**data, "micro_batch_size": count}
+    return data

@@ -45,8 +45,14 @@ def _parse_value(raw: str) -> Any:
         return raw
 
 
+CUTS = ("micro_batch_size", "max_tokens_per_micro_batch")
+"""A section's two ways of cutting micro-batches: an override that sets one replaces the profile's other."""
+
+
 def apply_override(tree: dict, dotted: str) -> None:
-    """Apply one `a.b.0.c=value` override to a raw dict tree in place (value parsed as TOML, else string)."""
+    """Apply one `a.b.0.c=value` override to a raw dict tree in place (value parsed as TOML, else string).
+    Setting `rl.`/`sft.` `micro_batch_size` or `max_tokens_per_micro_batch` drops the other from the
+    tree: an override picks the section's cut (a profile file that sets both is refused)."""
     if "=" not in dotted:
         raise ConfigError(f"override {dotted!r} must look like section.field=value "
                           "(e.g. rl.stages.0.max_response_tokens=4096)")
@@ -72,6 +78,8 @@ def apply_override(tree: dict, dotted: str) -> None:
         node[int(last)] = value
     else:
         node[last] = value
+        if parts[0] in ("rl", "sft") and len(parts) == 2 and last in CUTS and value is not None:
+            node.pop(CUTS[1 - CUTS.index(last)], None)
 
 
 def _field_doc(loc: tuple) -> str:

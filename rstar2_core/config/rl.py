@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from rstar2_core.config.base import AdamBetas, _Section
+from rstar2_core.config.base import AdamBetas, _Section, default_micro_batch_count
 
 
 # ------------------------------------------------------------------------------------------ GRPO-RoC
@@ -113,8 +113,17 @@ class RLConfig(_Section):
     """Prompts sampled per RL step. Paper: 512."""
     temperature: float = Field(1.0, gt=0)
     """Rollout sampling temperature. Paper: 1.0."""
-    micro_batch_size: int = Field(8, ge=1)
-    """Trajectories per forward/backward; gradients accumulate to one optimizer step per RL step."""
+    micro_batch_size: int | None = Field(None, ge=1)
+    """Trajectories per forward/backward; gradients accumulate to one optimizer step per RL step. Set this
+    or max_tokens_per_micro_batch; neither = 8 trajectories."""
+    max_tokens_per_micro_batch: int | None = Field(None, ge=32)
+    """Token budget of one forward/backward instead of a trajectory count (verl's dynamic batch size):
+    a rank's trajectories are packed first-fit-decreasing into rows of at most this many tokens (prompt
+    and response; the shared system turn once), so long-tailed response lengths (most short, a few at
+    the cap) give evenly full passes and the activation memory of a pass is bounded by tokens. Must
+    hold the longest response of any stage (a trajectory longer than the budget runs alone, counted in
+    `actor/over_budget`). Larger: fewer, fuller passes, more activation memory. The step's loss and
+    gradient do not depend on the cut. None = by micro_batch_size."""
     old_logprobs: Literal["recompute", "engine"] = "recompute"
     """Where the PPO ratio's old log-probs come from: a no-grad forward of the policy before the update
     (verl; ratio exactly 1 for identical weights) or the engine's sampling log-probs (one forward less;
@@ -165,6 +174,25 @@ class RLConfig(_Section):
     """GRPO-RoC settings."""
     stages: list[RLStageConfig] = Field(min_length=1)
     """The RL stages in order; each starts from the previous one's weights."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _count_by_default(cls, data: Any) -> Any:
+        return default_micro_batch_count(data)
+
+    @model_validator(mode="after")
+    def _one_micro_batch_cut(self) -> RLConfig:
+        if self.max_tokens_per_micro_batch is None:
+            return self
+        if self.micro_batch_size is not None:
+            raise ValueError("rl.micro_batch_size and rl.max_tokens_per_micro_batch both cut micro-batches; "
+                             "keep one in the profile (an override of either replaces the other)")
+        longest = max(st.max_response_tokens for st in self.stages)
+        if self.max_tokens_per_micro_batch <= longest:
+            raise ValueError(f"rl.max_tokens_per_micro_batch={self.max_tokens_per_micro_batch} cannot hold a "
+                             f"trajectory at the longest stage's max_response_tokens={longest} and its prompt; "
+                             f"raise it above {longest} (room for the prompt)")
+        return self
 
     @model_validator(mode="after")
     def _stage_rules(self) -> RLConfig:

@@ -9,11 +9,11 @@ See docs/models-and-sft.md.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from rstar2_core.config.base import AdamBetas, _Section
+from rstar2_core.config.base import AdamBetas, _Section, default_micro_batch_count
 
 
 # --------------------------------------------------------------------------------------------- model
@@ -189,8 +189,15 @@ class SFTConfig(_Section):
     """Cosine floor as a share of lr."""
     batch_size: int = Field(128, ge=1)
     """Sequences (packed rows) per optimizer step. Paper: 128."""
-    micro_batch_size: int = Field(8, ge=1)
-    """Rows per forward/backward; batch_size must be a multiple."""
+    micro_batch_size: int | None = Field(None, ge=1)
+    """Rows per forward/backward; batch_size must be a multiple. Set this or max_tokens_per_micro_batch;
+    neither = 8 rows."""
+    max_tokens_per_micro_batch: int | None = Field(None, ge=32)
+    """Token budget of one forward/backward instead of a row count: a step's rows are packed
+    first-fit-decreasing until their real tokens (a shared system prefix once) reach it, so every pass
+    holds about the same work whatever the rows' fill, and a pass's activation memory is bounded by
+    tokens, not rows. Must hold one row (>= max_seq_len). Larger: fewer, fuller passes, more activation
+    memory. The step's loss and gradient do not depend on the cut. None = by micro_batch_size."""
     max_seq_len: int = Field(1024, ge=32)
     """Packed row length in tokens."""
     pack: bool = True
@@ -234,8 +241,21 @@ class SFTConfig(_Section):
                              "sft.converged_loss, or remove sft.steps_after_converged")
         return self
 
+    @model_validator(mode="before")
+    @classmethod
+    def _count_by_default(cls, data: Any) -> Any:
+        return default_micro_batch_count(data)
+
     @model_validator(mode="after")
     def _micro_divides(self) -> SFTConfig:
+        if self.max_tokens_per_micro_batch is not None:
+            if self.micro_batch_size is not None:
+                raise ValueError("sft.micro_batch_size and sft.max_tokens_per_micro_batch both cut micro-batches; "
+                                 "keep one in the profile (an override of either replaces the other)")
+            if self.max_tokens_per_micro_batch < self.max_seq_len:
+                raise ValueError(f"sft.max_tokens_per_micro_batch={self.max_tokens_per_micro_batch} cannot hold one "
+                                 f"packed row of sft.max_seq_len={self.max_seq_len}; raise it to >= {self.max_seq_len}")
+            return self
         if self.batch_size % self.micro_batch_size:
             raise ValueError(f"batch_size={self.batch_size} must be a multiple of micro_batch_size="
                              f"{self.micro_batch_size}; lower micro_batch_size to a divisor")

@@ -1,19 +1,21 @@
 """Attention over packed rows without a dense mask: each segment attends to itself causally and to its
 row's shared prefix.
 
-A row is described by its `Segments` (prefix length, segment spans: SFT conversations after one shared
-system turn, or an RL micro-batch's trajectories), and attention runs one
-`scaled_dot_product_attention` per segment over [prefix keys, own keys]. `with segment_attention(model):`
-switches the model to `SEGMENTS` for the forwards inside, and `model(..., segments=...)` hands the
-layout over; a call without `segments` inside the block runs plain SDPA with the mask it passed.
+A row's `Segments` (prefix length, spans: SFT conversations after one shared system turn, or an RL
+micro-batch's trajectories) drive two kernels: `segments`, one SDPA per segment over [prefix keys, own keys]
+(CPU: FlexAttention has no backward there), and `flex`, one FlexAttention call per layer with a block mask
+from the segments (CUDA, compiled). `with segment_attention(model):` picks the device's kernel for the
+forwards inside (`attention_kernel("flex")` forces one); `model(..., segments=...)` hands the layout over.
 
-Invariant: exact, equal to each sequence alone (tests/unit/sft, tests/unit/rl).
-See docs/training-speed.md, "Segment attention".
+Invariant: exact, equal to each sequence alone, both kernels (tests/unit/sft, tests/unit/rl).
+See docs/training-speed.md, "Segment attention" and "One attention call per layer".
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -21,6 +23,9 @@ import torch
 import torch.nn.functional as F
 
 SEGMENTS = "rstar2_segments"
+FLEX = "rstar2_flex_segments"
+KERNELS = {"segments": SEGMENTS, "flex": FLEX}
+_forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("rstar2_attention_kernel", default=None)
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,16 @@ def _sdpa(module, query, key, value, attention_mask, **kwargs):
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
+def _batch_shape(query: torch.Tensor, segments: Sequence[Segments], dropout: float) -> tuple[int, int, int]:
+    """(B, H, T) of `query`, checked against the layouts; attention dropout refused."""
+    if dropout:
+        raise ValueError("segment attention does not implement attention dropout; set attention_dropout = 0")
+    b, h, t, _ = query.shape
+    if len(segments) != b:
+        raise ValueError(f"{len(segments)} segment layouts for a batch of {b} rows")
+    return b, h, t
+
+
 def segment_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                               attention_mask: torch.Tensor | None, scaling: float | None = None,
                               dropout: float = 0.0, segments: Sequence[Segments] | None = None, **kwargs):
@@ -56,11 +71,7 @@ def segment_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     ((B, T, H, D), None). Without `segments`: plain SDPA with `attention_mask`."""
     if segments is None:
         return _sdpa(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-    if dropout:
-        raise ValueError("segment attention does not implement attention dropout; set attention_dropout = 0")
-    b, h, t, _ = query.shape
-    if len(segments) != b:
-        raise ValueError(f"{len(segments)} segment layouts for a batch of {b} rows")
+    _, h, t = _batch_shape(query, segments, dropout)
     rep = h // key.shape[1]
     if rep > 1:                                       # grouped-query attention: share each kv head
         key, value = key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1)
@@ -95,18 +106,86 @@ def _segment_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segment
     return torch.cat(pieces, 2)
 
 
+def _doc_ids(segments: tuple[Segments, ...], t: int) -> torch.Tensor:
+    """(B, T) int32: 0 on a row's prefix, i + 1 on its span i, -1 on padding."""
+    doc = torch.full((len(segments), t), -1, dtype=torch.int32)
+    for b, seg in enumerate(segments):
+        if seg.length != t:
+            raise ValueError(f"row {b} is {t} tokens but its layout says {seg.length}")
+        doc[b, :seg.prefix] = 0
+        for j, (s, e) in enumerate(seg.spans):
+            doc[b, s:e] = j + 1
+    return doc
+
+
+@functools.lru_cache(maxsize=4)          # every layer of a forward (and its recompute) asks for the same mask
+def _block_mask(segments: tuple[Segments, ...], t: int, device: torch.device):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    doc = _doc_ids(segments, t).to(device)
+
+    def allowed(b, h, q, k):             # causal, within a segment or onto the prefix; padding sees nothing
+        dq, dk = doc[b, q], doc[b, k]
+        return (k <= q) & (dq >= 0) & ((dq == dk) | (dk == 0))
+
+    return create_block_mask(allowed, len(segments), None, t, t, device=device)
+
+
+@functools.cache
+def _flex_kernel(device_type: str):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=True) if device_type == "cuda" else flex_attention
+
+
+def flex_segment_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                                   value: torch.Tensor, attention_mask: torch.Tensor | None,
+                                   scaling: float | None = None, dropout: float = 0.0,
+                                   segments: Sequence[Segments] | None = None, **kwargs):
+    """As `segment_attention_forward`, in one FlexAttention call over the batch (grouped-query heads
+    native). Its backward needs CUDA (torch's CPU FlexAttention is forward-only)."""
+    if segments is None:
+        return _sdpa(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    _, h, t = _batch_shape(query, segments, dropout)
+    if query.device.type != "cuda" and torch.is_grad_enabled() and query.requires_grad:
+        raise ValueError("the flex attention kernel trains on CUDA only (torch's CPU FlexAttention has no "
+                         "backward); use the segments kernel here")
+    mask = _block_mask(tuple(segments), t, query.device)
+    out = _flex_kernel(query.device.type)(query, key, value, block_mask=mask, scale=scaling,
+                                          enable_gqa=key.shape[1] != h)
+    return out.transpose(1, 2).contiguous(), None
+
+
 def register() -> None:
-    """Register `SEGMENTS` with transformers' attention functions (idempotent)."""
+    """Register both kernels with transformers' attention functions (idempotent)."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(SEGMENTS, segment_attention_forward)
+    AttentionInterface.register(FLEX, flex_segment_attention_forward)
+
+
+def default_kernel(device: torch.device) -> str:
+    """`flex` on CUDA (one call per layer), `segments` elsewhere; `attention_kernel(...)` overrides it."""
+    return _forced.get() or ("flex" if device.type == "cuda" else "segments")
+
+
+@contextlib.contextmanager
+def attention_kernel(kind: str) -> Iterator[None]:
+    """Run `segment_attention` blocks inside with `kind` ("segments" or "flex") whatever the device."""
+    if kind not in KERNELS:
+        raise ValueError(f"unknown attention kernel {kind!r}; valid: {sorted(KERNELS)}")
+    token = _forced.set(kind)
+    try:
+        yield
+    finally:
+        _forced.reset(token)
 
 
 @contextlib.contextmanager
 def segment_attention(model: torch.nn.Module) -> Iterator[None]:
-    """Run the model's forwards inside with `SEGMENTS` attention (pass `segments=` to them). With gradient
-    checkpointing the backward re-runs the layers and looks the attention up again: keep the backward
-    inside the block too (rl_update and sft_update do)."""
+    """Run the model's forwards inside with segment attention, the device's kernel (`default_kernel`; pass
+    `segments=` to them). With gradient checkpointing the backward re-runs the layers and looks the
+    attention up again: keep the backward inside the block too (rl_update and sft_update do)."""
     register()
     config = model.get_decoder().config     # the HF config its attention layers read (not a DeepSpeed engine's)
     windowed = [t for t in (getattr(config, "layer_types", None) or []) if t != "full_attention"]
@@ -114,7 +193,8 @@ def segment_attention(model: torch.nn.Module) -> Iterator[None]:
         raise ValueError(f"segment attention implements full causal attention only; this model has "
                          f"{sorted(set(windowed)) or ['sliding_window']} layers")
     before = config._attn_implementation
-    config._attn_implementation = SEGMENTS
+    device = next(model.parameters()).device
+    config._attn_implementation = KERNELS[default_kernel(device)]
     try:
         yield
     finally:

@@ -161,7 +161,8 @@ def update_from(rt: StageRuntime, chat: ChatFormat, rolled: RolledOut, *, rl: RL
             actor = rt.trainer.step(list(zip(sb.trajectories, sb.advantages)), micro_batch_size=rl.micro_batch_size,
                                     pad_id=pad_id, temperature=rl.temperature, clip_low=grpo.clip_low,
                                     clip_high=grpo.clip_high, loss_key=grpo.policy_loss, old_logprobs=rl.old_logprobs,
-                                    prefix_len=chat.shared_prompt_len, tis_cap=rl.tis_cap)
+                                    prefix_len=chat.shared_prompt_len, tis_cap=rl.tis_cap,
+                                    max_tokens_per_micro_batch=rl.max_tokens_per_micro_batch)
         else:
             actor = {"actor/skipped": 1.0, "actor/tokens": 0.0}
         stepped = not actor.get("actor/skipped")

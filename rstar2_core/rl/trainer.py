@@ -18,10 +18,11 @@ from collections.abc import Sequence
 import torch
 
 from rstar2_core.models.packed_attention import segment_attention
-from rstar2_core.rl.logprobs import batch_logprobs, collate, micro_batch_slices, sequence_logprobs
+from rstar2_core.rl.logprobs import batch_logprobs, collate, sequence_logprobs
 from rstar2_core.rl.logprobs import model_device as _model_device
 from rstar2_core.rl.loss import get_policy_loss
 from rstar2_core.rollout.types import Trajectory
+from rstar2_core.runtime.micro_batches import cut_micro_batches, over_budget
 from rstar2_core.runtime.protocol import TrainerStep
 
 OLD_LOGPROB_SOURCES = ("recompute", "engine")
@@ -34,16 +35,29 @@ def padding_trajectory(pad_id: int) -> Trajectory:
     return Trajectory((pad_id,), (pad_id,), (0,), (0.0,), "", (), 0, 0, "eos", False)
 
 
-def micro_batch_count(n_trajectories: int, micro_batch_size: int) -> int:
-    """Forward/backward passes `rl_update` needs for `n_trajectories` (at least one)."""
-    return max(1, -(-n_trajectories // max(1, micro_batch_size)))
+def trajectory_length(t: Trajectory, prefix_len: int = 0) -> int:
+    """Tokens a trajectory adds to a packed micro-batch row: its prompt past the shared prefix, its response."""
+    shared = prefix_len if len(t.prompt_ids) > prefix_len else 0
+    return len(t.prompt_ids) - shared + len(t.response_ids)
+
+
+def cut_trajectories(trajectories: Sequence[Trajectory], *, micro_batch_size: int | None,
+                     max_tokens_per_micro_batch: int | None = None, prefix_len: int = 0) -> list[list[int]]:
+    """The micro-batches (trajectory indices) `rl_update` runs: `micro_batch_size` trajectories each, or,
+    with `max_tokens_per_micro_batch`, packed first-fit-decreasing under that many tokens a row
+    (runtime/micro_batches.py)."""
+    if max_tokens_per_micro_batch is None:
+        return cut_micro_batches([0] * len(trajectories), size=micro_batch_size)
+    return cut_micro_batches([trajectory_length(t, prefix_len) for t in trajectories],
+                             max_tokens=max_tokens_per_micro_batch, shared=prefix_len)
 
 
 def rl_update(backend, trajectories: Sequence[Trajectory], advantages: Sequence[float], *, pad_id: int,
-              temperature: float = 1.0, micro_batch_size: int = 8, clip_low: float = 0.2,
+              temperature: float = 1.0, micro_batch_size: int | None = 8, clip_low: float = 0.2,
               clip_high: float = 0.28, loss_key: str = "ppo_clip", old_logprobs: str = "recompute",
               total_tokens: float | None = None, num_micro_batches: int | None = None,
-              loss_scale: float = 1.0, prefix_len: int = 0, tis_cap: float | None = None) -> dict[str, float]:
+              loss_scale: float = 1.0, prefix_len: int = 0, tis_cap: float | None = None,
+              max_tokens_per_micro_batch: int | None = None) -> dict[str, float]:
     """One optimizer step on `trajectories` with per-trajectory `advantages` `(B,)`; returns `actor/...` metrics.
 
     `backend`: a `TrainBackend` (`model`, `backward`, `step`). On a data-parallel rank, pass the step's
@@ -51,7 +65,8 @@ def rl_update(backend, trajectories: Sequence[Trajectory], advantages: Sequence[
     most any rank needs (this rank pads with zero-weight passes up to it: every rank must issue the same
     collectives) and `loss_scale` = the world size (DeepSpeed averages gradients over ranks).
     `prefix_len`: the prompt tokens every trajectory shares, packed once per micro-batch
-    (`logprobs.collate`; `ChatFormat.shared_prompt_len`). A step with
+    (`logprobs.collate`; `ChatFormat.shared_prompt_len`). `max_tokens_per_micro_batch` cuts the
+    micro-batches by a token budget instead of `micro_batch_size` (`cut_trajectories`). A step with
     no sampled token anywhere takes no optimizer step (`actor/skipped` = 1) on any rank."""
     if old_logprobs not in OLD_LOGPROB_SOURCES:
         raise ValueError(f"rl_update: old_logprobs={old_logprobs!r}; valid: {list(OLD_LOGPROB_SOURCES)}")
@@ -64,15 +79,16 @@ def rl_update(backend, trajectories: Sequence[Trajectory], advantages: Sequence[
     total = local_tokens if total_tokens is None else float(total_tokens)
     if total == 0:
         return {"actor/skipped": 1.0, "actor/tokens": 0.0}
-    slices = micro_batch_slices(len(trajectories), micro_batch_size)
-    chunks: list[list[Trajectory]] = [list(trajectories[sl]) for sl in slices]
+    cut = cut_trajectories(trajectories, micro_batch_size=micro_batch_size,
+                           max_tokens_per_micro_batch=max_tokens_per_micro_batch, prefix_len=prefix_len)
+    chunks: list[list[Trajectory]] = [[trajectories[i] for i in mb] for mb in cut]
     need = num_micro_batches if num_micro_batches is not None else max(1, len(chunks))
     if need < len(chunks):
-        raise ValueError(f"rl_update: num_micro_batches={need} but {len(trajectories)} trajectories at "
-                         f"micro_batch_size={micro_batch_size} need {len(chunks)}")
+        raise ValueError(f"rl_update: num_micro_batches={need} but these {len(trajectories)} trajectories are cut "
+                         f"into {len(chunks)} micro-batches")
     pad = padding_trajectory(pad_id)
     chunks += [[pad]] * (need - len(chunks))
-    advs = [list(advantages[sl]) for sl in slices]
+    advs = [[float(advantages[i]) for i in mb] for mb in cut]
     advs += [[0.0]] * (need - len(advs))
     model.train()
     recompute = old_logprobs == "recompute"
@@ -108,7 +124,9 @@ def rl_update(backend, trajectories: Sequence[Trajectory], advantages: Sequence[
     per = max(local_tokens, 1.0)
     metrics = {k: v / per for k, v in sums.items()}
     metrics.update({"actor/grad_norm": float(grad_norm), "actor/tokens": local_tokens,
-                    "actor/skipped": 0.0, "actor/lr": lr, "actor/micro_batches": float(need)})
+                    "actor/skipped": 0.0, "actor/lr": lr, "actor/micro_batches": float(need),
+                    "actor/over_budget": float(over_budget([trajectory_length(t, prefix_len) for t in trajectories],
+                                                           max_tokens_per_micro_batch, prefix_len))})
     metrics["actor/engine_logprob_gap"] = gap_sum / per
     metrics["actor/engine_logprob_gap_max"] = gap_max
     return metrics
@@ -129,6 +147,18 @@ def item_tokens(item: tuple[Trajectory, float]) -> float:
     return float(sum(item[0].loss_mask))
 
 
+def item_length(item: tuple[Trajectory, float]) -> float:
+    """Tokens the forward of a (trajectory, advantage) pair computes (prompt and response)."""
+    return float(trajectory_length(item[0]))
+
+
+def cut_items(items: Sequence[tuple[Trajectory, float]], *, micro_batch_size: int | None,
+              max_tokens_per_micro_batch: int | None = None, prefix_len: int = 0, **_: object) -> list[list[int]]:
+    """`cut_trajectories` over (trajectory, advantage) pairs: the micro-batches `rank_update` runs."""
+    return cut_trajectories([t for t, _ in items], micro_batch_size=micro_batch_size,
+                            max_tokens_per_micro_batch=max_tokens_per_micro_batch, prefix_len=prefix_len)
+
+
 def merge_rank_metrics(per_rank: Sequence[dict[str, float]], tokens: Sequence[float]) -> dict[str, float]:
     """The step's `actor/...` metrics from every rank's: token-weighted means, the (global) grad norm and
     lr of rank 0, the step's token count."""
@@ -139,9 +169,10 @@ def merge_rank_metrics(per_rank: Sequence[dict[str, float]], tokens: Sequence[fl
     out.update({k: max(m[k] for m in per_rank) for k in _RANK_MAXES if k in per_rank[0]})
     out.update({"actor/grad_norm": per_rank[0]["actor/grad_norm"], "actor/lr": per_rank[0]["actor/lr"],
                 "actor/tokens": total, "actor/skipped": 0.0,
-                "actor/micro_batches": per_rank[0].get("actor/micro_batches", 1.0)})
+                "actor/micro_batches": per_rank[0].get("actor/micro_batches", 1.0),
+                "actor/over_budget": sum(m.get("actor/over_budget", 0.0) for m in per_rank)})
     return out
 
 
-RL_STEP = TrainerStep(rank_update, item_tokens, merge_rank_metrics)
+RL_STEP = TrainerStep(rank_update, item_tokens, merge_rank_metrics, item_length, cut_items)
 """The RL optimizer step as the runtime's trainer runs it on every rank (runtime.protocol.TrainerStep)."""

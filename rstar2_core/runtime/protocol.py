@@ -28,12 +28,17 @@ class TrainerStep:
 
     - `update(backend, items, *, total_tokens, num_micro_batches, loss_scale, **kwargs) -> metrics`: one
       rank's forward/backward passes over its `items` and the optimizer step;
-    - `weight(item) -> float`: the tokens an item trains on (how items are balanced over ranks);
-    - `merge(per_rank_metrics, per_rank_weights) -> metrics`: the step's metrics from every rank's."""
+    - `weight(item) -> float`: the tokens an item trains on (the loss's denominator; weight 0 items are left out);
+    - `merge(per_rank_metrics, per_rank_weights) -> metrics`: the step's metrics from every rank's;
+    - `length(item) -> float`: the tokens its forward computes (how items are balanced over ranks);
+    - `cut(items, *, micro_batch_size, max_tokens_per_micro_batch=None, **kwargs) -> [[index, ...], ...]`:
+      the micro-batches `update` runs over these items (the Ray trainer sizes every rank's count with it)."""
 
     update: Callable[..., dict[str, float]]
     weight: Callable[[Any], float]
     merge: Callable[[Sequence[dict[str, float]], Sequence[float]], dict[str, float]]
+    length: Callable[[Any], float]
+    cut: Callable[..., list[list[int]]]
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,9 @@ import torch
 
 from rstar2_core.models.packed_attention import segment_attention
 from rstar2_core.models.token_logprobs import decoder_hidden, token_logprobs
+from rstar2_core.runtime.micro_batches import cut_micro_batches
 from rstar2_core.runtime.protocol import TrainerStep
-from rstar2_core.sft.packing import IGNORE, PackedRow, collate, merge_shared_prefix
+from rstar2_core.sft.packing import IGNORE, PackedRow, collate, merge_shared_prefix, prefix_length
 
 
 def masked_token_loss(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, int]:
@@ -54,10 +55,25 @@ def label_tokens(row: PackedRow) -> int:
     return sum(1 for x in row.labels[1:] if x != IGNORE)
 
 
-def sft_update(backend, rows: Sequence[PackedRow], *, micro_batch_size: int, pad_id: int,
+def cut_rows(rows: Sequence[PackedRow], *, micro_batch_size: int | None, max_tokens_per_micro_batch: int | None = None,
+             **_: object) -> list[list[int]]:
+    """The micro-batches (row indices) `sft_update` runs: `micro_batch_size` rows each, or, with
+    `max_tokens_per_micro_batch`, packed first-fit-decreasing by real tokens under that budget, a shared
+    prefix counted once (what a merged micro-batch computes; runtime/micro_batches.py)."""
+    if max_tokens_per_micro_batch is None:
+        return cut_micro_batches([0] * len(rows), size=micro_batch_size)
+    shared = prefix_length(rows[0]) if rows else 0
+    if not all(prefix_length(r) == shared for r in rows):
+        shared = 0
+    return cut_micro_batches([r.n_real - shared for r in rows], max_tokens=max_tokens_per_micro_batch, shared=shared)
+
+
+def sft_update(backend, rows: Sequence[PackedRow], *, micro_batch_size: int | None, pad_id: int,
                total_tokens: int | None = None, num_micro_batches: int | None = None,
-               loss_scale: float = 1.0, dense_mask: bool = False, merge_prefix: bool = True) -> dict[str, float]:
-    """Forward/backward over `rows` in micro-batches, then one `backend.step()`. Each micro-batch of
+               loss_scale: float = 1.0, dense_mask: bool = False, merge_prefix: bool = True,
+               max_tokens_per_micro_batch: int | None = None) -> dict[str, float]:
+    """Forward/backward over `rows` in micro-batches (`cut_rows`: by count, or by a token budget with
+    `max_tokens_per_micro_batch`), then one `backend.step()`. Each micro-batch of
     shared-prefix rows runs as one row with the prefix once (`packing.merge_shared_prefix`; `merge_prefix
     = False` runs the rows as they are). `dense_mask` runs the reference attention (a dense (B, 1, T, T)
     block mask instead of segment attention, rows as they are; bench/sft.py). `total_tokens`: the
@@ -71,11 +87,12 @@ def sft_update(backend, rows: Sequence[PackedRow], *, micro_batch_size: int, pad
     mask_dtype = torch.bfloat16 if getattr(backend, "use_autocast", False) else p0.dtype
     local = sum(label_tokens(r) for r in rows)
     total = local if total_tokens is None else int(total_tokens)
-    chunks = [list(rows[i:i + micro_batch_size]) for i in range(0, len(rows), micro_batch_size)]
+    cut = cut_rows(rows, micro_batch_size=micro_batch_size, max_tokens_per_micro_batch=max_tokens_per_micro_batch)
+    chunks = [[rows[i] for i in mb] for mb in cut]
     need = num_micro_batches if num_micro_batches is not None else max(1, len(chunks))
     if need < len(chunks):
-        raise ValueError(f"sft_update: num_micro_batches={need} but {len(rows)} rows at micro_batch_size="
-                         f"{micro_batch_size} need {len(chunks)}")
+        raise ValueError(f"sft_update: num_micro_batches={need} but these {len(rows)} rows are cut into "
+                         f"{len(chunks)} micro-batches")
     chunks += [[padding_row(pad_id)]] * (need - len(chunks))
     lr = float(getattr(backend, "current_lr", float("nan")))
     loss_sum, computed = 0.0, 0
@@ -94,7 +111,7 @@ def sft_update(backend, rows: Sequence[PackedRow], *, micro_batch_size: int, pad
     grad_norm = backend.step()
     return {"sft/loss_sum": loss_sum, "sft/label_tokens": float(local),
             "sft/real_tokens": float(sum(r.n_real for r in rows)), "sft/computed_tokens": float(computed),
-            "sft/grad_norm": float(grad_norm), "sft/lr": lr}
+            "sft/grad_norm": float(grad_norm), "sft/lr": lr, "sft/micro_batches": float(need)}
 
 
 def merge_rank_metrics(per_rank: Sequence[dict[str, float]], tokens: Sequence[float]) -> dict[str, float]:
@@ -104,12 +121,17 @@ def merge_rank_metrics(per_rank: Sequence[dict[str, float]], tokens: Sequence[fl
     return {"sft/loss": sum(m["sft/loss_sum"] for m in per_rank) / max(1.0, labels),
             "sft/label_tokens": labels, "sft/real_tokens": sum(m["sft/real_tokens"] for m in per_rank),
             "sft/computed_tokens": sum(m["sft/computed_tokens"] for m in per_rank),
-            "sft/grad_norm": per_rank[0]["sft/grad_norm"], "sft/lr": per_rank[0]["sft/lr"]}
+            "sft/grad_norm": per_rank[0]["sft/grad_norm"], "sft/lr": per_rank[0]["sft/lr"],
+            "sft/micro_batches": per_rank[0].get("sft/micro_batches", 1.0)}
 
 
 def _row_tokens(row: PackedRow) -> float:
     return float(label_tokens(row))
 
 
-SFT_STEP = TrainerStep(sft_update, _row_tokens, merge_rank_metrics)
+def _row_length(row: PackedRow) -> float:
+    return float(row.n_real)
+
+
+SFT_STEP = TrainerStep(sft_update, _row_tokens, merge_rank_metrics, _row_length, cut_rows)
 """The SFT optimizer step as the runtime's trainer runs it on every rank (runtime.protocol.TrainerStep)."""

@@ -132,7 +132,8 @@ async def _run_sft(cfg: Config, base_model_url: str, sft_data_url: str, out_url:
                 await rt.inject_fault(kind)
             t0 = time.perf_counter()
             batch_rows = rows[step * sc.batch_size:(step + 1) * sc.batch_size]
-            m = rt.trainer.step(batch_rows, micro_batch_size=sc.micro_batch_size, pad_id=pad_id)
+            m = rt.trainer.step(batch_rows, micro_batch_size=sc.micro_batch_size, pad_id=pad_id,
+                                max_tokens_per_micro_batch=sc.max_tokens_per_micro_batch)
             dt = time.perf_counter() - t0
             metrics = {"sft/loss": m["sft/loss"], "sft/lr": m["sft/lr"], "sft/grad_norm": m["sft/grad_norm"],
                        "sft/tokens_per_s": m["sft/real_tokens"] / dt,

@@ -35,6 +35,7 @@ def test_dotted_override_into_list():
     ("rl.grpo.positive_mode=best", "rl.grpo.positive_mode"),
     ("rl.grpo.clip_hgh=0.3", "rl.grpo.clip_hgh: unknown field"),
     ("sft.micro_batch_size=7", "multiple of micro_batch_size"),
+    ("sft.max_tokens_per_micro_batch=512", "raise it to >= 1024"),
     ("rl.stages.9.steps=1", "indexes a list of 3 items"),
     ("rl.grpo.resample=none", "rl.grpo.oversample = 1"),
     ("nonsense", "section.field=value"),
@@ -206,3 +207,18 @@ def test_settings_nothing_would_read_are_refused_at_load():
         with pytest.raises(ConfigError, match=f"{section}.zero_stage = 3 applies to {section}.backend"):
             load_config("tiny", [f"{section}.zero_stage=3"])
     assert load_config("tiny", ["rl.zero_stage=3", "rl.backend=deepspeed"]).rl.zero_stage == 3
+
+
+def test_a_token_budget_must_hold_a_row_and_a_count_comes_back_with_null():
+    cfg = load_config("qwen3-14b-mi300x")
+    assert cfg.rl.max_tokens_per_micro_batch == cfg.sft.max_tokens_per_micro_batch == 16384
+    with pytest.raises(ConfigError, match="raise it above 12288"):
+        load_config("qwen3-14b-mi300x", ["rl.max_tokens_per_micro_batch=12288"])
+    with pytest.raises(ConfigError, match="raise it to >= 8192"):
+        load_config("qwen3-14b-mi300x", ["sft.max_tokens_per_micro_batch=8000"])
+    back = load_config("qwen3-14b-mi300x", ["rl.micro_batch_size=4"])          # an override picks the cut
+    assert back.rl.max_tokens_per_micro_batch is None and back.rl.micro_batch_size == 4
+    again = load_config("tiny", ["rl.micro_batch_size=4", "rl.max_tokens_per_micro_batch=2048"])
+    assert again.rl.micro_batch_size is None and again.rl.max_tokens_per_micro_batch == 2048
+    with pytest.raises(ValueError, match="keep one in the profile"):                 # a file may not set both
+        type(back.sft).model_validate({**back.sft.model_dump(), "micro_batch_size": 2})

@@ -24,7 +24,7 @@ from rstar2_core import storage
 from rstar2_core.runtime.layout import TRAINER_SHARD_CPUS, ClusterLayout, TrainerShard
 from rstar2_core.runtime.protocol import TrainerStep
 from rstar2_core.runtime.ray.placement import ActorGroup, bundle_strategy
-from rstar2_core.runtime.ray.sharding import micro_batches_per_rank, split_by_weight
+from rstar2_core.runtime.ray.sharding import micro_batches_per_rank, rank_balance, split_by_weight
 
 
 class TrainerShardActor:
@@ -174,16 +174,22 @@ class TrainerGroup:
         """One optimizer step over all ranks (see the module docstring); `split` forces which item indices
         go to which rank (tests)."""
         body = self.step_body
-        parts = split if split is not None else split_by_weight(items, self.world, body.weight)
+        parts = split if split is not None else split_by_weight(items, self.world, body.weight, body.length)
         tokens = [sum(body.weight(items[i]) for i in p) for p in parts]
         total = sum(tokens)
         if total == 0:
             return body.merge([], [])
+        need = micro_batches_per_rank(
+            parts, lambda p: len(body.cut([items[i] for i in p], micro_batch_size=micro_batch_size, **kwargs)))
         kw = {**kwargs, "micro_batch_size": micro_batch_size, "total_tokens": total,
-              "num_micro_batches": micro_batches_per_rank(parts, micro_batch_size), "loss_scale": float(self.world)}
+              "num_micro_batches": need, "loss_scale": float(self.world)}
         results = self.group.get([self.actor(r).update.remote([items[i] for i in p], kw)
                                   for r, p in enumerate(parts)], self.names)
-        return body.merge(results, tokens)
+        merged = body.merge(results, tokens)
+        balance = rank_balance(parts, [body.length(x) for x in items])
+        if balance != float("inf"):          # a rank with no work: nothing to compare (and MLflow takes no inf)
+            merged["trainer/rank_balance"] = balance
+        return merged
 
     def weights_ref(self) -> tuple[Any, int]:
         """(ObjectRef of the full state dict, bytes), produced by rank 0 after a collective gather."""

@@ -28,7 +28,7 @@ sys.argv = ["bench/gpu_check.py", "--cpu", "--quick", "--json"]
 runpy.run_path("bench/gpu_check.py", run_name="__main__")
 """
 SECTIONS = {"versions", "matmul", "gates", "head_kernel", "cpu-small/build", "cpu-small/sft", "cpu-small/rl",
-            "cpu-small/decode", "cpu-small/deepspeed_zero2"}
+            "cpu-small/decode", "cpu-small/deepspeed_zero2", "cpu-small/train_paths"}
 
 
 def _check_gates(out: dict) -> None:
@@ -66,6 +66,9 @@ def test_gpu_check_cpu_smoke():
     z = r["deepspeed_zero2"]
     assert "skipped" in z or (z["tokens_per_s"] > 0 and z["vs_torch"] > 0)
     assert "not on a CUDA device" in out["head_kernel"]["skipped"] and r["head_kernel"] == "torch"
+    tp = r["train_paths"]                       # issue 42's old/new paths: CPU keeps the per-segment kernel
+    assert tp["old"]["kernel"] == tp["new"]["kernel"] == "segments" and "skipped" in out["flex_grads"]
+    assert all(tp[a][k] > 0 for a in ("old", "new") for k in ("rl_update_mfu", "sft_mfu")) and tp["rl_ratio"] > 0
     assert "[" in proc.stdout.splitlines()[0]  # per-section progress lines come first
 
 

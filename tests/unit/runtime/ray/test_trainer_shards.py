@@ -69,8 +69,9 @@ def test_split_by_weight_balances_and_lets_a_rank_go_empty():
     assert max(loads) - min(loads) <= max(w(t) for t in trajs)
     eight = split_by_weight(trajs, 8, w)             # more ranks than work: some ranks get nothing
     assert sum(1 for p in eight if not p) == 1 and sorted(i for p in eight for i in p) == list(range(7))
-    assert micro_batches_per_rank(eight, 2) == 1 and micro_batches_per_rank([[0, 1, 2], [3]], 2) == 2
-    assert micro_batches_per_rank([[], []], 4) == 1  # an empty step still runs one (padding) pass per rank
+    by_two = lambda p: -(-len(p) // 2)
+    assert micro_batches_per_rank(eight, by_two) == 1 and micro_batches_per_rank([[0, 1, 2], [3]], by_two) == 2
+    assert micro_batches_per_rank([[], []], by_two) == 1  # an empty step still runs one (padding) pass per rank
 
 
 def test_padding_micro_batches_change_nothing_and_an_empty_rank_still_steps():
@@ -181,6 +182,16 @@ def test_two_shards_match_one_torch_step_even_or_not_and_sync_to_engines(ray_her
             got = ray.get(rt.trainer.weights_ref()[0])
             for k, v in ref.model.state_dict().items():
                 torch.testing.assert_close(got[k], v, rtol=1e-4, atol=1e-5)
+            # third step cut by a token budget (rows of <= 20 tokens): the ranks balance computed tokens,
+            # each cuts its own share, both run the larger count; equal to one process's budgeted step
+            ref3_m = rl_update(ref, trajs, adv, pad_id=0, micro_batch_size=2, max_tokens_per_micro_batch=20)
+            m3 = rt.trainer.step(list(zip(trajs, adv)), pad_id=0, micro_batch_size=2, max_tokens_per_micro_batch=20)
+            assert m3["actor/grad_norm"] == pytest.approx(ref3_m["actor/grad_norm"], rel=1e-4)
+            assert m3["actor/pg_loss"] == pytest.approx(ref3_m["actor/pg_loss"], rel=1e-4, abs=1e-6)
+            assert 1.0 <= m3["trainer/rank_balance"] < 1.5 and m3["actor/over_budget"] == 0
+            got = ray.get(rt.trainer.weights_ref()[0])
+            for k, v in ref.model.state_dict().items():
+                torch.testing.assert_close(got[k], v, rtol=1e-4, atol=1e-5)
             pids = rt.trainer.pids
             kill_and_wait(rt.trainer.actor(1))
             with pytest.raises(ActorFailure, match="trainer-1"):
@@ -252,4 +263,4 @@ def test_production_backend_options_come_from_the_rl_config():
     kw = backend_options(cfg.rl, cfg.model, total_steps=510, warmup_steps=cfg.rl.warmup_steps, schedule="constant")
     assert kw == {"zero_stage": 3, "lr": 1e-6, "total_steps": 510, "warmup_steps": 20, "schedule": "constant",
                   "weight_decay": 0.0, "betas": (0.9, 0.999), "grad_clip": 1.0, "min_lr_ratio": 0.0,
-                  "micro_batch_size": 2, "gradient_checkpointing": True, "head_kernel": "auto"}
+                  "micro_batch_size": 1, "gradient_checkpointing": True, "head_kernel": "auto"}  # by tokens: a counter only
