@@ -260,37 +260,69 @@ class NCCLSync(_Sync):
 
 
 # -------------------------------------------------------------------------------------------- vLLM: ipc
-def _ipc_bucket(shard: Any, names: list[str]) -> list[dict]:
-    """Gather the parameters `names`, keep them alive in `shard.extras` until `_ipc_release`, and return
-    {this GPU's uuid: CUDA-IPC handle} per tensor, in order (vLLM's unpacked IPC update info)."""
+def pack_bucket(named: Iterator[tuple[str, Any]], total_bytes: int) -> tuple[Any, list[int]]:
+    """One uint8 buffer (on the tensors' device) holding the tensors `named` yields, back to back (vLLM's
+    packed IPC layout: its `unpack_tensor` splits it by the byte sizes returned beside it). Each tensor is
+    copied in while it is alive (under ZeRO-3 a gathered parameter lives only for its yield), so the
+    memory is the bucket's."""
+    import torch
+
+    buf, sizes, off = None, [], 0
+    for _, t in named:
+        flat = t.detach().contiguous().view(-1).view(torch.uint8)
+        n = flat.numel()
+        if buf is None:
+            buf = torch.empty(total_bytes, dtype=torch.uint8, device=flat.device)
+        if off + n > total_bytes:
+            raise ValueError(f"pack_bucket: the tensors exceed the bucket's {total_bytes} bytes")
+        buf[off:off + n].copy_(flat)
+        sizes.append(n)
+        off += n
+    if buf is None or off != total_bytes:
+        raise ValueError(f"pack_bucket: {off} bytes packed, the bucket's table says {total_bytes}")
+    return buf, sizes
+
+
+def _ipc_bucket(shard: Any, names: list[str], total_bytes: int) -> dict:
+    """Gather the parameters `names` into one packed buffer on this rank's GPU, keep it alive in
+    `shard.extras` until `_ipc_release`, and return its one CUDA-IPC handle keyed by this GPU's UUID (the
+    engine worker that opens it looks its own GPU's UUID up, whatever index its visibility list gives that
+    GPU) and the byte size of each parameter in it."""
     import torch
     from torch.multiprocessing.reductions import reduce_tensor
 
     uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
-    held, handles = [], []
-    for _, t in _named_full_parameters(shard, set(names)):
-        w = t.detach().clone().contiguous()
-        held.append(w)
-        handles.append({uuid: reduce_tensor(w)[1]})
-    shard.extras["ipc_held"] = held
-    return handles
+    buf, sizes = pack_bucket(_named_full_parameters(shard, set(names)), total_bytes)
+    shard.extras["ipc_held"] = buf
+    return {"handle": {uuid: reduce_tensor(buf)[1]}, "tensor_sizes": sizes}
 
 
 def _ipc_release(shard: Any) -> None:
     shard.extras.pop("ipc_held", None)
 
 
-IPC_INIT_INFO = {"packed": False}
-"""What engine workers get at `init_weight_transfer` for IPC: one handle per parameter (unpacked)."""
+IPC_INIT_INFO = {"packed": True}
+"""What engine workers get at `init_weight_transfer` for IPC: packed (one buffer and handle per bucket)."""
+
+
+def ipc_update_info(names: list[str], dtypes: list[str], shapes: list[list[int]], parts: list[dict]) -> dict:
+    """vLLM's packed IPC update info for one bucket from the colocated ranks' `_ipc_bucket` results: one
+    handle per GPU (`{uuid: rebuild args}`), the bucket's table (names, dtype names, shapes, byte sizes)."""
+    sizes = parts[0]["tensor_sizes"]
+    if any(p["tensor_sizes"] != sizes for p in parts):
+        raise ValueError("ipc: the colocated ranks packed the bucket differently")
+    return {"names": names, "dtype_names": dtypes, "shapes": shapes, "tensor_sizes": sizes,
+            "ipc_handles": {k: v for p in parts for k, v in p["handle"].items()}}
 
 
 class IPCSync(_Sync):
-    """Per push: every engine opens an update (`start_weight_update`), each bucket of parameters is gathered
-    on every rank, shared as CUDA-IPC handles and loaded by the engines (`receive_weight_chunk`, vLLM's
-    unpacked IPC update info), then the engines close the update (`finish_weight_update`). The trainer
-    side is ours (vLLM's IPC trainer engine gathers the handles over the default process group, which
-    here holds the trainer ranks only, and assumes one client it drives from rank 0); what crosses to the
-    engines is vLLM's wire format."""
+    """Per push: every engine opens an update (`start_weight_update`); each bucket of parameters
+    (`IPC_BUCKET_BYTES`) is gathered on every rank into one packed buffer, shared as one CUDA-IPC handle
+    per GPU and loaded by the engines (`receive_weight_chunk`, vLLM's packed IPC update info: its workers
+    clone the tensors out, so the buffer is freed before the next bucket); then the engines close the
+    update (`finish_weight_update`). A rank holds one bucket at a time. The trainer side is ours (vLLM's
+    IPC trainer engine gathers the handles over the default process group, which here holds the trainer
+    ranks only, and assumes one client it drives from rank 0); what crosses is vLLM's wire format."""
 
     mode = "ipc"
 
@@ -321,15 +353,13 @@ class IPCSync(_Sync):
         self._call_engines("start_weight_update")
         try:
             for idx in buckets(sizes, IPC_BUCKET_BYTES):
-                bn = [names[i] for i in idx]
-                parts = tr.group.get([tr.actor(r).call.remote(_ipc_bucket, bn) for r in range(tr.world)], tr.names)
-                refs = []
-                for e, rs in zip(self.engines, ranks):
-                    merged = [{k: v for r in rs for k, v in parts[r][j].items()} for j in range(len(bn))]
-                    refs.append(e.handle.call.remote("receive_weight_chunk", {
-                        "names": bn, "dtype_names": [dtypes[i] for i in idx], "shapes": [shapes[i] for i in idx],
-                        "ipc_handles": merged}))
-                self._wait_engines(refs)
+                bn, total = [names[i] for i in idx], sum(sizes[i] for i in idx)
+                parts = tr.group.get([tr.actor(r).call.remote(_ipc_bucket, bn, total) for r in range(tr.world)],
+                                     tr.names)
+                bd, bs = [dtypes[i] for i in idx], [shapes[i] for i in idx]
+                self._wait_engines([e.handle.call.remote("receive_weight_chunk",
+                                                         ipc_update_info(bn, bd, bs, [parts[r] for r in rs]))
+                                    for e, rs in zip(self.engines, ranks)])
                 tr.group.get([tr.actor(r).call.remote(_ipc_release) for r in range(tr.world)], tr.names)
         except BaseException:
             tr.group.shutdown()      # an engine left mid-update: the runtime is torn down, as for NCCL

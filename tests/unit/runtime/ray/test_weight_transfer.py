@@ -192,13 +192,21 @@ def test_zero3_every_rank_gathers_each_parameter_and_meta_uses_the_full_shapes(m
 
 # ------------------------------------------------------------------------------------------------- ipc
 def test_ipc_buckets_carry_the_colocated_ranks_handles_by_gpu_uuid_and_are_released(monkeypatch, tmp_path):
+    """Each bucket crosses as vLLM's packed IPC update: one buffer and one handle per GPU, keyed by the GPU's
+    UUID, with the bucket's table; the real vLLM classes accept the update and unpack the buffer bit-exact."""
+    from vllm.distributed.weight_transfer.ipc_engine import (
+        IPCWeightTransferInitInfo,
+        IPCWeightTransferUpdateInfo,
+    )
+    from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
+
     install_fake_vllm(monkeypatch)
     from torch.multiprocessing import reductions
 
     from rstar2_core.runtime.ray import weight_sync
     from rstar2_core.runtime.specs import layout_for
 
-    shared: list[tuple] = []     # what each handle points at: (GPU uuid, tensor)
+    shared: list[tuple] = []     # what each handle points at: (GPU uuid, packed buffer)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: _RANK["current"])
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(uuid=f"GPU-{i}"))
     monkeypatch.setattr(reductions, "reduce_tensor",
@@ -210,25 +218,41 @@ def test_ipc_buckets_carry_the_colocated_ranks_handles_by_gpu_uuid_and_are_relea
     sync = weight_sync.IPCSync(SimpleNamespace(engines=engines, trainer=trainer, layout=layout))
     rep = sync.push()
     assert rep.mode == "ipc" and rep.bytes == 80
-    buckets = [(["lin.weight", "lin.bias"], ["float32", "float32"], [[3, 4], [3]]),
-               (["emb.weight"], ["bfloat16"], [[5, 2]])]
+    buckets = [(["lin.weight", "lin.bias"], ["float32", "float32"], [[3, 4], [3]], [48, 12]),
+               (["emb.weight"], ["bfloat16"], [[5, 2]], [20])]
     module = trainer.shards[0].backend.engine.module
     params = dict(module.named_parameters())
     for i, fake in enumerate(FakeAsyncLLM.instances):         # engine i's TP workers sit on GPUs 2i, 2i+1
         ups = _updates(fake)
-        assert [(u["names"], u["dtype_names"], u["shapes"]) for u in ups] == buckets
+        assert [(u["names"], u["dtype_names"], u["shapes"], u["tensor_sizes"]) for u in ups] == buckets
         for u in ups:
-            for name, handles in zip(u["names"], u["ipc_handles"]):
-                assert set(handles) == {f"GPU-{2 * i}", f"GPU-{2 * i + 1}"}
-                for uuid, k in handles.items():          # vLLM's unpacked format: {uuid: rebuild args}
-                    gpu, tensor = shared[k]
-                    assert gpu == uuid and torch.equal(tensor, params[name].detach())
+            IPCWeightTransferUpdateInfo(**u)                  # vLLM's own class takes it as it is
+            assert set(u["ipc_handles"]) == {f"GPU-{2 * i}", f"GPU-{2 * i + 1}"}
+            for uuid, k in u["ipc_handles"].items():          # one buffer per GPU, {uuid: rebuild args}
+                gpu, buf = shared[k]
+                assert gpu == uuid and buf.dtype == torch.uint8 and buf.numel() == sum(u["tensor_sizes"])
+                got = unpack_tensor(buf, u["names"], u["shapes"], [getattr(torch, d) for d in u["dtype_names"]],
+                                    u["tensor_sizes"])
+                for name, t in got:
+                    assert torch.equal(t, params[name].detach()), name
         # one update per push, a chunk per bucket, with generation paused and the prefix cache reset after
-        assert fake.events[0] == ("init", {"packed": False})
+        assert fake.events[0] == ("init", {"packed": True}) and IPCWeightTransferInitInfo(**fake.events[0][1]).packed
         assert _kinds(fake) == ["init", "pause", "start", "update", "update", "finish", "reset", "resume"]
-    assert len(shared) == 8 * 3                   # every rank shares every parameter once, bucket by bucket
+    assert len(shared) == 8 * 2                   # every rank shares one buffer per bucket
     assert all("ipc_held" not in s.extras for s in trainer.shards)   # released after each bucket
     _close(engines)
+
+
+def test_pack_bucket_refuses_a_table_that_does_not_match():
+    from rstar2_core.runtime.ray.weight_sync import pack_bucket
+
+    named = [("a", torch.ones(3)), ("b", torch.zeros(2, dtype=torch.bfloat16))]
+    buf, sizes = pack_bucket(iter(named), 16)
+    assert sizes == [12, 4] and buf.numel() == 16
+    with pytest.raises(ValueError, match="exceed"):
+        pack_bucket(iter(named), 12)
+    with pytest.raises(ValueError, match="table says 20"):
+        pack_bucket(iter(named), 20)
 
 
 def test_ipc_holds_each_bucket_until_the_engines_loaded_it(monkeypatch, tmp_path):
@@ -248,12 +272,12 @@ def test_ipc_holds_each_bucket_until_the_engines_loaded_it(monkeypatch, tmp_path
     update = FakeAsyncLLM.update_weights
 
     async def recording(self, request):
-        held_at_load.append(sum(len(s.extras.get("ipc_held", ())) for s in trainer.shards))
+        held_at_load.append(sum(1 for s in trainer.shards if "ipc_held" in s.extras))
         await update(self, request)
 
     monkeypatch.setattr(FakeAsyncLLM, "update_weights", recording)
     weight_sync.IPCSync(SimpleNamespace(engines=engines, trainer=trainer, layout=layout_for(cfg))).push()
-    assert held_at_load == [8 * 3] * 4          # one bucket (1 GiB default): all 3 tensors held on 8 ranks
+    assert held_at_load == [8] * 4              # one bucket (1 GiB default): its buffer held on each of 8 ranks
     assert all("ipc_held" not in s.extras for s in trainer.shards)
     _close(engines)
 
@@ -423,3 +447,40 @@ def test_an_engine_failing_its_side_of_the_nccl_sync_fails_the_sync_instead_of_h
         assert isinstance(err, ActorFailure) and err.actor == "engine-1"
     else:
         assert isinstance(err, RuntimeError) and f"engine 1: NCCL error in {step}" in str(err)
+
+
+def test_an_ipc_handle_reaches_the_engine_worker_whatever_index_its_visibility_list_gives_the_gpu(monkeypatch):
+    """The trainer rank sees its GPU as index 0 of ["GPU-3"] (CUDA/HIP_VISIBLE_DEVICES=3); a TP-2 engine worker
+    sees ["GPU-5", "GPU-3"] and sits on index 1. vLLM's real packed consumer finds the handle by the UUID the
+    rank keyed it with and opens it at the worker's own index; a worker on another GPU is refused by name."""
+    from vllm.distributed.weight_transfer import packed_tensor
+
+    from rstar2_core.runtime.ray import weight_sync
+
+    visible = {"trainer": ["GPU-3"], "worker": ["GPU-5", "GPU-3"]}
+    side = {"now": "trainer"}
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: SimpleNamespace(uuid=visible[side["now"]][i]))
+    from torch.multiprocessing import reductions
+
+    monkeypatch.setattr(reductions, "reduce_tensor", lambda t: (None, ("args", 0, 0, 0, 0, 0, "trainer-index", t)))
+    shard = SimpleNamespace(backend=SimpleNamespace(engine=SimpleNamespace(module=_model()), zero_stage=2), extras={})
+    names, dtypes, shapes, sizes = META
+    part = weight_sync._ipc_bucket(shard, names, sum(sizes))
+    info = weight_sync.ipc_update_info(names, dtypes, shapes, [part])
+    assert list(info["ipc_handles"]) == ["GPU-3"]
+    opened = []
+
+    def rebuild(self, list_args):              # CUDA IPC itself cannot run here: the buffer the handle names
+        opened.append(list_args[6])
+        return list_args[7]
+
+    monkeypatch.setattr(packed_tensor.PackedBufferImporter, "rebuild", rebuild)
+    side["now"] = "worker"
+    got = packed_tensor.packed_ipc_consumer(info["ipc_handles"], names, shapes, dtypes, info["tensor_sizes"], 1)
+    params = dict(shard.backend.engine.module.named_parameters())
+    assert opened == [1] and [n for n, _ in got] == names
+    assert all(torch.equal(t, params[n].detach()) for n, t in got)
+    with pytest.raises(ValueError, match="IPC handle not found for GPU UUID GPU-5"):
+        packed_tensor.packed_ipc_consumer(info["ipc_handles"], names, shapes, dtypes, info["tensor_sizes"], 0)
