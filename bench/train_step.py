@@ -121,6 +121,27 @@ def run_arm(model, fn) -> dict:
     return {"s": dt, "attn_calls": calls.calls, "pad_share": pads.pad / max(1, pads.run), "metrics": m}
 
 
+MATMULS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"}
+
+
+def profile_shares(fn) -> dict:
+    """Shares of one run of `fn`'s self CPU time (torch.profiler) spent in attention kernels, in matmuls,
+    and elsewhere (elementwise, copies, Python-side dispatch): where the time of a step goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    total = attention = matmul = 0.0
+    for e in prof.key_averages():
+        t = float(e.self_cpu_time_total)
+        total += t
+        if "attention" in e.key:
+            attention += t
+        elif e.key in MATMULS:
+            matmul += t
+    return {"attention": attention / total, "matmul": matmul / total, "other": 1 - (attention + matmul) / total}
+
+
 def balance(items, length, weight, ranks: int) -> tuple[float, float]:
     """(old, new) max/min computed tokens over ranks: split by loss tokens (old) and by computed tokens (new)."""
     from rstar2_core.runtime.ray.sharding import rank_balance, split_by_weight
@@ -156,6 +177,9 @@ def bench_shape(shape: str, a) -> dict:
         out[f"rl_{arm}"] = {"tokens_per_s": sum(r["tokens"] for r in rs) / sum(r["s"] for r in rs),
                             "attn_calls": rs[-1]["attn_calls"], "pad_share": rs[-1]["pad_share"],
                             "micro_batches": rs[-1]["metrics"]["actor/micro_batches"]}
+        if a.profile:                                   # an extra, untimed step under the profiler
+            out[f"rl_{arm}"]["profile"] = profile_shares(
+                lambda kw=rl_arms[arm]: rl_update(backend, trajs, adv, pad_id=PAD, prefix_len=a.system, **kw))
     from rstar2_core.rl.trainer import cut_trajectories
 
     cut = cut_trajectories(trajs, micro_batch_size=None, max_tokens_per_micro_batch=a.rl_budget, prefix_len=a.system)
@@ -199,6 +223,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--sft-micro-batch", type=int, default=4, help="old cut: rows a pass")
     ap.add_argument("--sft-budget", type=int, default=4096, help="new cut: tokens a pass")
     ap.add_argument("--ranks", type=int, default=4, help="simulated trainer ranks of the balance figure")
+    ap.add_argument("--profile", action="store_true", help="also profile one RL step per arm: time shares of "
+                    "attention, matmuls and the rest")
     a = ap.parse_args(argv)
     if a.quick:
         a.shapes, a.trajectories, a.cap, a.steps, a.system, a.seq = "tiny", 8, 128, 1, 32, 512
@@ -218,6 +244,8 @@ def main(argv: list[str] | None = None) -> dict:
               "attn_calls_forward_flex": last["rl_forward_calls"]["flex"],
               "rank_balance": last["rl_rank_balance_new"], "rank_balance_old": last["rl_rank_balance_old"],
               "shapes": per}
+    if a.profile:
+        result["rl_profile"] = {arm: last[f"rl_{arm}"]["profile"] for arm in ("old", "new")}
     print(json.dumps(result) if a.json else json.dumps(result, indent=1))
     return result
 
