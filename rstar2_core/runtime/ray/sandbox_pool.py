@@ -5,7 +5,8 @@ each running a `LocalSandbox` on that node's CPUs, behind the same async API as 
 Placement: one actor per node (node affinity), or one per given placement-group bundle (the layout's
 sandbox bundles). Invariant: at most `max_inflight_per_actor` requests are outstanding on an actor
 (callers beyond that wait, so a burst queues in the caller, not in the object store), and an actor that
-dies is replaced on its node with the requests it held answered `internal`. Runtimes open it through
+dies is replaced on its node, the requests it held run once more on the replacement (`internal` only if
+that fails too: how many calls meet a dead actor depends on timing). Runtimes open it through
 runtime/sandboxes.py. See docs/sandbox.md, "How it works" (Ray pool).
 """
 
@@ -16,7 +17,7 @@ import math
 from typing import Self
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import ActorUnschedulableError, GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
@@ -105,6 +106,7 @@ class RaySandboxPool:
         self.max_inflight = {id(s): max_inflight_per_actor or 4 * s.workers for s in self.slots}
         self.peak_inflight = 0
         self.replacements = 0
+        self.retried = 0
         self._closed = False
 
     def _start(self, s: _Slot) -> None:
@@ -166,19 +168,26 @@ class RaySandboxPool:
                 return s
             await asyncio.sleep(_WAIT_S)
 
-    async def _run_chunk(self, reqs: list[ExecutionRequest]) -> list[ExecutionResult]:
+    async def _run_chunk(self, reqs: list[ExecutionRequest], retry: bool = True) -> list[ExecutionResult]:
+        """`reqs` on the least-loaded actor. An actor found dead is replaced and the chunk runs once more on
+        the replacement (each request is a fresh, independent execution: running it again changes nothing
+        outside the sandbox); what still fails answers `internal`."""
         s = await self._acquire(len(reqs))
         gen = s.generation
         try:
             return await s.actor.run_batch.remote(reqs)
-        except (RayActorError, RayTaskError) as e:
+        except (RayActorError, RayTaskError, ActorUnschedulableError) as e:
+            error: Exception = e
             if isinstance(e, RayActorError):
                 self._replace(s, gen)
-            why = f"sandbox actor {s.node_id[:12]} failed: {type(e).__name__}"
-            return [ExecutionResult(id=r.id, status=Status.INTERNAL, stdout="", stderr=why, exit_code=None,
-                                    duration_s=0.0, truncated=False) for r in reqs]
         finally:
             s.inflight -= len(reqs)
+        if retry and isinstance(error, RayActorError):
+            self.retried += len(reqs)
+            return await self._run_chunk(reqs, retry=False)
+        why = f"sandbox actor {s.node_id[:12]} failed: {type(error).__name__}"
+        return [ExecutionResult(id=r.id, status=Status.INTERNAL, stdout="", stderr=why, exit_code=None,
+                                duration_s=0.0, truncated=False) for r in reqs]
 
     async def run_batch(self, reqs: list[ExecutionRequest]) -> list[ExecutionResult]:
         results: list[ExecutionResult | None] = [None] * len(reqs)
@@ -216,4 +225,5 @@ class RaySandboxPool:
 
     def stats(self) -> dict[str, float]:
         return {"sandbox/actors": float(len(self.slots)), "sandbox/actor_replacements": float(self.replacements),
+                "sandbox/retried_calls": float(self.retried),
                 "sandbox/peak_inflight_per_actor": float(self.peak_inflight)}

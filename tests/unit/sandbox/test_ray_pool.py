@@ -1,5 +1,6 @@
 """The Ray actor pool: same answers as the local service, bounded in-flight per actor, a dead actor
-replaced with its calls answered `internal`, grading on the actors. Local Ray, 2 CPUs (slow)."""
+replaced and its calls run again on the replacement (`internal` only when that fails too), grading on the
+actors. Local Ray, 2 CPUs (slow)."""
 
 from __future__ import annotations
 
@@ -55,20 +56,34 @@ def test_pool_answers_in_order_with_backpressure(pool):
     assert pool.run_sync(ExecutionRequest(code="1 + 1")).stdout == "2\n"
 
 
-def test_dead_actor_is_replaced_and_its_calls_are_internal(pool):
+def test_a_dead_actors_calls_run_again_on_its_replacement_and_answer_internal_only_if_that_dies_too(pool,
+                                                                                                  monkeypatch):
     import ray
 
-    async def go():
-        task = asyncio.ensure_future(pool.run(ExecutionRequest(code="import time; time.sleep(1.5)", id="slow")))
+    async def killed_mid_call():
+        task = asyncio.ensure_future(pool.run(ExecutionRequest(code="import time; time.sleep(1.5); print('ran')",
+                                                               id="slow")))
         await asyncio.sleep(0.7)
         ray.kill(pool.slots[0].actor)
         return await task
 
-    res = asyncio.run(go())
-    assert res.status is Status.INTERNAL and res.id == "slow"
-    assert pool.replacements == 1
-    health = asyncio.run(pool.health())
-    assert all(h["healthy"] for h in health)
+    before = pool.replacements
+    res = asyncio.run(killed_mid_call())
+    assert res.status is Status.OK and res.stdout == "ran\n" and res.id == "slow"   # ran again, on the new actor
+    assert pool.replacements == before + 1 and pool.retried == 1
+    replace = pool._replace
+
+    def replace_with_a_dead_one(s, gen):          # the replacement dies too: the call answers `internal`
+        replace(s, gen)
+        ray.kill(s.actor)
+
+    monkeypatch.setattr(pool, "_replace", replace_with_a_dead_one)
+    res = asyncio.run(killed_mid_call())
+    assert res.status is Status.INTERNAL and res.id == "slow" and pool.retried == 2
+    monkeypatch.undo()
+    first = asyncio.run(pool.health())            # the health check finds the dead replacement, replaces it
+    assert [h["healthy"] for h in first].count(False) == 1
+    assert all(h["healthy"] for h in asyncio.run(pool.health()))
     assert pool.run_sync(ExecutionRequest(code="print('back')")).stdout == "back\n"
 
 
