@@ -128,7 +128,8 @@ def _block_mask(segments: tuple[Segments, ...], t: int, device: torch.device):
         dq, dk = doc[b, q], doc[b, k]
         return (k <= q) & (dq >= 0) & ((dq == dk) | (dk == 0))
 
-    return create_block_mask(allowed, len(segments), None, t, t, device=device)
+    # compiled on CUDA: the eager build materialises (T, T) tensors, 1 GB each at 16K tokens
+    return create_block_mask(allowed, len(segments), None, t, t, device=device, _compile=device.type == "cuda")
 
 
 @functools.cache
