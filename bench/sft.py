@@ -68,7 +68,7 @@ def bench_sft(args) -> dict:
         batch = batches[(k // len(modes)) % len(batches)]
         start = time.perf_counter()
         sft_update(backend, batch, micro_batch_size=sc.micro_batch_size, pad_id=pad_id, dense_mask=mode == "dense",
-                   merge_prefix=mode == "merged")
+                   merge_prefix=mode == "merged", max_tokens_per_micro_batch=sc.max_tokens_per_micro_batch)
         dt = time.perf_counter() - start
         if k >= len(modes):                          # the first step of each mode is a warm-up
             times[mode].append(dt)
@@ -177,7 +177,7 @@ def bench_rl_prefix(args) -> dict:
     from rstar2_core.rl.logprobs import batch_logprobs, collate
     from rstar2_core.rollout.types import Trajectory
 
-    cfg = load_config("tiny", [])
+    cfg = load_config("tiny", ["rl.micro_batch_size=16"])      # one micro-batch of 16 trajectories, two groups
     with tempfile.TemporaryDirectory() as tmp:
         model, tok = load_model_and_tokenizer(prepare_base_model(cfg, (Path(tmp) / "base").as_uri()), dtype="float32")
     model.train()
