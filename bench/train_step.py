@@ -142,67 +142,75 @@ def profile_shares(fn) -> dict:
     return {"attention": attention / total, "matmul": matmul / total, "other": 1 - (attention + matmul) / total}
 
 
-def balance(items, length, weight, ranks: int) -> tuple[float, float]:
-    """(old, new) max/min computed tokens over ranks: split by loss tokens (old) and by computed tokens (new)."""
+def balance(items, step, ranks: int) -> tuple[float, float]:
+    """(old, new) max/min computed tokens over ranks, split as the Ray trainer splits a step of the stage's
+    `TrainerStep`: by the tokens trained on (old) and by the tokens computed (new)."""
     from rstar2_core.runtime.ray.sharding import rank_balance, split_by_weight
 
-    size = [length(x) for x in items]
-    return (rank_balance(split_by_weight(items, ranks, weight), size),
-            rank_balance(split_by_weight(items, ranks, weight, length), size))
+    size = [step.length(x) for x in items]
+    return (rank_balance(split_by_weight(items, ranks, step.weight), size),
+            rank_balance(split_by_weight(items, ranks, step.weight, step.length), size))
+
+
+def alternate(model, label: str, arms: dict, steps: int, data, run, tokens) -> dict:
+    """Each arm's step on the same data (`data(step)`), arms in turn and their order flipped every step, the
+    first step a warm-up; per arm tokens/s over the timed steps and the last step's counts."""
+    res: dict = {k: [] for k in arms}
+    for step in range(steps + 1):
+        d = data(step)
+        for arm, kw in (arms.items() if step % 2 == 0 else reversed(arms.items())):
+            r = run_arm(model, lambda kw=kw, d=d: run(d, kw))
+            print(f"[train_step] {label} {arm} step {step}: {r['s']:.2f} s, {r['attn_calls']} attention calls", flush=True)
+            if step:
+                res[arm].append(r | {"tokens": tokens(d)})
+    return {arm: {"tokens_per_s": sum(r["tokens"] for r in rs) / sum(r["s"] for r in rs),
+                  "attn_calls": rs[-1]["attn_calls"], "pad_share": rs[-1]["pad_share"], "metrics": rs[-1]["metrics"]}
+            for arm, rs in res.items()}
 
 
 def bench_shape(shape: str, a) -> dict:
     from rstar2_core.models.backend import TorchBackend
-    from rstar2_core.rl.trainer import item_length, item_tokens, rl_update
-    from rstar2_core.sft.step import _row_length, _row_tokens, sft_update
+    from rstar2_core.rl.trainer import RL_STEP, cut_trajectories, rl_update
+    from rstar2_core.sft.step import SFT_STEP, sft_update
 
     model = build_model(shape, torch.device("cpu"), torch.float32)
     vocab = model.config.vocab_size
     backend = TorchBackend(model, lr=1e-7, total_steps=10 ** 6, warmup_steps=0, schedule="constant")
     out: dict = {"shape": shape}
-    # RL update: old = micro_batch_size trajectories a pass, new = the token budget
+
+    def rl_data(step):
+        trajs = trajectories(a.trajectories, a.cap, a.system, vocab, seed=step)
+        return trajs, [1.0 if i % 2 else -1.0 for i in range(len(trajs))]
+
+    def rl_run(d, kw):
+        return rl_update(backend, d[0], d[1], pad_id=PAD, prefix_len=a.system, **kw)
+
+    # old = micro_batch_size trajectories (rows) a pass, new = the token budget
     rl_arms = {"old": {"micro_batch_size": a.rl_micro_batch},
                "new": {"micro_batch_size": None, "max_tokens_per_micro_batch": a.rl_budget}}
-    res: dict = {k: [] for k in rl_arms}
-    for step in range(a.steps + 1):
-        trajs = trajectories(a.trajectories, a.cap, a.system, vocab, seed=step)
-        adv = [1.0 if i % 2 else -1.0 for i in range(len(trajs))]
-        for arm, kw in (rl_arms.items() if step % 2 == 0 else reversed(rl_arms.items())):
-            r = run_arm(model, lambda kw=kw, t=trajs, v=adv: rl_update(backend, t, v, pad_id=PAD, prefix_len=a.system, **kw))
-            print(f"[train_step] {shape} rl {arm} step {step}: {r['s']:.2f} s, {r['attn_calls']} attention calls, "
-                  f"{r['metrics']['actor/micro_batches']:.0f} micro-batches", flush=True)
-            if step:                                                # step 0 warms up
-                res[arm].append(r | {"tokens": sum(len(t.prompt_ids) + len(t.response_ids) for t in trajs)})
-    for arm, rs in res.items():
-        out[f"rl_{arm}"] = {"tokens_per_s": sum(r["tokens"] for r in rs) / sum(r["s"] for r in rs),
-                            "attn_calls": rs[-1]["attn_calls"], "pad_share": rs[-1]["pad_share"],
-                            "micro_batches": rs[-1]["metrics"]["actor/micro_batches"]}
+    rl = alternate(model, f"{shape} rl", rl_arms, a.steps, rl_data, rl_run,
+                   lambda d: sum(len(t.prompt_ids) + len(t.response_ids) for t in d[0]))
+    last = rl_data(a.steps)
+    for arm, r in rl.items():
+        out[f"rl_{arm}"] = {k: r[k] for k in ("tokens_per_s", "attn_calls", "pad_share")}
+        out[f"rl_{arm}"]["micro_batches"] = r["metrics"]["actor/micro_batches"]
         if a.profile:                                   # an extra, untimed step under the profiler
-            out[f"rl_{arm}"]["profile"] = profile_shares(
-                lambda kw=rl_arms[arm]: rl_update(backend, trajs, adv, pad_id=PAD, prefix_len=a.system, **kw))
-    from rstar2_core.rl.trainer import cut_trajectories
-
-    cut = cut_trajectories(trajs, micro_batch_size=None, max_tokens_per_micro_batch=a.rl_budget, prefix_len=a.system)
-    out["rl_forward_calls"] = {k: forward_calls(model, trajs, cut, a.system, k) for k in ("segments", "flex")}
+            out[f"rl_{arm}"]["profile"] = profile_shares(lambda kw=rl_arms[arm]: rl_run(last, kw))
+    cut = cut_trajectories(last[0], micro_batch_size=None, max_tokens_per_micro_batch=a.rl_budget, prefix_len=a.system)
+    out["rl_forward_calls"] = {k: forward_calls(model, last[0], cut, a.system, k) for k in ("segments", "flex")}
     items = [(t, 1.0) for t in trajectories(a.trajectories * 4, a.cap, a.system, vocab, seed=99)]
-    out["rl_rank_balance_old"], out["rl_rank_balance_new"] = balance(items, item_length, item_tokens, a.ranks)
-    # SFT step: old = micro_batch_size rows a pass, new = the token budget
+    out["rl_rank_balance_old"], out["rl_rank_balance_new"] = balance(items, RL_STEP, a.ranks)
+
     sft_arms = {"old": {"micro_batch_size": a.sft_micro_batch},
                 "new": {"micro_batch_size": None, "max_tokens_per_micro_batch": a.sft_budget}}
-    res = {k: [] for k in sft_arms}
-    for step in range(a.steps + 1):
-        rows = sft_rows(a.trajectories, a.cap, a.system, a.seq, vocab, seed=100 + step)
-        for arm, kw in (sft_arms.items() if step % 2 == 0 else reversed(sft_arms.items())):
-            r = run_arm(model, lambda kw=kw, r=rows: sft_update(backend, r, pad_id=PAD, **kw))
-            print(f"[train_step] {shape} sft {arm} step {step}: {r['s']:.2f} s, {r['attn_calls']} attention calls",
-                  flush=True)
-            if step:
-                res[arm].append(r | {"tokens": sum(row.n_real for row in rows)})
-    for arm, rs in res.items():
-        out[f"sft_{arm}"] = {"tokens_per_s": sum(r["tokens"] for r in rs) / sum(r["s"] for r in rs),
-                             "attn_calls": rs[-1]["attn_calls"], "pad_share": rs[-1]["pad_share"]}
+    sft = alternate(model, f"{shape} sft", sft_arms, a.steps,
+                    lambda step: sft_rows(a.trajectories, a.cap, a.system, a.seq, vocab, seed=100 + step),
+                    lambda rows, kw: sft_update(backend, rows, pad_id=PAD, **kw),
+                    lambda rows: sum(row.n_real for row in rows))
+    for arm, r in sft.items():
+        out[f"sft_{arm}"] = {k: r[k] for k in ("tokens_per_s", "attn_calls", "pad_share")}
     rows = sft_rows(a.trajectories * 4, a.cap, a.system, a.seq, vocab, seed=199)
-    out["sft_rank_balance_old"], out["sft_rank_balance_new"] = balance(rows, _row_length, _row_tokens, a.ranks)
+    out["sft_rank_balance_old"], out["sft_rank_balance_new"] = balance(rows, SFT_STEP, a.ranks)
     out["rl_ratio"] = out["rl_new"]["tokens_per_s"] / out["rl_old"]["tokens_per_s"]
     out["sft_ratio"] = out["sft_new"]["tokens_per_s"] / out["sft_old"]["tokens_per_s"]
     return out

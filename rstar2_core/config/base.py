@@ -28,3 +28,10 @@ def default_micro_batch_count(data: Any, count: int = 8) -> Any:
     if isinstance(data, dict) and data.get("micro_batch_size") is None and data.get("max_tokens_per_micro_batch") is None:
         return {**data, "micro_batch_size": count}
     return data
+
+
+def check_one_cut(section: str, micro_batch_size: int | None, max_tokens: int | None) -> None:
+    """Refuse a section that sets both ways of cutting micro-batches."""
+    if micro_batch_size is not None and max_tokens is not None:
+        raise ValueError(f"{section}.micro_batch_size and {section}.max_tokens_per_micro_batch both cut "
+                         "micro-batches; keep one in the profile (an override of either replaces the other)")

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from rstar2_core.config.base import AdamBetas, _Section, default_micro_batch_count
+from rstar2_core.config.base import AdamBetas, _Section, check_one_cut, default_micro_batch_count
 
 
 # ------------------------------------------------------------------------------------------ GRPO-RoC
@@ -182,11 +182,9 @@ class RLConfig(_Section):
 
     @model_validator(mode="after")
     def _one_micro_batch_cut(self) -> RLConfig:
+        check_one_cut("rl", self.micro_batch_size, self.max_tokens_per_micro_batch)
         if self.max_tokens_per_micro_batch is None:
             return self
-        if self.micro_batch_size is not None:
-            raise ValueError("rl.micro_batch_size and rl.max_tokens_per_micro_batch both cut micro-batches; "
-                             "keep one in the profile (an override of either replaces the other)")
         longest = max(st.max_response_tokens for st in self.stages)
         if self.max_tokens_per_micro_batch <= longest:
             raise ValueError(f"rl.max_tokens_per_micro_batch={self.max_tokens_per_micro_batch} cannot hold a "

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from rstar2_core.config.base import AdamBetas, _Section, default_micro_batch_count
+from rstar2_core.config.base import AdamBetas, _Section, check_one_cut, default_micro_batch_count
 
 
 # --------------------------------------------------------------------------------------------- model
@@ -248,10 +248,8 @@ class SFTConfig(_Section):
 
     @model_validator(mode="after")
     def _micro_divides(self) -> SFTConfig:
+        check_one_cut("sft", self.micro_batch_size, self.max_tokens_per_micro_batch)
         if self.max_tokens_per_micro_batch is not None:
-            if self.micro_batch_size is not None:
-                raise ValueError("sft.micro_batch_size and sft.max_tokens_per_micro_batch both cut micro-batches; "
-                                 "keep one in the profile (an override of either replaces the other)")
             if self.max_tokens_per_micro_batch < self.max_seq_len:
                 raise ValueError(f"sft.max_tokens_per_micro_batch={self.max_tokens_per_micro_batch} cannot hold one "
                                  f"packed row of sft.max_seq_len={self.max_seq_len}; raise it to >= {self.max_seq_len}")
