@@ -79,12 +79,15 @@ up() {
   export PREFECT_API_URL="http://127.0.0.1:$PREFECT_PORT/api"
   wait_http "$PREFECT_API_URL/health" "Prefect server" 240
   # the pool's flow-run command is flows/flow_process.py (Prefect's engine; a run whose final state the API
-  # accepted exits 0, so the worker does not mark it Crashed over a Retry): set on every `up`
-  "$PY" - "$PREFECT_HOME/rstar2-local-template.json" <<'PYEOF'
+  # accepted exits 0, so the worker does not mark it Crashed over a Retry), and its processes start in the
+  # repository, not in a temporary directory the worker deletes when it thinks the process ended (a retry's
+  # process, started while the failed attempt's still ended, lost its directory): set on every `up`
+  "$PY" - "$PREFECT_HOME/rstar2-local-template.json" "$RSTAR2_REPO" <<'PYEOF'
 import json, sys
 from prefect.workers.process import ProcessWorker
 t = ProcessWorker.get_default_base_job_template()
 t["variables"]["properties"]["command"]["default"] = f"{sys.executable} -m flows.flow_process"
+t["variables"]["properties"]["working_dir"]["default"] = sys.argv[2]
 open(sys.argv[1], "w").write(json.dumps(t))
 PYEOF
   "$BIN/prefect" work-pool create rstar2-local --type process --overwrite \

@@ -76,11 +76,41 @@ def test_prefect_server_down_30_s_mid_stage_the_run_completes(tmp_path, monkeypa
     assert tracking.metric_steps(cfg, store.tracking_id("rl-stage-1"), "rollout/trajectories") == [1, 2, 3]
 
 
+def _stop_the_next_flow_run_process(home, known: set[int], timeout_s: float = 120) -> int:
+    """SIGSTOP the first flow-run process the worker starts that is not in `known`, as soon as it exists
+    (interpreter start-up: long before it runs the deployment's pull step); return its PID."""
+    deadline = time.monotonic() + timeout_s
+    while not (new := [p for p in flow_run_processes(home) if p not in known]):
+        assert time.monotonic() < deadline, "the worker started no process for the retry"
+        time.sleep(0.02)
+    os.kill(new[0], signal.SIGSTOP)
+    return new[0]
+
+
+def _wait_gone(pids, timeout_s: float = 300) -> None:
+    import psutil
+
+    def alive(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    deadline = time.monotonic() + timeout_s
+    while any(alive(p) for p in pids):
+        assert time.monotonic() < deadline, f"the failed attempt's process {pids} did not end"
+        time.sleep(0.1)
+    time.sleep(2)                        # the worker notices the exit (polls every 0.1 s) and cleans up
+
+
 def test_a_retry_pressed_while_the_failed_attempts_process_ends_is_kept(tmp_path, monkeypatch):
     """The UI's Retry pressed the moment the run shows Failed, while the failed attempt's process is still
     ending (its failure hook, its teardown; the test holds it with SIGSTOP until the Retry is in): the
     worker does not mark the run Crashed when that process exits, and the retry resumes to Completed.
-    Before flows/flow_process.py the process exited 1 and the worker's Crashed overwrote the Retry."""
+    Before flows/flow_process.py the process exited 1 and the worker's Crashed overwrote the Retry. The
+    retry's process is held too, from its start until the failed attempt's has ended: before the local pool
+    set working_dir, the worker deleted the retry's temporary start directory then and it died in the pull
+    step (FileNotFoundError from os.getcwd; CI, 2026-12-05)."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from flows.client import retry_flow_run, start_run, watch
@@ -101,12 +131,19 @@ def test_a_retry_pressed_while_the_failed_attempts_process_ends_is_kept(tmp_path
         assert pids, "the failed attempt's process had already exited: the race this test pins was missed"
         for pid in pids:
             os.kill(pid, signal.SIGSTOP)
+        retry_pid = None
         try:
             asyncio.run(retry_flow_run(fid, "v2"))
             assert asyncio.run(_states(fid))[-1] == "SCHEDULED:AwaitingRetry"
+            retry_pid = _stop_the_next_flow_run_process(home, set(pids))
         finally:
             for pid in pids:
                 os.kill(pid, signal.SIGCONT)
+        # the failed attempt's process ends while the retry's is held before it loads the flow: the worker,
+        # which keys processes by flow run, then thinks the retry's process ended too (before the pool's
+        # working_dir, it deleted the temporary directory the retry's process was started in)
+        _wait_gone(pids)
+        os.kill(retry_pid, signal.SIGCONT)
         assert asyncio.run(watch(fid, timeout_s=900, quiet=True)) == "Completed", worker_log_tail(home)
         history = asyncio.run(_states(fid))
         assert not [s for s in history if s.startswith("CRASHED")], history
