@@ -1,49 +1,33 @@
-"""A strict fake of vLLM 0.32 on a GPU, for the paths that cannot run here: NCCL and CUDA-IPC weight
-transfer, sleep mode, tensor parallelism (everything else runs against the real CPU build, tests/vllm/).
+"""Stand-ins for what vLLM 0.32 cannot run on this machine, inside the installed vLLM: an engine with NCCL or
+CUDA-IPC weight transfer, sleep mode or tensor parallelism (`FakeAsyncLLM`, as `vllm.AsyncLLMEngine`; a
+CUDA platform for the adapter's checks), and the two GPU calls of vLLM's NCCL trainer engine (`NCCLWire`:
+the sender's endpoint, a PyNccl group, and its packed broadcast). Everything else is vLLM's own: the trainer
+factory and `NCCLTrainerWeightTransferEngine` (its rendezvous thread, its client calls, `_checked_iter`),
+the init/update info dataclasses, `AsyncEngineArgs`, `SamplingParams`, `WeightTransferConfig`, the requests.
 
-`install_fake_vllm(monkeypatch)` puts it in sys.modules. `FakeAsyncLLM` (as `vllm.AsyncLLMEngine`) records
-the calls the adapter makes, in order, in `events`, and refuses what the pinned vLLM refuses, with vLLM's
-messages: a weight update without `start_weight_update`, a finish without one, a second start, update or
-init info with keys the backend's dataclass does not have (or without its required ones), a
-weight-transfer call on an engine built without a backend, sleep mode without `enable_sleep_mode`. A
-failing worker call reaches the caller as vLLM's `collective_rpc` failure does (`Exception("Call to
-collective_rpc method failed: Worker failed with error '...'")`), and a failed update closes the session.
-tests/vllm/test_vllm_protocol.py runs the same protocol against the real CPU engine and this fake, and
-checks the field lists below against vLLM's dataclasses, so the fake cannot drift from the pinned
-version. The trainer side (`WeightTransferTrainerFactory.trainer_init` + `send_weights()`) records what
-it sends (`FakeNCCLTrainerEngine`)."""
+`install_fake_vllm(monkeypatch)` patches those three places for one test. `FakeAsyncLLM` records the calls
+the adapter makes, in order, in `events`, and refuses what vLLM refuses, with vLLM's messages: a weight
+update without `start_weight_update`, a finish without one, a second start, init or update info that the
+backend's own dataclass does not take (parsed by that class, as vLLM's `parse_init_info` /
+`parse_update_info` do, so its checks are vLLM's), a weight-transfer call on an engine built without a
+backend, sleep mode without `enable_sleep_mode`. A failing worker call reaches the caller as vLLM's
+`collective_rpc` failure does (`Exception("Call to collective_rpc method failed: Worker failed with error
+'...'")`), and a failed update closes the session. tests/vllm/test_vllm_protocol.py runs the same
+protocol against the real CPU engine and this fake."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import enum
-import sys
-import types
 from types import SimpleNamespace
 from typing import ClassVar
 
+from vllm.distributed.weight_transfer import nccl_engine
+from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
+from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
-class RequestOutputKind(enum.Enum):
-    CUMULATIVE = 0
-    DELTA = 1
-    FINAL_ONLY = 2
-
-
-# the fields of vLLM 0.32's dataclasses (required ones first), checked against the real ones in tests/vllm/
-INIT_FIELDS = {
-    "nccl": ({"rank_offset", "world_size"},
-             {"master_address", "master_port", "nccl_unique_id_b64", "packed", "packed_buffer_size_bytes",
-              "packed_num_buffers"}),
-    "ipc": (set(), {"packed"}),
-}
-UPDATE_FIELDS = {
-    "nccl": ({"names", "dtype_names", "shapes"}, set()),
-    "ipc": ({"names", "dtype_names", "shapes"}, {"ipc_handles", "ipc_handles_pickled", "tensor_sizes"}),
-}
-ENGINE_CLASS = {"nccl": "NCCLWeightTransferEngine", "ipc": "IPCWeightTransferEngine"}
-FIELD_ORDER = {"init": {"nccl": ["rank_offset", "world_size"], "ipc": []},
-               "update": {"nccl": ["names", "dtype_names", "shapes"], "ipc": ["names", "dtype_names", "shapes"]}}
+ENGINE_CLASS = {"nccl": NCCLWeightTransferEngine, "ipc": IPCWeightTransferEngine}
+"""vLLM's worker-side engine of each backend, whose `init_info_cls` / `update_info_cls` parse the infos."""
 
 
 def worker_failure(message: str) -> Exception:
@@ -52,22 +36,13 @@ def worker_failure(message: str) -> Exception:
                      "the stack trace above for the root cause")
 
 
-def _parse(kind: str, backend: str, info: dict) -> None:
-    required, optional = (INIT_FIELDS if kind == "init" else UPDATE_FIELDS)[backend]
-    cls = f"{'NCCL' if backend == 'nccl' else 'IPC'}WeightTransfer{'Init' if kind == 'init' else 'Update'}Info"
-    for key in info:
-        if key not in required | optional:
-            raise ValueError(f"Invalid {kind}_info for {ENGINE_CLASS[backend]}: {cls}.__init__() got an unexpected "
-                             f"keyword argument '{key}'")
-    missing = [f for f in FIELD_ORDER[kind][backend] if f in required - set(info)]
-    if missing:                         # Python's own TypeError text (init infos are keyword-only dataclasses)
-        what = "keyword-only" if kind == "init" else "positional"
-        names = " and ".join(f"'{m}'" for m in missing) if len(missing) < 3 else (
-            ", ".join(f"'{m}'" for m in missing[:-1]) + f", and '{missing[-1]}'")
-        raise ValueError(f"Invalid {kind}_info for {ENGINE_CLASS[backend]}: {cls}.__init__() missing {len(missing)} "
-                         f"required {what} argument{'s' if len(missing) > 1 else ''}: {names}")
-    if kind == "update" and not (len(info["names"]) == len(info["dtype_names"]) == len(info["shapes"])):
-        raise ValueError("`dtype_names` and `shapes` should be of the same size as `names`")
+def _parse(kind: str, backend: str, info: dict):
+    """vLLM's `WeightTransferEngine.parse_init_info` / `parse_update_info`, on the backend's real classes."""
+    engine = ENGINE_CLASS[backend]
+    try:
+        return (engine.init_info_cls if kind == "init" else engine.update_info_cls)(**info)
+    except TypeError as e:
+        raise ValueError(f"Invalid {kind}_info for {engine.__name__}: {e}") from e
 
 
 class FakeAsyncLLM:
@@ -181,135 +156,45 @@ class FakeAsyncLLM:
 
 
 # ----------------------------------------------------------------------------------- the trainer side
-@dataclasses.dataclass
-class NCCLTrainerInitInfo:
-    backend: ClassVar[str] = "nccl"
-    master_address: str
-    master_port: int
-    world_size: int
-    packed: bool = True
-    packed_buffer_size_bytes: int = 1 << 30
-    packed_num_buffers: int = 2
-    rank: int = dataclasses.field(kw_only=True)
-
-
-@dataclasses.dataclass(kw_only=True)
-class NCCLWeightTransferInitInfo:
-    master_address: str | None = None
-    master_port: int | None = None
-    rank_offset: int
-    world_size: int
-    nccl_unique_id_b64: str | None = None
-    packed: bool = False
-    packed_buffer_size_bytes: int = 1 << 30
-    packed_num_buffers: int = 2
-
-
-def worker_init_payload(info) -> dict:
-    return {k: v for k, v in dataclasses.asdict(info).items() if v is not None}
-
-
-@dataclasses.dataclass
-class ParamMeta:
-    name: str
-    dtype: object
-    shape: tuple
-
-
-class WeightSource:
-    pass
-
-
-class FakeNCCLTrainerEngine:
-    """vLLM's NCCL trainer engine: `trainer_init` opens the group (sender) after asking the client to
-    init the workers; `send_weights` asks start, update (the metadata's names/dtypes/shapes), walks the
-    source on every rank (the sender records what it would broadcast), asks finish."""
+class NCCLWire:
+    """The GPU calls of vLLM's `NCCLTrainerWeightTransferEngine`, recorded: `open_endpoint` stands for
+    `nccl_common.trainer_init` (the sender opens the PyNccl group as rank 0: `inits` gets its init info) and
+    `broadcast` for `packed_nccl_broadcast_producer` (`sent` gets what the sender would broadcast, after
+    vLLM's `_checked_iter` checked it against the metadata, and the wire settings). Tests may patch either
+    (install_fake_vllm looks them up at each call)."""
 
     inits: ClassVar[list[dict]] = []
     sent: ClassVar[list[tuple]] = []
 
-    def __init__(self, info, client, source):
-        self.info, self.client, self.source = info, client, source
-
-    @classmethod
-    def trainer_init(cls, init_info, *, client, source=None):
-        if source is None:
-            raise ValueError("NCCL trainer weight transfer requires a WeightSource.")
-        engine = cls(init_info, client, source)
-        if init_info.rank == 0:
-            client.init_weight_transfer_engine(worker_init_payload(NCCLWeightTransferInitInfo(
-                master_address=init_info.master_address, master_port=init_info.master_port, rank_offset=1,
-                world_size=init_info.world_size, packed=init_info.packed)))
-            cls.open_endpoint(init_info)
-        return engine
-
     @classmethod
     def open_endpoint(cls, init_info):
         cls.inits.append(dataclasses.asdict(init_info))
+        return SimpleNamespace(destroy=lambda: None)
 
-    def send_weights(self):
-        meta = self.source.metadata()
-        if self.info.rank != 0:
-            for _ in self.source:
-                pass
-            return
-        self.client.start_weight_update()
-        self.client.update_weights({"names": [m.name for m in meta],
-                                    "dtype_names": [str(m.dtype).split(".")[-1] for m in meta],
-                                    "shapes": [list(m.shape) for m in meta]})
-        self.broadcast([(name, t.detach().clone()) for name, t in self.source])
-        self.client.finish_weight_update()
-
-    def broadcast(self, pairs):
-        type(self).sent.append((pairs, self.info))
-
-
-class WeightTransferTrainerFactory:
     @classmethod
-    def trainer_init(cls, init_info, *, client, source=None):
-        if init_info.backend != "nccl":
-            raise ValueError(f"Invalid weight transfer backend: {init_info.backend}")
-        return FakeNCCLTrainerEngine.trainer_init(init_info, client=client, source=source)
+    def broadcast(cls, *, iterator, group, src, post_iter_func, buffer_size_bytes, num_buffers):
+        pairs = [(item[0], post_iter_func(item).detach().clone()) for item in iterator]
+        cls.sent.append((pairs, {"src": src, "buffer_size_bytes": buffer_size_bytes, "num_buffers": num_buffers}))
+
+
+CUDA_PLATFORM = SimpleNamespace(is_cpu=lambda: False, is_sleep_mode_available=lambda: True, device_name="cuda")
+"""What the adapter asks of `vllm.platforms.current_platform`, answered as on a CUDA machine."""
 
 
 def install_fake_vllm(monkeypatch):
-    """Put the fake `vllm` modules in sys.modules (undone by `monkeypatch`); returns the `vllm` module."""
-    vllm = types.ModuleType("vllm")
-    sp_mod = types.ModuleType("vllm.sampling_params")
-    sp_mod.RequestOutputKind = RequestOutputKind
-    vllm.sampling_params = sp_mod
-    vllm.SamplingParams = lambda **kw: SimpleNamespace(**kw)
-    vllm.TokensPrompt = lambda **kw: dict(**kw)
-    vllm.AsyncEngineArgs = lambda **kw: SimpleNamespace(**kw)
-    vllm.AsyncLLMEngine = FakeAsyncLLM
-    platforms = types.ModuleType("vllm.platforms")
-    platforms.current_platform = SimpleNamespace(is_cpu=lambda: False, is_sleep_mode_available=lambda: True,
-                                                 device_name="cuda")
-    config_mod = types.ModuleType("vllm.config")
-    config_mod.WeightTransferConfig = lambda backend: SimpleNamespace(backend=backend)
-    base_mod = types.ModuleType("vllm.distributed.weight_transfer.base")
-    base_mod.WeightTransferInitRequest = lambda init_info: SimpleNamespace(init_info=init_info)
-    base_mod.WeightTransferUpdateRequest = lambda update_info: SimpleNamespace(update_info=update_info)
-    base_mod.ParamMeta = ParamMeta
-    base_mod.WeightSource = WeightSource
-    nccl_mod = types.ModuleType("vllm.distributed.weight_transfer.nccl_engine")
-    nccl_mod.NCCLTrainerInitInfo = NCCLTrainerInitInfo
-    common_mod = types.ModuleType("vllm.distributed.weight_transfer.nccl_common")
-    common_mod.NCCLWeightTransferInitInfo = NCCLWeightTransferInitInfo
-    common_mod.worker_init_payload = worker_init_payload
-    factory_mod = types.ModuleType("vllm.distributed.weight_transfer.factory")
-    factory_mod.WeightTransferTrainerFactory = WeightTransferTrainerFactory
-    for name, mod in {"vllm": vllm, "vllm.sampling_params": sp_mod, "vllm.platforms": platforms,
-                      "vllm.config": config_mod, "vllm.distributed": types.ModuleType("vllm.distributed"),
-                      "vllm.distributed.weight_transfer": types.ModuleType("vllm.distributed.weight_transfer"),
-                      "vllm.distributed.weight_transfer.base": base_mod,
-                      "vllm.distributed.weight_transfer.nccl_engine": nccl_mod,
-                      "vllm.distributed.weight_transfer.nccl_common": common_mod,
-                      "vllm.distributed.weight_transfer.factory": factory_mod}.items():
-        monkeypatch.setitem(sys.modules, name, mod)
+    """Patch the installed vLLM for one test (undone by `monkeypatch`): `AsyncLLMEngine` is `FakeAsyncLLM`,
+    the platform is CUDA's, the NCCL trainer engine's endpoint and broadcast are `NCCLWire`'s. Returns
+    the `vllm` module."""
+    import vllm
+    import vllm.platforms
+
+    monkeypatch.setattr(vllm, "AsyncLLMEngine", FakeAsyncLLM, raising=False)
+    monkeypatch.setattr(vllm.platforms, "current_platform", CUDA_PLATFORM, raising=False)
+    monkeypatch.setattr(nccl_engine, "open_trainer_endpoint", lambda info: NCCLWire.open_endpoint(info))
+    monkeypatch.setattr(nccl_engine, "packed_nccl_broadcast_producer", lambda **kw: NCCLWire.broadcast(**kw))
     FakeAsyncLLM.instances.clear()
-    FakeNCCLTrainerEngine.inits.clear()
-    FakeNCCLTrainerEngine.sent.clear()
+    NCCLWire.inits.clear()
+    NCCLWire.sent.clear()
     return vllm
 
 

@@ -1,7 +1,7 @@
 """VLLMEngine on a GPU, where this machine cannot run it: what the adapter asks of vLLM's engine there
-(tensor parallelism, the GPU memory share, sleep mode, the weight-transfer backend and protocol), over the
-strict fake of tests/vllm_fake.py (it refuses what vLLM 0.32 refuses; tests/vllm/test_vllm_protocol.py
-holds it to the real engine). Generation, logprobs, abort and weight updates run against the real CPU
+(tensor parallelism, the GPU memory share, sleep mode, the weight-transfer backend and protocol), with
+vLLM's own argument, sampling and request classes and the stand-in engine of tests/vllm_fake.py (it refuses
+what vLLM 0.32 refuses; tests/vllm/test_vllm_protocol.py holds it to the real engine). Generation, logprobs, abort and weight updates run against the real CPU
 build in tests/vllm/."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import importlib
 import sys
 
 import pytest
-from vllm_fake import FakeAsyncLLM, RequestOutputKind, fake_checkpoint, install_fake_vllm
+from vllm.sampling_params import RequestOutputKind
+from vllm_fake import FakeAsyncLLM, fake_checkpoint, install_fake_vllm
 
 from rstar2_core.rollout.types import SamplingParams
 
@@ -29,8 +30,8 @@ def test_engine_arguments_on_a_gpu(fake_vllm, tmp_path):
     args = FakeAsyncLLM.instances[0].args
     assert args.model == ckpt and args.logprobs_mode == "processed_logprobs" and args.enable_prefix_caching
     assert args.tensor_parallel_size == 2 and args.max_model_len == 4096 and args.max_num_seqs == 32
-    assert args.gpu_memory_utilization == 0.85 and not hasattr(args, "kv_cache_memory_bytes")
-    assert not args.enable_sleep_mode and not args.enforce_eager and not hasattr(args, "weight_transfer_config")
+    assert args.gpu_memory_utilization == 0.85 and args.kv_cache_memory_bytes is None     # vLLM's defaults
+    assert not args.enable_sleep_mode and not args.enforce_eager and args.weight_transfer_config is None
     mod, cls = args.worker_extension_cls.rsplit(".", 1)
     assert getattr(importlib.import_module(mod), cls) is fake_vllm.WeightSyncExtension
     out = asyncio.run(eng.generate([7, 40], SamplingParams(max_new_tokens=3, stop_strings=("x",))))
@@ -67,12 +68,17 @@ def test_weight_transfer_protocol_and_sleep_mode_on_a_gpu(fake_vllm, tmp_path):
         eng.receive_weights({**update, "packed": True})
     with pytest.raises(RuntimeError, match="half-loaded"):
         asyncio.run(eng.generate([1], SamplingParams(max_new_tokens=2)))
+    # the infos are parsed by vLLM's own classes: an IPC chunk without its handles is refused as vLLM refuses it
+    ipc = fake_vllm.VLLMEngine(ckpt, weight_transfer="ipc")
+    ipc.init_weight_transfer({"packed": True})
+    with pytest.raises(Exception, match="Either `ipc_handles` or `ipc_handles_pickled` must be provided"):
+        ipc.receive_weights({**update, "tensor_sizes": [8]})
     plain = fake_vllm.VLLMEngine(ckpt)
     with pytest.raises(Exception, match="Weight transfer not configured"):
         plain.receive_weights(update)
     with pytest.raises(Exception, match="Sleep mode is not enabled"):
         plain.sleep(1)
-    for e in (eng, plain):
+    for e in (eng, ipc, plain):
         asyncio.run(e.close())
 
 

@@ -1,6 +1,6 @@
 """`rollout.release_memory_during_training`: colocated vLLM engines sleep while the trainer steps.
 
-- through the weight sync (the real `EngineActor` and `VLLMEngine` over the fake `vllm` of
+- through the weight sync (the real `EngineActor` and `VLLMEngine` over the stand-in engine of
   tests/vllm_fake.py, called in process as Ray would call the actor): across a step the engines get
   `sleep(1)` before the optimizer step, then `wake_up(["weights"])` -> the transfer -> `wake_up(["kv_cache"])`;
   a step without an update wakes them fully; the flag off, nothing sleeps;

@@ -1,17 +1,18 @@
 """vLLM weight transfer on the Ray runtime (runtime/ray/weight_sync.py), driven end to end in one process: the
 real `NCCLSync` / `IPCSync` drivers, the real per-rank steps (`_nccl_trainer_init`, `_nccl_send`,
-`_ipc_bucket`, `_ipc_release`, `_param_meta`) run through the real `TrainerShardActor.call`, and the real
-`EngineActor` + `VLLMEngine` over the strict fake `vllm` of tests/vllm_fake.py (it refuses what vLLM 0.32
-refuses: an update outside start/finish, unknown keys). Faked: the processes (calls run in place), vLLM's
-NCCL trainer engine (records what it is asked to send), CUDA (each rank's GPU UUID,
-`reduce_tensor` handles) and ZeRO-3's gather. What is checked: what each engine is told per push or per
-bucket, the rank offsets of the NCCL group, which ranks' handles (by GPU UUID) reach which engine, what
-rank 0 sends, that every rank takes part in each gather, and that the IPC buckets are released. The
-in-place fakes run a call when it is issued, which hides the order in which the driver waits on the two
-sides of a collective: the failure test runs each actor's calls on its own thread instead
-(`_ThreadedActor`, Ray's get/wait/kill faked over it) with the real ActorGroup and RemoteEngine, and
+`_ipc_bucket`, `_ipc_release`, `_param_meta`) run through the real `TrainerShardActor.call`, vLLM's own
+trainer factory and `NCCLTrainerWeightTransferEngine`, and the real `EngineActor` + `VLLMEngine` over the
+stand-in engine of tests/vllm_fake.py (it parses what it gets with vLLM's info classes and refuses what
+vLLM 0.32 refuses: an update outside start/finish, unknown keys). Faked: the processes (calls run in
+place), the NCCL trainer engine's two GPU calls (its endpoint and packed broadcast: `NCCLWire` records
+them), CUDA (each rank's GPU UUID, `reduce_tensor` handles) and ZeRO-3's gather. What is checked: what each
+engine is told per push or per bucket, the rank offsets of the NCCL group, which ranks' handles (by GPU
+UUID) reach which engine, what rank 0 sends, that every rank takes part in each gather, and that the IPC
+buckets are released. The in-place fakes run a call when it is issued, which hides the order in which the
+driver waits on the two sides of a collective: the failure test runs each actor's calls on its own thread
+instead (`_ThreadedActor`, Ray's get/wait/kill faked over it) with the real ActorGroup and RemoteEngine, and
 checks that an engine raising or dying in its side of the NCCL sync fails the sync instead of hanging it.
-Not checked: real NCCL/CUDA IPC or vLLM (no GPU here)."""
+Not checked: real NCCL/CUDA IPC or a vLLM engine on a GPU (none here)."""
 
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ import torch
 from torch import nn
 from vllm_fake import (
     FakeAsyncLLM,
-    FakeNCCLTrainerEngine,
     InProcessEngine,
+    NCCLWire,
     fake_checkpoint,
     install_fake_vllm,
 )
@@ -122,11 +123,11 @@ def test_nccl_joins_one_group_at_rank_offsets_and_rank_0_sends_every_parameter(m
         rep = sync.push()
         assert rep.mode == "nccl" and rep.bytes == 80 and len(rep.engine_seconds) == 3
         # set up once: every rank builds vLLM's trainer engine, rank 0 opens a 7-rank group as its rank 0
-        assert FakeNCCLTrainerEngine.inits == [{"master_address": "10.0.0.1", "master_port": 29500,
-                                                "world_size": 7, "packed": True,
-                                                "packed_buffer_size_bytes": 1 << 30, "packed_num_buffers": 2,
-                                                "rank": 0}]
-        assert [s.extras["nccl"].info.rank for s in trainer.shards] == [0, 1]
+        assert NCCLWire.inits == [{"master_address": "10.0.0.1", "master_port": 29500, "world_size": 7,
+                                   "packed": True, "packed_buffer_size_bytes": 1 << 30, "packed_num_buffers": 2,
+                                   "rank": 0}]
+        assert [type(s.extras["nccl"]).__name__ for s in trainer.shards] == ["NCCLTrainerWeightTransferEngine"] * 2
+        assert [s.extras["nccl"].is_sender for s in trainer.shards] == [True, False]
         for i, fake in enumerate(FakeAsyncLLM.instances):
             # engine i's 2 TP workers from rank 1 + 2i, with the trainer's packed wire settings
             inits = [ev[1] for ev in fake.events if isinstance(ev, tuple) and ev[0] == "init"]
@@ -140,10 +141,10 @@ def test_nccl_joins_one_group_at_rank_offsets_and_rank_0_sends_every_parameter(m
         calls = trainer.shards[0].extras["nccl"].client.calls
         assert calls[0][0] == "init" and calls[0][1]["rank_offset"] == 1 and calls[1:] == [
             ("start",), ("update", update), ("finish",)] * (push + 1)
-        # one send per push, from rank 0 only, every parameter in order
-        assert len(FakeNCCLTrainerEngine.sent) == push + 1
-        sent, info = FakeNCCLTrainerEngine.sent[-1]
-        assert info.rank == 0 and info.packed
+        # one packed broadcast per push, from rank 0 only, every parameter in order
+        assert len(NCCLWire.sent) == push + 1
+        sent, wire = NCCLWire.sent[-1]
+        assert wire == {"src": 0, "buffer_size_bytes": 1 << 30, "num_buffers": 2}
         module = trainer.shards[0].backend.engine.module
         assert [n for n, _ in sent] == META[0]
         for (n, t), (_, p) in zip(sent, module.named_parameters()):
@@ -183,7 +184,7 @@ def test_zero3_every_rank_gathers_each_parameter_and_meta_uses_the_full_shapes(m
     engines = _engines(3, 2, "nccl", tmp_path)
     NCCLSync(SimpleNamespace(engines=engines, trainer=trainer)).push()
     assert sorted(gathers) == sorted((r, n) for r in range(2) for n in META[0])
-    (sent, _), = FakeNCCLTrainerEngine.sent
+    (sent, _), = NCCLWire.sent
     assert [n for n, _ in sent] == META[0]
     for n, t in sent:
         assert torch.equal(t, full[0][n])
@@ -373,18 +374,18 @@ def test_an_engine_failing_its_side_of_the_nccl_sync_fails_the_sync_instead_of_h
 
     collective = threading.Barrier(1 + 3)      # trainer rank 0 + 3 engines (one party each here)
     _fake_ray(monkeypatch, collective.abort)
-    open_endpoint, broadcast = FakeNCCLTrainerEngine.open_endpoint, FakeNCCLTrainerEngine.broadcast
+    open_endpoint, broadcast = NCCLWire.open_endpoint, NCCLWire.broadcast
 
-    def joined_open(cls, init_info):            # rank 0's side of the collective joins it
+    def joined_open(init_info):                 # rank 0's side of the collective joins it
         collective.wait()
         return open_endpoint(init_info)
 
-    def joined_broadcast(self, pairs):
+    def joined_broadcast(**kw):
         collective.wait()
-        return broadcast(self, pairs)
+        return broadcast(**kw)
 
-    monkeypatch.setattr(FakeNCCLTrainerEngine, "open_endpoint", classmethod(joined_open))
-    monkeypatch.setattr(FakeNCCLTrainerEngine, "broadcast", joined_broadcast)
+    monkeypatch.setattr(NCCLWire, "open_endpoint", joined_open)
+    monkeypatch.setattr(NCCLWire, "broadcast", joined_broadcast)
 
     class Rank(TrainerShardActor):
         def address(self):
