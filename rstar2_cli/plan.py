@@ -278,7 +278,61 @@ def label_check_cost(cfg: Any) -> dict | None:
             "max_generated_tokens": total, "engine_gpus": gpus, "hours_at_assumed_rate": hours}
 
 
-def build_plan(cfg: Any, nodes: list | None = None) -> dict:
+RESULTS = INFRA.parent / "bench" / "results"
+"""Where the committed benchmark JSONs are: the newest `*weight_sync*.json` gives `weight_push` its rates."""
+
+
+def _model_config(cfg: Any, read_model: bool) -> tuple[dict | None, str]:
+    """(the policy's config.json, where it came from or why it was not read)."""
+    from rstar2_core import storage
+    from rstar2_core.config.runtime_rules import is_node_local
+
+    if cfg.model.kind != "hf":
+        return None, f"model.kind = \"{cfg.model.kind}\" is built by the base-model task: its size is known then"
+    url = storage.join(cfg.model.name_or_path, "config.json")
+    if not (read_model or is_node_local(cfg.model.name_or_path)):
+        return None, f"not read: `rstar2 plan --read-model` reads {url} from the store"
+    try:
+        return storage.read_json(url), url
+    except Exception as e:  # noqa: BLE001 - any failure to read is reported, not fatal to the plan
+        return None, f"{url} could not be read ({type(e).__name__}: {str(e)[:160]})"
+
+
+def weight_push(cfg: Any, read_model: bool = False) -> dict:
+    """Bytes of one trainer -> engine weight push (the policy's parameters in model.dtype, from its
+    config.json) and, per transport, the seconds one push would take at the rate the newest committed
+    bench/weight_sync.py result measured (CPU rates: a GPU cluster's differ; nccl and ipc are unmeasured)."""
+    from rstar2_core.config.runtime_rules import resolved_weight_sync
+    from rstar2_core.models.param_count import param_bytes, param_count
+
+    out: dict = {"weight_sync": resolved_weight_sync(cfg), "params": None, "bytes": None, "rates_from": None,
+                 "seconds_at_measured_rate": {}}
+    hf, out["source"] = _model_config(cfg, read_model)
+    if hf is not None:
+        try:
+            out["params"], out["bytes"] = param_count(hf), param_bytes(hf, cfg.model.dtype)
+        except (KeyError, ValueError) as e:
+            out["source"] += f"; its size is not computed here ({e})"
+    found = sorted(RESULTS.glob("*weight_sync*.json"))
+    if found and out["bytes"]:
+        out["rates_from"] = str(found[-1].relative_to(INFRA.parent))
+        for transport, r in json.loads(found[-1].read_text())["transports"].items():
+            out["seconds_at_measured_rate"][transport] = out["bytes"] / (r["gb_per_s"] * 1e9)
+    return out
+
+
+def object_store_problems(push: dict, nodes: list) -> list[str]:
+    """`object_store` puts one whole state dict in Ray's object store: a node whose store is smaller than
+    a push cannot hold it (Ray spills to disk or fails the put)."""
+    if push["weight_sync"] != "object_store" or not push["bytes"]:
+        return []
+    small = [n for n in nodes if 0 < n.total.get("object_store_memory", 0) < push["bytes"]]
+    return [f"rollout.weight_sync = \"object_store\": a push is {push['bytes'] / 1e9:.1f} GB but {n.label}'s object "
+            f"store holds {n.total['object_store_memory'] / 1e9:.1f} GB; use \"checkpoint\", or for vLLM \"nccl\"/"
+            "\"ipc\"" for n in small]
+
+
+def build_plan(cfg: Any, nodes: list | None = None, read_model: bool = False) -> dict:
     """Everything `rstar2 plan` prints, as a JSON-able dict; `nodes`: a live cluster's nodes to fit the
     layout to (`--address`). Raises ConfigError when the layout cannot fit the config's cluster."""
     from rstar2_core.config import ConfigError
@@ -292,14 +346,15 @@ def build_plan(cfg: Any, nodes: list | None = None) -> dict:
     if cfg.cluster.image:
         problems += infra_problems(cfg)
     live: list[str] = []
+    push = weight_push(cfg, read_model)
     if nodes is not None:
         live, more = cluster_fit(cfg, layout, nodes)
-        problems += more
+        problems += more + object_store_problems(push, nodes)
     return {"profile": cfg.profile, "image": cfg.cluster.image, "ray_address": cfg.cluster.ray_address,
             "tracking_uri": cfg.resolved_tracking_uri(), "storage_root": cfg.resolved_storage_root(),
             "dag": [asdict(t) for t in recipe_dag(cfg)], "layout": layout.to_json(),
             "layout_summary": layout.describe(), "live_cluster": live, "label_check": label_check_cost(cfg),
-            "problems": problems}
+            "weight_push": push, "problems": problems}
 
 
 def _fmt_res(t: dict) -> str:
@@ -326,6 +381,16 @@ def render(plan: dict, cfg: Any) -> str:
     if cfg.cluster.runtime == "local":
         lines.append("  (runtime local: every stage runs in its task's process; the layout above is what "
                      "cluster.runtime = \"ray\" would place)")
+    push = plan["weight_push"]
+    if push["bytes"]:
+        lines.append(f"  weight push ({push['weight_sync']}): {push['params'] / 1e9:.2f}B parameters in {cfg.model.dtype} "
+                     f"= {push['bytes'] / 1e9:.2f} GB per push (from {push['source']})")
+        if push["seconds_at_measured_rate"]:
+            rates = ", ".join(f"{t} {s:.1f} s" for t, s in push["seconds_at_measured_rate"].items())
+            lines.append(f"    at the CPU rates of {push['rates_from']}: {rates} per push (nccl, ipc: GPU, "
+                         "not measured)")
+    else:
+        lines.append(f"  weight push ({push['weight_sync']}): size unknown: {push['source']}")
     lc = plan.get("label_check")
     if lc:
         where = "holds the runtime slot" if cfg.cluster.runtime == "ray" else "in the curate task"
@@ -356,7 +421,7 @@ def _plan(args: argparse.Namespace) -> int:
         from rstar2_core.runtime.ray.connect import probe_cluster
 
         nodes = probe_cluster(args.address)
-    plan = build_plan(cfg, nodes)
+    plan = build_plan(cfg, nodes, read_model=args.read_model)
     print(json.dumps(plan, indent=1) if args.json else render(plan, cfg))
     return 1 if args.strict and plan["problems"] else 0
 
@@ -368,4 +433,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--strict", action="store_true", help="exit 1 when a problem is found")
     p.add_argument("--address", default=None,
                    help="a live Ray cluster (host:port): also say whether the layout fits its nodes")
+    p.add_argument("--read-model", action="store_true",
+                   help="read the policy's config.json from the store (a remote model.name_or_path) to size the "
+                        "weight push; a local checkpoint is always read")
     p.set_defaults(func=_plan)

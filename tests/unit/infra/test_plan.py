@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from rstar2_cli.main import main
 from rstar2_core.config import load_config
 
@@ -109,3 +111,43 @@ def test_tiny_plan_has_no_infra_check(capsys):
     rc, plan = _plan_json(capsys, "--profile", "tiny")
     assert rc == 0 and plan["image"] is None and plan["problems"] == []
     assert plan["layout"]["gpus_per_node"] == 0
+
+
+def test_the_weight_push_is_sized_from_the_policys_config_and_timed_at_the_measured_rates(capsys, tmp_path,
+                                                                                          monkeypatch):
+    """A local checkpoint's config.json is read; a remote one only with --read-model; the seconds per push
+    come from the newest committed bench/weight_sync.py JSON; a live node whose object store is smaller than
+    a push is a problem for `object_store`."""
+    from rstar2_cli import plan as plan_mod
+    from rstar2_core.runtime.layout import NodeResources
+
+    ckpt = tmp_path / "qwen3-14b"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({
+        "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 5120, "intermediate_size": 17408,
+        "num_hidden_layers": 40, "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128}))
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "2026-01-01-cpu-weight_sync.json").write_text(json.dumps({"transports": {"object_store": {"gb_per_s": 9.0}}}))
+    (results / "2026-02-01-cpu-weight_sync.json").write_text(json.dumps({"transports": {"object_store": {"gb_per_s": 1.0},
+                                                                                     "checkpoint": {"gb_per_s": 2.0}}}))
+    monkeypatch.setattr(plan_mod, "RESULTS", results)
+    monkeypatch.setattr(plan_mod, "INFRA", tmp_path / "infra")
+    over = ["--set", 'model.kind="hf"', "--set", f'model.name_or_path="{ckpt}"']
+    rc, plan = _plan_json(capsys, "--profile", "tiny", *over)
+    push = plan["weight_push"]
+    assert rc == 0 and push["bytes"] == 4 * 14_768_307_200 and push["weight_sync"] == "state_dict"
+    assert push["rates_from"] == "results/2026-02-01-cpu-weight_sync.json"
+    assert push["seconds_at_measured_rate"] == {"object_store": pytest.approx(59.07, abs=0.01),
+                                                "checkpoint": pytest.approx(29.54, abs=0.01)}
+    assert main(["plan", "--profile", "tiny", *over]) == 0
+    assert "59.07 GB per push" in capsys.readouterr().out
+    remote = plan_mod.weight_push(load_config("qwen3-14b-mi300x"))
+    assert remote["bytes"] is None and "--read-model" in remote["source"]
+    cfg = load_config("tiny", ['model.kind="hf"', f'model.name_or_path="{ckpt}"', 'cluster.runtime="ray"',
+                               'rl.backend="deepspeed"', 'sft.backend="deepspeed"', 'sandbox.backend="ray"',
+                               'rollout.weight_sync="object_store"'])
+    big = NodeResources("a" * 16, "10.0.0.1", {"object_store_memory": 200e9}, {}, True)
+    small = NodeResources("b" * 16, "10.0.0.2", {"object_store_memory": 30e9}, {})
+    (problem,) = plan_mod.object_store_problems(plan_mod.weight_push(cfg), [big, small])
+    assert "59.1 GB" in problem and "node bbbbbbbb" in problem and '"checkpoint"' in problem
