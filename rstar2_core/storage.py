@@ -269,9 +269,44 @@ def list_dirs(url: str) -> list[str]:
     return sorted(out)
 
 
+STAGING_PREFIX = "rstar2-stage-"
+STALE_STAGING_S = 3600.0
+"""A staging folder left by a process that is gone (killed mid-save: its `finally` never ran) is removed by
+the next `staging_dir` on the machine once it is this old (a rank's folder holds its whole state: 770 MB
+for the tests' SmolLM2 rank, ~90 GB for a 14B ZeRO-3 rank with Adam)."""
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True                      # another user's process: alive
+    return True
+
+
+def sweep_stale_staging(root: Path | None = None, older_than_s: float = STALE_STAGING_S) -> list[Path]:
+    """Remove `staging_dir` folders under `root` (the temp dir) whose process is gone and that are older than
+    `older_than_s` (the age guards a process of another PID namespace sharing the folder); returns them."""
+    gone = []
+    for d in Path(root or tempfile.gettempdir()).glob(f"{STAGING_PREFIX}*-*"):
+        pid = d.name[len(STAGING_PREFIX):].split("-", 1)[0]
+        try:
+            old = time.time() - d.stat().st_mtime > older_than_s
+        except FileNotFoundError:
+            continue
+        if pid.isdigit() and old and not _process_alive(int(pid)):
+            shutil.rmtree(d, ignore_errors=True)
+            gone.append(d)
+    return gone
+
+
 @contextmanager
 def staging_dir() -> Iterator[Path]:
-    d = Path(tempfile.mkdtemp(prefix="rstar2-stage-"))
+    """A fresh local folder (named with this PID) removed on exit; first removes stale ones of dead processes."""
+    sweep_stale_staging()
+    d = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-"))
     try:
         yield d
     finally:
