@@ -59,9 +59,9 @@ HEAD_TOL = 1e-3
 # (~3.5 minutes on the 2-core development machine) the first time.
 BUDGETS = {
     "cuda": {"total": 360, "versions": 30, "matmul": 30, "gates": 90, "head_kernel": 60, "build": 60, "sft": 60,
-             "rl": 90, "decode": 120, "deepspeed_zero2": 150, "train_paths": 150, "flex_grads": 60},
+             "rl": 90, "decode": 120, "deepspeed_zero2": 150, "train_paths": 150, "flex_grads": 60, "ipc": 60},
     "cpu": {"total": 900, "versions": 60, "matmul": 60, "gates": 240, "head_kernel": 30, "build": 60, "sft": 120,
-            "rl": 120, "decode": 120, "deepspeed_zero2": 480, "train_paths": 240, "flex_grads": 60},
+            "rl": 120, "decode": 120, "deepspeed_zero2": 480, "train_paths": 240, "flex_grads": 60, "ipc": 60},
 }
 
 
@@ -288,6 +288,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-deepspeed", action="store_true")
     ap.add_argument("--no-decode", action="store_true")
     ap.add_argument("--no-train-paths", action="store_true", help="skip the old/new training path comparison (#42)")
+    ap.add_argument("--no-ipc", action="store_true", help="skip the packed vs per-tensor CUDA-IPC push (#43)")
     a = ap.parse_args(argv)
     if not a.cpu and not torch.cuda.is_available():
         ap.error("no CUDA/ROCm device visible to torch; run with --cpu for the CPU smoke test")
@@ -315,13 +316,19 @@ def main(argv: list[str] | None = None) -> dict:
     result["flex_grads"] = (sec.run("flex_grads", budget["flex_grads"], flex_grads, device) or {"ok": False}
                             if device.type == "cuda" else {"skipped": "CPU FlexAttention has no backward"})
     log(f"flex kernel gradients: {json.dumps(result['flex_grads'])}")
+    if not a.no_ipc:                      # before the models: the probe's consumer is a fresh process
+        from ipc_probe import main as ipc_probe
+
+        probe_args = ["--repeats", "2"] + (["--cpu", "--shape", "tiny"] if a.cpu else ["--shape", "1.5b"])
+        result["ipc"] = sec.run("ipc", budget["ipc"], ipc_probe, probe_args) or {"ok": False}
     result["models"] = {shape: model_sections(sec, shape, a, device, dtype, peak) for shape in models}
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     result["sections"] = sec.record
     result["ok"] = (bool(result["gates"].get("ok")) and all(v["status"] == "ok" for v in sec.record.values())
                     and ("skipped" in result["head_kernel"] or bool(result["head_kernel"].get("ok")))
-                    and ("skipped" in result["flex_grads"] or bool(result["flex_grads"].get("ok"))))
+                    and ("skipped" in result["flex_grads"] or bool(result["flex_grads"].get("ok")))
+                    and ("ipc" not in result or bool(result["ipc"].get("packed", {}).get("exact"))))
     result["wall_s"] = time.perf_counter() - T0
     log(f"done in {result['wall_s']:.0f} s: {'all gates passed' if result['ok'] else 'FAILED (see sections/gates)'}")
     if a.json:

@@ -27,7 +27,7 @@ for name in {BLOCKED!r}:
 sys.argv = ["bench/gpu_check.py", "--cpu", "--quick", "--json"]
 runpy.run_path("bench/gpu_check.py", run_name="__main__")
 """
-SECTIONS = {"versions", "matmul", "gates", "head_kernel", "cpu-small/build", "cpu-small/sft", "cpu-small/rl",
+SECTIONS = {"versions", "matmul", "gates", "head_kernel", "ipc", "cpu-small/build", "cpu-small/sft", "cpu-small/rl",
             "cpu-small/decode", "cpu-small/deepspeed_zero2", "cpu-small/train_paths"}
 
 
@@ -69,6 +69,8 @@ def test_gpu_check_cpu_smoke():
     tp = r["train_paths"]                       # issue 42's old/new paths: CPU keeps the per-segment kernel
     assert tp["old"]["kernel"] == tp["new"]["kernel"] == "segments" and "skipped" in out["flex_grads"]
     assert all(tp[a][k] > 0 for a in ("old", "new") for k in ("rl_update_mfu", "sft_mfu")) and tp["rl_ratio"] > 0
+    ipc = out["ipc"]                            # issue 43's push probe: shared memory here, CUDA IPC on a GPU
+    assert ipc["packed"]["exact"] and ipc["per_tensor"]["exact"] and ipc["tensors"] > 10
     assert "[" in proc.stdout.splitlines()[0]  # per-section progress lines come first
 
 

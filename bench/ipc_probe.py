@@ -1,0 +1,150 @@
+"""GPU probe of the `ipc` weight push (torch only: what the GPU machine has): one process shares a 1.5B-shape
+bf16 state dict, another opens it and keeps a copy, packed (production: `pack_bucket`, one buffer and one
+CUDA-IPC handle per bucket) against per-tensor handles (the old path); GB/s of each and a bit-exact check.
+
+    python bench/ipc_probe.py [--json] [--shape 1.5b] [--bucket-mib 1024]     (GPU)
+    python bench/ipc_probe.py --cpu --shape tiny                                 (smoke: shared memory, no rate)
+
+The consumer looks the handle up by its own GPU's UUID, as vLLM's packed consumer does, rebuilds each
+tensor from the bucket's byte table and checks two position-weighted checksums per tensor against the
+producer's. See docs/production.md, "GPU check".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import torch.multiprocessing as mp
+
+SHAPES = {
+    "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "vocab_size": 256},
+    "1.5b": {"hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12,
+             "num_key_value_heads": 2, "vocab_size": 151936},
+}
+
+
+def state_shapes(shape: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of a Qwen2 model of `shape`'s parameters, from transformers on the meta device."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(Qwen2Config(**SHAPES[shape], tie_word_embeddings=False))
+    return [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+
+
+def checksums(t: torch.Tensor) -> tuple[int, int]:
+    """Two position-weighted sums of the tensor's 16-bit words: a changed, moved or missing element shows."""
+    w = t.contiguous().view(-1).view(torch.int16).to(torch.int64)
+    pos = torch.arange(1, w.numel() + 1, device=w.device, dtype=torch.int64)
+    return int((w * pos).sum()), int((w * (pos % 65521 + 7)).sum())
+
+
+def _uuid(device: torch.device) -> str:
+    return str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else "cpu"
+
+
+def consumer(q_in, q_out, device_name: str) -> None:
+    """Open each message's buffer(s), rebuild and copy the tensors out, ack with their checksums."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    device = torch.device(device_name)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    mine, kept = _uuid(device), {}
+    while (msg := q_in.get()) is not None:
+        kind, table, payload = msg
+        if kind == "packed":
+            handle = payload[mine] if device.type == "cuda" else payload
+            buf = rebuild_cuda_tensor(*handle) if device.type == "cuda" else handle
+            off = 0
+            for name, dtype, shape, size in table:
+                kept[name] = buf[off:off + size].view(getattr(torch, dtype)).view(shape).clone()
+                off += size
+        else:
+            for (name, _dtype, _shape, _size), handle in zip(table, payload):
+                t = rebuild_cuda_tensor(*handle[mine]) if device.type == "cuda" else handle
+                kept[name] = t.clone()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        q_out.put([(name, checksums(kept[name])) for name, *_ in table])
+    q_out.put("done")
+
+
+def push(state: dict, kind: str, bucket_bytes: int, q_in, q_out, device: torch.device) -> tuple[float, dict]:
+    """One push of `state` as `kind` ("packed" or "per_tensor"), bucket by bucket, each held until acked."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    from rstar2_core.runtime.ray.weight_sync import buckets, pack_bucket
+
+    names = list(state)
+    sizes = [state[n].numel() * state[n].element_size() for n in names]
+    uuid, got = _uuid(device), {}
+    t0 = time.perf_counter()
+    for idx in buckets(sizes, bucket_bytes):
+        table = [(names[i], str(state[names[i]].dtype).split(".")[-1], list(state[names[i]].shape), sizes[i])
+                 for i in idx]
+        if kind == "packed":
+            buf, _ = pack_bucket(((names[i], state[names[i]]) for i in idx), sum(sizes[i] for i in idx))
+            payload = {uuid: reduce_tensor(buf)[1]} if device.type == "cuda" else buf
+        else:
+            buf = None
+            payload = [{uuid: reduce_tensor(state[names[i]])[1]} if device.type == "cuda" else state[names[i]]
+                       for i in idx]
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        q_in.put((kind, table, payload))
+        got.update(dict(q_out.get()))
+        del buf, payload
+    return time.perf_counter() - t0, got
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cpu", action="store_true", help="smoke test on the CPU (shared memory; no rate)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    ap.add_argument("--shape", default="1.5b", choices=list(SHAPES))
+    ap.add_argument("--bucket-mib", type=int, default=1024, help="bytes per bucket (production: IPC_BUCKET_BYTES)")
+    ap.add_argument("--repeats", type=int, default=3)
+    a = ap.parse_args(argv)
+    if not a.cpu and not torch.cuda.is_available():
+        ap.error("no CUDA device: run it on a GPU machine, or --cpu for the smoke test")
+    device = torch.device("cpu" if a.cpu else "cuda:0")
+    torch.manual_seed(0)
+    state = {n: torch.randn(s, dtype=torch.bfloat16, device=device) for n, s in state_shapes(a.shape)}
+    want = {n: checksums(t) for n, t in state.items()}
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    ctx = mp.get_context("spawn")
+    q_in, q_out = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=consumer, args=(q_in, q_out, str(device)), daemon=True)
+    proc.start()
+    res: dict = {"shape": a.shape, "bytes": nbytes, "tensors": len(state), "bucket_bytes": a.bucket_mib << 20,
+                 "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    try:
+        for kind in ("packed", "per_tensor"):
+            secs = []
+            for _ in range(a.repeats):
+                s, got = push(state, kind, a.bucket_mib << 20, q_in, q_out, device)
+                secs.append(s)
+                if got != want:
+                    bad = [n for n in want if got.get(n) != want[n]]
+                    raise RuntimeError(f"ipc_probe: {kind} rebuilt {len(bad)} tensor(s) wrong, first {bad[:3]}")
+            best = min(secs)
+            res[kind] = {"seconds": best, "seconds_all": secs, "gb_per_s": nbytes / best / 1e9, "exact": True}
+        res["packed_vs_per_tensor"] = res["per_tensor"]["seconds"] / res["packed"]["seconds"]
+    finally:
+        q_in.put(None)
+        proc.join(timeout=60)
+    print(json.dumps(res) if a.json else json.dumps(res, indent=2))
+    return res
+
+
+if __name__ == "__main__":
+    main()
