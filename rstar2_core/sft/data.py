@@ -43,6 +43,9 @@ def validate_row(row: object) -> str | None:
             return "missing_tool_results"
     if turns[0][0].startswith(REASON_OPEN):
         return "first_turn_repeats_reason_tag"
+    if row.get("mask_answer") and ("\\boxed{" + str(row.get("answer") or "") + "}" not in turns[-1][0]
+                                   or not row.get("answer")):
+        return "mask_answer_without_its_boxed_answer"      # packing masks the answer inside that box
     return None
 
 

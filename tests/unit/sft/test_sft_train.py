@@ -83,6 +83,8 @@ def test_external_sft_rows_validated_and_counted(tmp_path, sft_assets):
         json.dumps({"problem": "p", "turns": [["a", ["r"]], ["b", ["r2"]]]}),
         json.dumps({"problem": "p", "turns": [["a", None], ["b", None]]}),
         json.dumps({"problem": "p", "turns": [["<reason>x", None]]}),
+        json.dumps({**good, "mask_answer": True, "answer": "3"}),     # its box says 2: nothing to mask
+        json.dumps({**good, "mask_answer": True}),                    # no answer given
     ]
     src = tmp_path / "extra.jsonl"
     src.write_text("\n".join([json.dumps(good), *bad, json.dumps(good)]) + "\n")
@@ -92,7 +94,8 @@ def test_external_sft_rows_validated_and_counted(tmp_path, sft_assets):
     assert out.counts == {f"source/{src.as_uri()}": 2, "format/rstar2": 2, "rejected/invalid_json": 1,
                           "rejected/missing_problem": 1,
                           "rejected/last_turn_has_tool_results": 1, "rejected/missing_tool_results": 1,
-                          "rejected/first_turn_repeats_reason_tag": 1}
+                          "rejected/first_turn_repeats_reason_tag": 1,
+                          "rejected/mask_answer_without_its_boxed_answer": 2}
     src.write_text("\n".join(bad) + "\n")
     with pytest.raises(ValueError, match="SFT set is empty"):
         build_sft_dataset(cfg, (tmp_path / "sft2.jsonl").as_uri())
