@@ -8,6 +8,7 @@ import importlib
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -29,6 +30,7 @@ def test_the_checksums_see_a_swap_and_a_changed_bit():
     assert probe.checksums(swapped) != probe.checksums(t) != probe.checksums(flipped)
 
 
+@pytest.mark.slow
 def test_the_cpu_smoke_rebuilds_every_tensor_across_buckets():
     probe = _probe()
     res = probe.main(["--cpu", "--shape", "tiny", "--bucket-mib", "0", "--repeats", "1", "--json"])

@@ -8,9 +8,12 @@ import importlib
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[3]
 
 
+@pytest.mark.slow
 def test_the_quick_bench_pushes_real_weights_and_checks_them(tmp_path, monkeypatch):
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
@@ -27,6 +30,7 @@ def test_the_quick_bench_pushes_real_weights_and_checks_them(tmp_path, monkeypat
     assert res["arms"]["tiny/hf/state_dict"]["vs_state_dict"] == 1.0
 
 
+@pytest.mark.slow
 def test_the_object_store_probe_round_trips_a_state_dict_between_actors():
     """Run in its own process: the probe starts its own local Ray (and refuses to inside a connected one)."""
     import json
