@@ -5,9 +5,9 @@ CUDA-IPC handle per bucket) against per-tensor handles (the old path); GB/s of e
     python bench/ipc_probe.py [--json] [--shape 1.5b] [--bucket-mib 1024]     (GPU)
     python bench/ipc_probe.py --cpu --shape tiny                                 (smoke: shared memory, no rate)
 
-The consumer looks the handle up by its own GPU's UUID, as vLLM's packed consumer does, rebuilds each
-tensor from the bucket's byte table and checks two position-weighted checksums per tensor against the
-producer's. See docs/production.md, "GPU check".
+The consumer looks the handle up by its own GPU's UUID and opens it on its own device index, as vLLM's
+packed consumer does, and copies each tensor out by the bucket's byte table; after the timed pushes two
+position-weighted checksums per tensor must equal the producer's. See docs/production.md, "GPU check".
 """
 
 from __future__ import annotations
@@ -51,42 +51,69 @@ def _uuid(device: torch.device) -> str:
     return str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else "cpu"
 
 
-def consumer(q_in, q_out, device_name: str) -> None:
-    """Open each message's buffer(s), rebuild and copy the tensors out, ack with their checksums."""
+def _open(handle, device: torch.device) -> torch.Tensor:
+    """The tensor behind a CUDA-IPC handle (rebuilt on this process's device index, as vLLM's consumer
+    does), or the shared-memory tensor itself on the CPU."""
+    if device.type != "cuda":
+        return handle
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
+    args = list(handle)
+    args[6] = device.index if device.index is not None else torch.cuda.current_device()
+    return rebuild_cuda_tensor(*args)
+
+
+def consumer(q_in, q_out, device_name: str) -> None:
+    """Open each bucket's buffer (packed) or handles (per tensor), copy the tensors out, ack; on "check",
+    answer the checksums of everything it holds (outside the timed pushes)."""
     device = torch.device(device_name)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     mine, kept = _uuid(device), {}
     while (msg := q_in.get()) is not None:
+        if msg == "check":
+            q_out.put({name: checksums(t) for name, t in kept.items()})
+            kept = {}
+            continue
         kind, table, payload = msg
         if kind == "packed":
-            handle = payload[mine] if device.type == "cuda" else payload
-            buf = rebuild_cuda_tensor(*handle) if device.type == "cuda" else handle
-            off = 0
+            buf, off = _open(payload[mine] if device.type == "cuda" else payload, device), 0
             for name, dtype, shape, size in table:
                 kept[name] = buf[off:off + size].view(getattr(torch, dtype)).view(shape).clone()
                 off += size
         else:
-            for (name, _dtype, _shape, _size), handle in zip(table, payload):
-                t = rebuild_cuda_tensor(*handle[mine]) if device.type == "cuda" else handle
-                kept[name] = t.clone()
+            for (name, *_), handle in zip(table, payload):
+                kept[name] = _open(handle[mine] if device.type == "cuda" else handle, device).clone()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        q_out.put([(name, checksums(kept[name])) for name, *_ in table])
-    q_out.put("done")
+        q_out.put(len(table))
 
 
-def push(state: dict, kind: str, bucket_bytes: int, q_in, q_out, device: torch.device) -> tuple[float, dict]:
-    """One push of `state` as `kind` ("packed" or "per_tensor"), bucket by bucket, each held until acked."""
+def _answer(q_out, proc, timeout_s: float = 120.0):
+    """The consumer's next answer; raises if it died or said nothing for `timeout_s` (no hang)."""
+    import queue
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return q_out.get(timeout=1.0)
+        except queue.Empty:
+            if not proc.is_alive():
+                raise RuntimeError(f"ipc_probe: the consumer process died (exit code {proc.exitcode})") from None
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"ipc_probe: no answer from the consumer in {timeout_s:.0f} s") from None
+
+
+def push(state: dict, kind: str, bucket_bytes: int, q_in, q_out, proc, device: torch.device) -> float:
+    """Seconds of one push of `state` as `kind` ("packed" or "per_tensor"), bucket by bucket, each held
+    until the consumer copied it out."""
     from torch.multiprocessing.reductions import reduce_tensor
 
     from rstar2_core.runtime.ray.weight_sync import buckets, pack_bucket
 
     names = list(state)
     sizes = [state[n].numel() * state[n].element_size() for n in names]
-    uuid, got = _uuid(device), {}
+    uuid = _uuid(device)
     t0 = time.perf_counter()
     for idx in buckets(sizes, bucket_bytes):
         table = [(names[i], str(state[names[i]].dtype).split(".")[-1], list(state[names[i]].shape), sizes[i])
@@ -101,9 +128,9 @@ def push(state: dict, kind: str, bucket_bytes: int, q_in, q_out, device: torch.d
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         q_in.put((kind, table, payload))
-        got.update(dict(q_out.get()))
+        _answer(q_out, proc)
         del buf, payload
-    return time.perf_counter() - t0, got
+    return time.perf_counter() - t0
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -131,8 +158,9 @@ def main(argv: list[str] | None = None) -> dict:
         for kind in ("packed", "per_tensor"):
             secs = []
             for _ in range(a.repeats):
-                s, got = push(state, kind, a.bucket_mib << 20, q_in, q_out, device)
-                secs.append(s)
+                secs.append(push(state, kind, a.bucket_mib << 20, q_in, q_out, proc, device))
+                q_in.put("check")                               # untimed: what the consumer holds
+                got = _answer(q_out, proc, 600.0)
                 if got != want:
                     bad = [n for n in want if got.get(n) != want[n]]
                     raise RuntimeError(f"ipc_probe: {kind} rebuilt {len(bad)} tensor(s) wrong, first {bad[:3]}")

@@ -311,8 +311,8 @@ def weight_push(cfg: Any, read_model: bool = False) -> dict:
     if hf is not None:
         try:
             out["params"], out["bytes"] = param_count(hf), param_bytes(hf, cfg.model.dtype)
-        except (KeyError, ValueError) as e:
-            out["source"] += f"; its size is not computed here ({e})"
+        except Exception as e:  # noqa: BLE001 - a config the count cannot read is reported, not fatal to the plan
+            out["source"] += f"; its size is not computed here ({type(e).__name__}: {e})"
     found = sorted(RESULTS.glob("*weight_sync*.json"))
     if found and out["bytes"]:
         out["rates_from"] = str(found[-1].relative_to(INFRA.parent))

@@ -292,10 +292,11 @@ def sweep_stale_staging(root: Path | None = None, older_than_s: float = STALE_ST
     gone = []
     for d in Path(root or tempfile.gettempdir()).glob(f"{STAGING_PREFIX}*-*"):
         pid = d.name[len(STAGING_PREFIX):].split("-", 1)[0]
-        try:
-            old = time.time() - d.stat().st_mtime > older_than_s
+        try:        # the newest write anywhere inside: a live save keeps its folder young
+            newest = max([d.stat().st_mtime] + [f.stat().st_mtime for f in d.rglob("*")])
         except FileNotFoundError:
             continue
+        old = time.time() - newest > older_than_s
         if pid.isdigit() and old and not _process_alive(int(pid)):
             shutil.rmtree(d, ignore_errors=True)
             gone.append(d)

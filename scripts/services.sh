@@ -81,7 +81,7 @@ up() {
   # the pool's flow-run command is flows/flow_process.py (Prefect's engine; a run whose final state the API
   # accepted exits 0, so the worker does not mark it Crashed over a Retry), and its processes start in the
   # repository, not in a temporary directory the worker deletes when it thinks the process ended (a retry's
-  # process, started while the failed attempt's still ended, lost its directory): set on every `up`
+  # process, started while the failed attempt's was still ending, lost its directory): set on every `up`
   "$PY" - "$PREFECT_HOME/rstar2-local-template.json" "$RSTAR2_REPO" <<'PYEOF'
 import json, sys
 from prefect.workers.process import ProcessWorker

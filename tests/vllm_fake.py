@@ -10,7 +10,9 @@ the adapter makes, in order, in `events`, and refuses what vLLM refuses, with vL
 update without `start_weight_update`, a finish without one, a second start, init or update info that the
 backend's own dataclass does not take (parsed by that class, as vLLM's `parse_init_info` /
 `parse_update_info` do, so its checks are vLLM's), a weight-transfer call on an engine built without a
-backend, sleep mode without `enable_sleep_mode`. A failing worker call reaches the caller as vLLM's
+backend, sleep mode without `enable_sleep_mode`. What vLLM's workers check only when they receive (IPC
+handles looked up by GPU UUID, a packed buffer's byte table) is not applied here: the IPC tests run
+vLLM's own `packed_ipc_consumer` and `unpack_tensor` for that. A failing worker call reaches the caller as vLLM's
 `collective_rpc` failure does (`Exception("Call to collective_rpc method failed: Worker failed with error
 '...'")`), and a failed update closes the session. tests/vllm/test_vllm_protocol.py runs the same
 protocol against the real CPU engine and this fake."""

@@ -1,7 +1,8 @@
 """Parameters and bytes of a decoder-only checkpoint from its `config.json` alone (no weights, no torch):
 what `rstar2 plan` reports as the bytes of one weight push. Llama, Qwen2 and Qwen3 layouts (tied or
-untied LM head, grouped KV heads, explicit head_dim, attention/MLP biases, Qwen3's q/k norms); exact for
-those (tests/unit/models/test_param_count.py builds each and counts); another model type is refused."""
+untied LM head, grouped KV heads, explicit head_dim, attention/MLP biases, Qwen3's q/k norms; transformers'
+defaults for absent keys); exact for those (tests/unit/models/test_param_count.py builds each and counts);
+another model type is refused."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from typing import Any
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 LAYOUTS = ("llama", "qwen2", "qwen3")
+ABSENT_KV_HEADS = {"llama": None, "qwen2": 32, "qwen3": 32}
+"""transformers' defaults when config.json has no `num_key_value_heads` (Qwen3's `head_dim`: 128)."""
 
 
 def param_count(cfg: dict[str, Any]) -> int:
@@ -19,8 +22,8 @@ def param_count(cfg: dict[str, Any]) -> int:
         raise ValueError(f"param_count: model_type {kind!r} is not one of {list(LAYOUTS)}")
     v, h, n_layers, inter = cfg["vocab_size"], cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"]
     heads = cfg["num_attention_heads"]
-    kv = cfg.get("num_key_value_heads") or heads
-    hd = cfg.get("head_dim") or h // heads
+    kv = cfg.get("num_key_value_heads", ABSENT_KV_HEADS[kind]) or heads      # null: as many as the heads
+    hd = cfg.get("head_dim", 128 if kind == "qwen3" else None) or h // heads
     q, k = heads * hd, kv * hd
     attn = h * q + 2 * h * k + q * h
     if kind == "qwen2":                                     # q, k and v carry biases
@@ -29,7 +32,7 @@ def param_count(cfg: dict[str, Any]) -> int:
         attn += q + 2 * k + h
     if kind == "qwen3":
         attn += 2 * hd                                      # per-head RMSNorm of q and k
-    mlp = 3 * h * inter + (2 * inter + h if cfg.get("mlp_bias") else 0)
+    mlp = 3 * h * inter + (2 * inter + h if kind == "llama" and cfg.get("mlp_bias") else 0)
     tied = cfg.get("tie_word_embeddings", False)              # what transformers assumes when the key is absent
     return v * h * (1 if tied else 2) + n_layers * (attn + mlp + 2 * h) + h
 

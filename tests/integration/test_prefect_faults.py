@@ -142,8 +142,10 @@ def test_a_retry_pressed_while_the_failed_attempts_process_ends_is_kept(tmp_path
         # the failed attempt's process ends while the retry's is held before it loads the flow: the worker,
         # which keys processes by flow run, then thinks the retry's process ended too (before the pool's
         # working_dir, it deleted the temporary directory the retry's process was started in)
-        _wait_gone(pids)
-        os.kill(retry_pid, signal.SIGCONT)
+        try:
+            _wait_gone(pids)
+        finally:
+            os.kill(retry_pid, signal.SIGCONT)
         assert asyncio.run(watch(fid, timeout_s=900, quiet=True)) == "Completed", worker_log_tail(home)
         history = asyncio.run(_states(fid))
         assert not [s for s in history if s.startswith("CRASHED")], history

@@ -17,12 +17,13 @@ def _dead_pid() -> int:
     return p.pid
 
 
-def _folder(root, pid: int, age_s: float):
-    d = root / f"{storage.STAGING_PREFIX}{pid}-abc123"
+def _folder(root, pid: int, age_s: float, tag: str = "abc123"):
+    d = root / f"{storage.STAGING_PREFIX}{pid}-{tag}"
     d.mkdir()
     (d / "rank-state.pt").write_bytes(b"x" * 1000)
     t = time.time() - age_s
-    os.utime(d, (t, t))
+    for p in (d / "rank-state.pt", d):
+        os.utime(p, (t, t))
     return d
 
 
@@ -33,8 +34,12 @@ def test_stale_folders_of_dead_processes_are_swept(tmp_path, monkeypatch):
     live = _folder(tmp_path, os.getpid(), 2 * storage.STALE_STAGING_S)   # this process: kept however old
     other = tmp_path / "rstar2-stage-q7x_2z"                         # no PID in the name: not ours to judge
     other.mkdir()
+    writing = _folder(tmp_path, dead, 2 * storage.STALE_STAGING_S, "w")  # an old folder, but a file written now
+    (writing / "sub").mkdir()
+    (writing / "sub" / "shard.pt").write_bytes(b"y")
+    os.utime(writing, (time.time() - 2 * storage.STALE_STAGING_S,) * 2)
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     with storage.staging_dir() as d:
         assert d.parent == tmp_path and d.name.startswith(f"{storage.STAGING_PREFIX}{os.getpid()}-")
-        assert not stale.exists() and fresh.exists() and live.exists() and other.exists()
+        assert not stale.exists() and fresh.exists() and live.exists() and other.exists() and writing.exists()
     assert not d.exists()

@@ -41,8 +41,10 @@ def object_store_roundtrip(gib: float) -> dict:
              log_to_driver=False)
     try:
         t = time.perf_counter()
-        ref, put_s = ray.get(_Producer.remote().put.remote(n))
+        producer = _Producer.remote()                                   # the object's owner: kept alive
+        ref, put_s = ray.get(producer.put.remote(n))
         ok = ray.get(_Consumer.remote().check.remote(ref))
+        del producer
         return {"gib": gib, "ok": ok, "put_s": put_s, "total_s": time.perf_counter() - t}
     except Exception as e:  # noqa: BLE001 - the outcome is the measurement
         return {"gib": gib, "ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}

@@ -28,6 +28,19 @@ def test_the_count_is_the_built_models(arch, extra, tmp_path):
     assert param_count(saved) == sum(p.numel() for p in model.parameters())
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
+def test_absent_keys_take_transformers_defaults(arch):
+    """A hand-written config.json may leave out num_key_value_heads and head_dim: transformers fills them in
+    (Qwen: 32 KV heads, Qwen3 head_dim 128; Llama: one KV head per head, hidden / heads)."""
+    import transformers
+
+    cls = {"qwen2": "Qwen2", "qwen3": "Qwen3", "llama": "Llama"}[arch]
+    bare = {"model_type": arch, "vocab_size": 96, "hidden_size": 64, "intermediate_size": 48, "num_hidden_layers": 1,
+            "num_attention_heads": 32, "mlp_bias": True}                   # mlp_bias: Llama's only
+    model = getattr(transformers, f"{cls}ForCausalLM")(getattr(transformers, f"{cls}Config")(**bare))
+    assert param_count(bare) == sum(p.numel() for p in model.parameters())
+
+
 def test_qwen3_14b_and_bytes():
     qwen3_14b = {"model_type": "qwen3", "vocab_size": 151936, "hidden_size": 5120, "intermediate_size": 17408,
                  "num_hidden_layers": 40, "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128,
