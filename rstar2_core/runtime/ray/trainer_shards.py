@@ -27,6 +27,14 @@ from rstar2_core.runtime.ray.placement import ActorGroup, bundle_strategy
 from rstar2_core.runtime.ray.sharding import micro_batches_per_rank, rank_balance, split_by_weight
 
 
+def own_storage(state: dict) -> dict:
+    """`state`'s tensors on the CPU, each in a storage of its own. Pickling a tensor (what `ray.put` does)
+    writes its whole storage: ZeRO-1/2 keep the parameters as views of one flat buffer, so a state dict of
+    views put as is carried the buffer once per tensor (SmolLM2's 651 MB became > 16 GB and the rank was
+    OOM-killed). A GPU tensor's `.to("cpu")` is already a copy of its own; a CPU one is cloned."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+
+
 class TrainerShardActor:
     """One data-parallel rank (see the module docstring)."""
 
@@ -93,7 +101,7 @@ class TrainerShardActor:
             state = engine.module.state_dict() if self.rank == 0 else None
         if self.rank != 0:
             return []
-        state = {k: v.detach().to("cpu") for k, v in state.items()}
+        state = own_storage(state)
         size = sum(v.numel() * v.element_size() for v in state.values())
         return [ray.put(state), size]
 
