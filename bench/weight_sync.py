@@ -173,6 +173,7 @@ def main(argv: list[str] | None = None) -> dict:
                 r = asyncio.run(run_arm(runtime, transport, engine, a, b, ref, prompt, pad, args.repeats))
                 r["bytes"], r["gb_per_s"] = nbytes, nbytes / r["seconds"] / 1e9
                 arms[key] = r
+                (out / "arms.partial.json").write_text(json.dumps(arms, indent=1))   # survives a later failure
                 done_s, n_done = done_s + time.perf_counter() - t, n_done + 1
                 eta = done_s / n_done * (len(plan) - n_done)
                 log(f"{key}: {r['seconds']:.3f} s per push = {r['gb_per_s']:.2f} GB/s ({nbytes / 1e6:.0f} MB); gap "
@@ -180,10 +181,16 @@ def main(argv: list[str] | None = None) -> dict:
                     f"{n_done}/{len(plan)} arms, ETA {eta:.0f} s")
         del ref
     probe = None
-    if args.object_store_probe:
-        from rstar2_core.runtime.ray.probes import object_store_roundtrip
+    if args.object_store_probe:          # its own process: the Ray arms left this one connected to Ray
+        import subprocess
 
-        probe = object_store_roundtrip(args.object_store_probe)
+        code = ("import json, sys; from rstar2_core.runtime.ray.probes import object_store_roundtrip; "
+                "print(json.dumps(object_store_roundtrip(float(sys.argv[1]))))")
+        out = subprocess.run([sys.executable, "-c", code, str(args.object_store_probe)], cwd=ROOT,
+                             capture_output=True, text=True, check=False)
+        lines = out.stdout.strip().splitlines()
+        probe = json.loads(lines[-1]) if out.returncode == 0 and lines else {
+            "gib": args.object_store_probe, "ok": False, "error": f"exit {out.returncode}: {out.stderr[-300:]}"}
         log(f"object-store probe: {probe}")
     for key, r in arms.items():
         base = arms.get(key.rsplit("/", 1)[0] + "/state_dict")
