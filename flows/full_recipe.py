@@ -76,14 +76,16 @@ def recipe_stages(ctx: RecipeContext) -> dict:
 
 
 def _first_failure_or(final, futures: list):
-    """The final task's result; when the DAG failed, raise the first failed task's own error in DAG order
-    (not the "upstream not ready" error of the tasks downstream of it)."""
+    """The final task's result; when the DAG failed, raise the error of the task that failed first in time:
+    the cause, not a consequence (a task downstream of it, or an independent one that started after and met
+    what the first left, e.g. an eval finding the node the RL stage lost: `LayoutDoesNotFit` after
+    `NodeLost`). Ties keep DAG order."""
     final.wait()
     for f in futures:
         f.wait()
-    for f in futures:
-        if f.state.is_failed() or f.state.is_crashed():
-            f.result()
+    failed = [f for f in futures if f.state.is_failed() or f.state.is_crashed()]
+    if failed:
+        min(failed, key=lambda f: f.state.timestamp).result()
     return final.result()
 
 
