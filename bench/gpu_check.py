@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not a.no_ipc:                      # before the models: the probe's consumer is a fresh process
         from ipc_probe import main as ipc_probe
 
-        probe_args = ["--repeats", "2"] + (["--cpu", "--shape", "tiny"] if a.cpu else ["--shape", "1.5b"])
+        probe_args = ["--repeats", "2"] + (["--cpu", "--shape", "cpu-small"] if a.cpu else ["--shape", "1.5b"])
         result["ipc"] = sec.run("ipc", budget["ipc"], ipc_probe, probe_args) or {"ok": False}
     result["models"] = {shape: model_sections(sec, shape, a, device, dtype, peak) for shape in models}
     if torch.distributed.is_initialized():

@@ -3,7 +3,7 @@ bf16 state dict, another opens it and keeps a copy, packed (production: `pack_bu
 CUDA-IPC handle per bucket) against per-tensor handles (the old path); GB/s of each and a bit-exact check.
 
     python bench/ipc_probe.py [--json] [--shape 1.5b] [--bucket-mib 1024]     (GPU)
-    python bench/ipc_probe.py --cpu --shape tiny                                 (smoke: shared memory, no rate)
+    python bench/ipc_probe.py --cpu --shape cpu-small                            (smoke: shared memory, no rate)
 
 The consumer looks the handle up by its own GPU's UUID and opens it on its own device index, as vLLM's
 packed consumer does, and copies each tensor out by the bucket's byte table; after the timed pushes two
@@ -18,26 +18,16 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]   # gpu_probes
 
 import torch
 import torch.multiprocessing as mp
-
-SHAPES = {
-    "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-             "num_key_value_heads": 2, "vocab_size": 256},
-    "1.5b": {"hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12,
-             "num_key_value_heads": 2, "vocab_size": 151936},
-}
+from gpu_probes import SHAPES, build_model
 
 
 def state_shapes(shape: str) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, shape) of a Qwen2 model of `shape`'s parameters, from transformers on the meta device."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    with torch.device("meta"):
-        model = Qwen2ForCausalLM(Qwen2Config(**SHAPES[shape], tie_word_embeddings=False))
-    return [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    """(name, shape) of the GPU probes' Qwen2 model of `shape` (tied head), built on the meta device."""
+    return [(n, tuple(p.shape)) for n, p in build_model(shape, torch.device("meta"), torch.bfloat16).named_parameters()]
 
 
 def checksums(t: torch.Tensor) -> tuple[int, int]:

@@ -184,13 +184,11 @@ def main(argv: list[str] | None = None) -> dict:
     if args.object_store_probe:          # its own process: the Ray arms left this one connected to Ray
         import subprocess
 
-        code = ("import json, sys; from rstar2_core.runtime.ray.probes import object_store_roundtrip; "
-                "print(json.dumps(object_store_roundtrip(float(sys.argv[1]))))")
-        out = subprocess.run([sys.executable, "-c", code, str(args.object_store_probe)], cwd=ROOT,
-                             capture_output=True, text=True, check=False)
-        lines = out.stdout.strip().splitlines()
-        probe = json.loads(lines[-1]) if out.returncode == 0 and lines else {
-            "gib": args.object_store_probe, "ok": False, "error": f"exit {out.returncode}: {out.stderr[-300:]}"}
+        ran = subprocess.run([sys.executable, "-m", "rstar2_core.runtime.ray.probes", str(args.object_store_probe)],
+                             cwd=ROOT, capture_output=True, text=True, check=False)
+        lines = ran.stdout.strip().splitlines()
+        probe = json.loads(lines[-1]) if ran.returncode == 0 and lines else {
+            "gib": args.object_store_probe, "ok": False, "error": f"exit {ran.returncode}: {ran.stderr[-300:]}"}
         log(f"object-store probe: {probe}")
     for key, r in arms.items():
         base = arms.get(key.rsplit("/", 1)[0] + "/state_dict")

@@ -1,6 +1,7 @@
 """What the Ray runtime's weight sync assumes of Ray itself, measured: `object_store_roundtrip` pushes one
 state dict of a given size from an actor through the object store into another actor, the way
-`ObjectStoreSync` does (bench/weight_sync.py `--object-store-probe`; figures in docs/production.md)."""
+`ObjectStoreSync` does. `python -m rstar2_core.runtime.ray.probes GIB` prints its JSON (bench/weight_sync.py
+`--object-store-probe`; figures in docs/benchmarks-training.md)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ class _Producer:
         state = {"w": torch.randn(n, generator=torch.Generator().manual_seed(0))}   # like weights_ref's
         t = time.perf_counter()
         ref = ray.put(state)
-        return [ref, time.perf_counter() - t, _checksum(state["w"]), n]
+        return [ref, time.perf_counter() - t, _checksum(state["w"])]
 
 
 @ray.remote
@@ -46,7 +47,7 @@ def object_store_roundtrip(gib: float) -> dict:
     try:
         t = time.perf_counter()
         producer = _Producer.remote()                                   # the object's owner: kept alive
-        ref, put_s, want = ray.get(producer.put.remote(n))[:3]
+        ref, put_s, want = ray.get(producer.put.remote(n))
         got, numel = ray.get(_Consumer.remote().check.remote(ref))
         ok = got == want and numel == n
         del producer
@@ -55,3 +56,10 @@ def object_store_roundtrip(gib: float) -> dict:
         return {"gib": gib, "ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
     finally:
         ray.shutdown()
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    print(json.dumps(object_store_roundtrip(float(sys.argv[1]))))

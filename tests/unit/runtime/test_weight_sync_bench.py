@@ -36,9 +36,7 @@ def test_the_object_store_probe_round_trips_a_state_dict_between_actors():
     import json
     import subprocess
 
-    code = ("import json; from rstar2_core.runtime.ray.probes import object_store_roundtrip; "
-            "print(json.dumps(object_store_roundtrip(0.01)))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT,
-                         check=True)
+    out = subprocess.run([sys.executable, "-m", "rstar2_core.runtime.ray.probes", "0.01"], capture_output=True,
+                         text=True, timeout=300, cwd=ROOT, check=True)
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["ok"] and res["gib"] == 0.01 and res["total_s"] >= res["put_s"] > 0, res
