@@ -70,6 +70,14 @@ def test_run_store_returns_only_complete_results(tmp_path):
     assert store.tracking_id("sft") == "abc" and store.tracking_id("parent") is None
 
 
+def test_the_production_profiles_store_layout_is_the_one_infra_readme_names():
+    from tasks.nightly import _dir as nightly_dir
+
+    prod = load_config("qwen3-14b-mi300x")
+    assert RunStore.for_run(prod.resolved_storage_root(), "abc").root == "s3://rstar2-artifacts/runs/abc"
+    assert nightly_dir(prod) == "s3://rstar2-artifacts/nightly"
+
+
 def test_names_and_flattening():
     prod = load_config("qwen3-14b-mi300x")
     labels = [stage_label(prod, i) for i in range(len(prod.rl.stages))]
