@@ -110,7 +110,9 @@ class RolloutConfig(_Section):
     More raises throughput until the KV cache (HF: slots x max length) or memory runs out."""
     kv_capacity_tokens: int = Field(0, ge=0)
     """KV cache capacity per engine in tokens; 0 = max_batch_size x the longest sequence (HF, and vLLM on CPU)
-    or what gpu_memory_utilization leaves (vLLM on GPUs)."""
+    or what gpu_memory_utilization leaves (vLLM on GPUs). Set, it must exceed the longest response budget
+    (RL stages, eval, label check), refused at load; the exact need (+ the longest prompt) is checked when
+    an engine starts."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     """Nucleus sampling. Paper: 1.0."""
     tool_response_head_chars: int = Field(128, ge=0)

@@ -81,6 +81,17 @@ def runtime_problems(cfg: Any) -> list[str]:
     if ws == "checkpoint" and cfg.rl.checkpoint_every != 1:
         p.append(f"rollout.weight_sync = \"checkpoint\" reloads the checkpoint each step publishes, but "
                  f"rl.checkpoint_every = {cfg.rl.checkpoint_every}: set rl.checkpoint_every = 1")
+    if ro.kv_capacity_tokens:
+        budgets = {f"rl.stages.{i}.max_response_tokens": st.max_response_tokens for i, st in enumerate(cfg.rl.stages)}
+        budgets["eval.max_tokens"] = cfg.eval.max_tokens
+        if cfg.data.label_check.enabled:
+            budgets["data.label_check.max_response_tokens"] = (cfg.data.label_check.max_response_tokens
+                                                               or cfg.eval.max_tokens)
+        name, longest = max(budgets.items(), key=lambda kv: kv[1])
+        if ro.kv_capacity_tokens <= longest:
+            p.append(f"rollout.kv_capacity_tokens = {ro.kv_capacity_tokens} cannot hold one sequence of {name} = "
+                     f"{longest} response tokens and its prompt: raise it above that (an engine's sequences are "
+                     "prompt + response), or set 0 to size the cache from rollout.max_batch_size")
     if cl.logical_gpus and not cl.gpus_per_node:
         p.append("cluster.logical_gpus = true needs cluster.gpus_per_node > 0 (the logical GPUs each node offers); "
                  "set it, or cluster.logical_gpus = false")

@@ -184,6 +184,16 @@ def test_settings_the_runtime_would_not_honour_are_refused(profile, overrides, n
     assert needle in str(e.value)
 
 
+def test_a_kv_budget_below_one_response_is_refused_at_load_not_at_engine_start():
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny", ["rollout.kv_capacity_tokens=500"])
+    assert "rollout.kv_capacity_tokens = 500 cannot hold one sequence of rl.stages.1.max_response_tokens = 512" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        load_config("qwen3-14b-mi300x", ["rollout.kv_capacity_tokens=20000"])
+    assert "eval.max_tokens = 30000" in str(e.value)
+    assert load_config("tiny", ["rollout.kv_capacity_tokens=2048"]).rollout.kv_capacity_tokens == 2048
+
+
 def test_weight_sync_auto_resolves_per_runtime():
     from rstar2_core.config.runtime_rules import resolved_weight_sync
 
