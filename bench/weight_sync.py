@@ -2,13 +2,12 @@
 
     .venv/bin/python bench/weight_sync.py [--quick] [--json] [--shapes tiny,smollm2-135m,1b] [--object-store-probe 4.5]
 
-Each arm opens the runtime that carries its transport (`state_dict`, `checkpoint`: local; `object_store`:
-Ray, one ZeRO-2 rank) on checkpoint B and times its `sync_weights`, the RL step's call, after putting the
-engine back on A (B = A moved by noise). Exactness: the engine's tokens' log-probs against B's
-(`sequence_logprobs`): `gap_level` fresh, `stale_gap` on A, `post_sync_gap_max` after, <= 1e-4 (`exact`).
-JSON: per transport under `transports` (`seconds`, `gb_per_s`, `post_sync_gap_max`; the largest vLLM
-shape), every arm under `arms` with `vs_state_dict`. `--quick`: tiny only (~3 min). nccl/ipc need GPUs.
-See docs/benchmarks-training.md, "bench/weight_sync.py".
+Each arm opens the runtime of its transport (`state_dict`, `checkpoint`: local; `object_store`: Ray, one
+ZeRO-2 rank) on checkpoint B and times `sync_weights` after putting the engine back on A (B = A + noise).
+Exact: the engine's log-probs against B's, `post_sync_gap_max` <= 1e-4; `push_mem_peak_gb`: the machine's
+used memory at its highest during a push, above its level before (`--chunk-mib`: vLLM's message size).
+JSON: `transports` (the largest vLLM shape), `arms` with `vs_state_dict`. `--quick`: tiny only (~3 min).
+See docs/benchmarks-training.md, "bench/weight_sync.py"; nccl/ipc need GPUs (bench/ipc_probe.py).
 """
 
 from __future__ import annotations
@@ -111,18 +110,46 @@ async def run_arm(runtime: str, transport: str, engine_kind: str, a: str, b: str
         start_s = time.perf_counter() - t0
         eng = rt.engines[0]
         level = await served_gap(eng, prompt, ref, pad_id)
-        secs, stale, report_bytes = [], None, 0
+        secs, peaks, stale, report_bytes = [], [], None, 0
         for _ in range(repeats):
             eng.update_weights(a)                               # back on A: the push must change every weight
             if stale is None:
                 stale = await served_gap(eng, prompt, ref, pad_id)
-            rep = rt.sync_weights(b)
+            with MemoryPeak() as mem:
+                rep = rt.sync_weights(b)
             secs.append(rep.seconds)
+            peaks.append(mem.peak_gb)
             report_bytes = rep.bytes
         post = await served_gap(eng, prompt, ref, pad_id)
     return {"runtime": runtime, "start_s": round(start_s, 1), "seconds": statistics.median(secs),
             "seconds_all": [round(s, 4) for s in secs], "report_bytes": report_bytes, "gap_level": level,
-            "stale_gap": stale, "post_sync_gap_max": post, "exact": post <= EXACT}
+            "stale_gap": stale, "post_sync_gap_max": post, "exact": post <= EXACT,
+            "push_mem_peak_gb": round(max(peaks), 3)}
+
+
+class MemoryPeak:
+    """The machine's used memory (psutil: page cache excluded, as Ray's memory monitor counts it) sampled
+    every 10 ms while the block runs: `peak_gb` = its highest point above the level at entry."""
+
+    def __enter__(self):
+        import threading
+
+        import psutil
+
+        self._used, self._stop = psutil.virtual_memory, threading.Event()
+        self.base = self.top = self._used().used
+        self._t = threading.Thread(target=self._watch, daemon=True)
+        self._t.start()
+        return self
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.01):
+            self.top = max(self.top, self._used().used)
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._t.join()
+        self.peak_gb = (max(self.top, self._used().used) - self.base) / 1e9
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -138,12 +165,18 @@ def main(argv: list[str] | None = None) -> dict:
                          "the weights in the object store, and a DeepSpeed rank: more memory than 24 GiB hold at 1B)")
     ap.add_argument("--object-store-probe", type=float, default=0.0, metavar="GIB",
                     help="also push one GIB-GiB state dict through Ray's object store actor to actor (4.5: past 4 GiB)")
+    ap.add_argument("--chunk-mib", type=int, default=0,
+                    help="vLLM state_dict messages of this size (in-process engines: the local arms); 0: the default")
     ap.add_argument("--out", default=os.path.join(os.environ.get("RSTAR2_HOME", ".rstar2"), "bench", "weight_sync"))
     args = ap.parse_args(argv)
     shapes = (args.shapes or ("tiny" if args.quick else ",".join(SHAPES))).split(",")
     if bad := [s for s in shapes if s not in SHAPES]:
         ap.error(f"--shapes: unknown {bad}; valid: {list(SHAPES)}")
     engines, transports = args.engines.split(","), args.transports.split(",")
+    if args.chunk_mib:
+        from rstar2_core.rollout import vllm_engine
+
+        vllm_engine.WEIGHT_CHUNK_BYTES = args.chunk_mib << 20
     from rstar2_core.chat import ChatFormat
     from rstar2_core.models.io import load_model_and_tokenizer
 
@@ -178,7 +211,7 @@ def main(argv: list[str] | None = None) -> dict:
                 eta = done_s / n_done * (len(plan) - n_done)
                 log(f"{key}: {r['seconds']:.3f} s per push = {r['gb_per_s']:.2f} GB/s ({nbytes / 1e6:.0f} MB); gap "
                     f"level {r['gap_level']:.1e}, stale {r['stale_gap']:.2f}, after {r['post_sync_gap_max']:.1e}; "
-                    f"{n_done}/{len(plan)} arms, ETA {eta:.0f} s")
+                    f"peak +{r['push_mem_peak_gb']:.2f} GB; {n_done}/{len(plan)} arms, ETA {eta:.0f} s")
         del ref
     probe = None
     if args.object_store_probe:          # its own process: the Ray arms left this one connected to Ray
@@ -205,7 +238,7 @@ def main(argv: list[str] | None = None) -> dict:
                               "post_sync_gap_max": max(x["post_sync_gap_max"] for _, x in mine)}
     res = {"transports": summary, "arms": arms, "shapes": shape_info, "exact": all(r["exact"] for r in arms.values()),
            "object_store_probe": probe,
-           "repeats": args.repeats, "cpus": os.cpu_count(), "load_1min_end": os.getloadavg()[0],
+           "repeats": args.repeats, "chunk_mib": args.chunk_mib or None, "cpus": os.cpu_count(), "load_1min_end": os.getloadavg()[0],
            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
            "seconds": time.perf_counter() - T0}
     print(json.dumps(res) if args.json else json.dumps(res, indent=2))

@@ -138,7 +138,7 @@ class RolloutConfig(_Section):
     runtime). `object_store`: trainer rank 0 puts one full state dict in Ray's object store, every engine
     actor loads the same object (Ray runtime; one host copy per node: fine on CPU and for small models,
     ~29.5 GB per node per step for 14B, one object: any size the node's store holds, `rstar2 plan --address`
-    checks; a vLLM engine takes it in 1 GiB messages). `checkpoint`: engines reload the checkpoint the step just
+    checks; a vLLM engine takes it in 64 MiB messages). `checkpoint`: engines reload the checkpoint the step just
     published (needs rl.checkpoint_every = 1; every engine reads the whole checkpoint). `nccl`: vLLM's
     NCCL weight transfer, trainer rank 0 broadcasts parameter by parameter to every engine worker (Ray
     runtime, vLLM, `separate` layout: NCCL cannot put two ranks on one GPU). `ipc`: vLLM's CUDA-IPC

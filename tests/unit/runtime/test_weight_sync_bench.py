@@ -26,6 +26,7 @@ def test_the_quick_bench_pushes_real_weights_and_checks_them(tmp_path, monkeypat
         arm = res["arms"][key]
         assert arm["stale_gap"] > 1e-2 and arm["post_sync_gap_max"] <= 1e-4, arm    # A is far from B; B is served
         assert arm["gap_level"] <= 1e-4 and len(arm["seconds_all"]) == 2 and arm["gb_per_s"] > 0
+        assert arm["push_mem_peak_gb"] >= 0                          # sampled during the pushes
     assert res["arms"]["tiny/hf/state_dict"]["report_bytes"] == res["shapes"]["tiny"]["bytes"]
     assert res["arms"]["tiny/hf/state_dict"]["vs_state_dict"] == 1.0
 
