@@ -352,10 +352,9 @@ async def _build(vllm, args):
 WEIGHT_CHUNK_BYTES = 64 << 20
 """Bytes of tensors per message when a state dict goes to the workers (`update_weights` with a dict), each
 one safetensors blob (msgpack refuses 4 GiB or more). Each message is copied on its way (blob, RPC frame,
-engine core, worker) while the worker stages the whole dict, so the size sets the push's memory peak:
-SmolLM2-135M's 651 MB push into vLLM's CPU build peaked at +1.1 GB of the machine's memory with 64 MiB
-messages, +2.1 GB with 256 MiB, +4.3-5.0 GB with 1 GiB, and was no slower (3.1 vs 4.1-4.6 s; 16 MiB: 2.3 s;
-docs/benchmarks-training.md). A tensor larger than this goes alone (Qwen3-14B's largest, the embedding,
+engine core, worker) while the worker stages the whole dict, so the size sets the push's memory peak
+(1 GiB: ~7x a small model's size; 64 MiB: under 2x and no slower; smaller: more messages for 14B; figures
+in docs/benchmarks-training.md). A tensor larger than this goes alone (Qwen3-14B's largest, the embedding,
 ~1.5 GB); one of 4 GiB or more would still be refused by the encoder."""
 
 
