@@ -4,12 +4,18 @@ process worker marks a run Crashed when its process exits non-zero; a failed flo
 after the API accepted Failed (the failure hook, the task runner's teardown), so a Retry pressed in those
 seconds was overwritten by Crashed. Here a process whose final state the API accepted exits 0; one that
 ends before that (killed, out of memory, the API unreachable at the end) still exits non-zero and is marked
-Crashed. docs/faults.md, "The Prefect API goes away" and "A Retry pressed right after Failed"."""
+Crashed. And a Cancel reaches the run when the worker has lost track of its process (a retry whose
+process started before the failed attempt's ended): `watch_for_cancel`. docs/faults.md, "The Prefect API
+goes away" and "A Retry pressed right after Failed"."""
 
 from __future__ import annotations
 
+import os
 import runpy
+import signal
 import sys
+import threading
+import time
 
 _accepted: list[str] = []
 
@@ -19,7 +25,53 @@ def final_state_accepted(state) -> None:
     _accepted.append(f"{state.type.value} ({state.name})")
 
 
+CANCEL_GRACE_S = 30.0
+"""How long a run may stay Cancelling before its own process ends it. The worker's cancel (Prefect's SIGTERM
+with its cancel intent) lands within seconds when it still watches the process; a shorter grace would race
+it, a longer one keeps a cancelled run's GPUs busy that much longer when it does not."""
+
+
+def watch_for_cancel(flow_run_id: str, poll_s: float = 5.0, grace_s: float = CANCEL_GRACE_S,
+                     kill_after_s: float = 30.0) -> None:
+    """Poll the API for this run's state (a daemon thread); once it has been Cancelling for `grace_s`, do
+    what the worker's cancel does: set Cancelled, SIGTERM this process, and end it `kill_after_s` later if
+    it is still alive. Needed because Prefect's worker keys processes by flow run: when a failed attempt's
+    process exits after the retry's started, the worker forgets the retry's ("Lost connection to flow run
+    ... infrastructure") and a Cancel pressed in the UI stayed Cancelling while the run went on. An API
+    that does not answer is polled again (the run's own state reports wait it out too)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.objects import StateType
+    from prefect.states import Cancelled
+
+    since = None
+    while True:
+        time.sleep(poll_s)
+        try:
+            with get_client(sync_client=True) as c:
+                state = c.read_flow_run(flow_run_id).state
+                if state is None or state.type != StateType.CANCELLING:
+                    since = None
+                    continue
+                since = since or time.monotonic()
+                if time.monotonic() - since < grace_s:
+                    continue
+                c.set_flow_run_state(flow_run_id, Cancelled(message="Cancelled by the flow-run process: the run "
+                                     f"was Cancelling for {grace_s:g} s and the worker had not stopped it"),
+                                     force=True)
+        except Exception as exc:  # noqa: BLE001 - the API away or a transient error: poll again
+            print(f"flows.flow_process: reading this run's state failed ({exc!r}); trying again", file=sys.stderr)
+            continue
+        print(f"flows.flow_process: this run was Cancelling for {grace_s:g} s and its process was not stopped; "
+              "set Cancelled, stopping it (SIGTERM)", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(kill_after_s)
+        os._exit(1)
+
+
 def main() -> None:
+    fid = sys.argv[1] if len(sys.argv) > 1 else os.environ.get("PREFECT__FLOW_RUN_ID")
+    if fid:
+        threading.Thread(target=watch_for_cancel, args=(fid,), name="rstar2-cancel-watch", daemon=True).start()
     try:
         runpy.run_module("prefect.engine", run_name="__main__", alter_sys=True)
     except SystemExit as exc:

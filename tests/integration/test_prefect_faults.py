@@ -98,9 +98,41 @@ def _wait_gone(pids, timeout_s: float = 300) -> None:
 
     deadline = time.monotonic() + timeout_s
     while any(alive(p) for p in pids):
-        assert time.monotonic() < deadline, f"the failed attempt's process {pids} did not end"
+        assert time.monotonic() < deadline, f"the processes {pids} did not end"
         time.sleep(0.1)
     time.sleep(2)                        # the worker notices the exit (polls every 0.1 s) and cleans up
+
+
+def _retry_while_the_failed_attempts_process_ends(home, overrides: list[str]) -> UUID:
+    """Start a run whose SFT fails at its first step; press Retry the moment the API shows Failed, while the
+    failed attempt's process is still ending (held with SIGSTOP until the Retry is in); hold the retry's
+    process from its start until the failed attempt's has ended, so that the worker, which keys processes
+    by flow run, takes the retry's as ended too. Returns the flow run's id, its retry's process let go."""
+    from flows.client import retry_flow_run, start_run
+
+    fid = asyncio.run(start_run("rstar2/full-recipe", {"profile": "tiny", "overrides": overrides},
+                                env={"RSTAR2_FAULT_INJECT": "sft:step=1"}))
+    deadline = time.monotonic() + 600
+    while not (states := asyncio.run(_states(fid))) or not states[-1].startswith("FAILED"):
+        assert time.monotonic() < deadline and states[-1:] != ["COMPLETED:Completed"], states
+        time.sleep(0.1)
+    pids = flow_run_processes(home)
+    assert pids, "the failed attempt's process had already exited: the race this test pins was missed"
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    retry_pid = None
+    try:
+        asyncio.run(retry_flow_run(fid, "v2"))
+        assert asyncio.run(_states(fid))[-1] == "SCHEDULED:AwaitingRetry"
+        retry_pid = _stop_the_next_flow_run_process(home, set(pids))
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+    try:
+        _wait_gone(pids)
+    finally:
+        os.kill(retry_pid, signal.SIGCONT)
+    return fid
 
 
 def test_a_retry_pressed_while_the_failed_attempts_process_ends_is_kept(tmp_path, monkeypatch):
@@ -113,7 +145,7 @@ def test_a_retry_pressed_while_the_failed_attempts_process_ends_is_kept(tmp_path
     step (FileNotFoundError from os.getcwd; CI, 2026-12-05)."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from flows.client import retry_flow_run, start_run, watch
+    from flows.client import watch
     from rstar2_core.config import load_config
     from tasks.run_store import RunStore
 
@@ -121,31 +153,7 @@ def test_a_retry_pressed_while_the_failed_attempts_process_ends_is_kept(tmp_path
     monkeypatch.setenv("RSTAR2_HOME", str(home))
     with services_up(home) as (api, _env), temporary_settings({PREFECT_API_URL: api}):
         cfg = load_config("tiny", E2E_OVERRIDES)
-        fid = asyncio.run(start_run("rstar2/full-recipe", {"profile": "tiny", "overrides": E2E_OVERRIDES},
-                                    env={"RSTAR2_FAULT_INJECT": "sft:step=1"}))
-        deadline = time.monotonic() + 600
-        while not (states := asyncio.run(_states(fid))) or not states[-1].startswith("FAILED"):
-            assert time.monotonic() < deadline and states[-1:] != ["COMPLETED:Completed"], states
-            time.sleep(0.1)
-        pids = flow_run_processes(home)
-        assert pids, "the failed attempt's process had already exited: the race this test pins was missed"
-        for pid in pids:
-            os.kill(pid, signal.SIGSTOP)
-        retry_pid = None
-        try:
-            asyncio.run(retry_flow_run(fid, "v2"))
-            assert asyncio.run(_states(fid))[-1] == "SCHEDULED:AwaitingRetry"
-            retry_pid = _stop_the_next_flow_run_process(home, set(pids))
-        finally:
-            for pid in pids:
-                os.kill(pid, signal.SIGCONT)
-        # the failed attempt's process ends while the retry's is held before it loads the flow: the worker,
-        # which keys processes by flow run, then thinks the retry's process ended too (before the pool's
-        # working_dir, it deleted the temporary directory the retry's process was started in)
-        try:
-            _wait_gone(pids)
-        finally:
-            os.kill(retry_pid, signal.SIGCONT)
+        fid = _retry_while_the_failed_attempts_process_ends(home, E2E_OVERRIDES)
         assert asyncio.run(watch(fid, timeout_s=900, quiet=True)) == "Completed", worker_log_tail(home)
         history = asyncio.run(_states(fid))
         assert not [s for s in history if s.startswith("CRASHED")], history
@@ -153,3 +161,42 @@ def test_a_retry_pressed_while_the_failed_attempts_process_ends_is_kept(tmp_path
     store = RunStore.for_run(cfg.resolved_storage_root(), str(fid))
     assert store.record("sft")["attempt"] == 2 and store.record("curate")["attempt"] == 1
     assert "exiting 0 instead of 1" in worker_log_tail(home, 200_000)
+
+
+def test_a_cancel_reaches_a_retry_whose_process_the_worker_lost(tmp_path, monkeypatch):
+    """The same race, then the UI's Cancel while the retry trains a long RL stage: the worker no longer
+    watches that process ("Lost connection"), so before flows/flow_process.py watched its own run the run
+    stayed Cancelling and trained on; now its process sets Cancelled after its grace and ends, and the
+    stage never finishes."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.states import Cancelling
+
+    from flows.flow_process import CANCEL_GRACE_S
+    from rstar2_core.config import load_config
+    from tasks.run_store import RunStore
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("RSTAR2_HOME", str(home))
+    overrides = [*E2E_OVERRIDES, "rl.stages.0.steps=400"]        # hours at these sizes: only a cancel ends it
+    with services_up(home) as (api, _env), temporary_settings({PREFECT_API_URL: api}):
+        cfg = load_config("tiny", overrides)
+        fid = _retry_while_the_failed_attempts_process_ends(home, overrides)
+        store = RunStore.for_run(cfg.resolved_storage_root(), str(fid))
+        deadline = time.monotonic() + 600
+        while store.tracking_id("rl-stage-1") is None:            # the retry is training: its RL stage began
+            assert time.monotonic() < deadline, worker_log_tail(home)
+            time.sleep(0.5)
+        assert "Lost connection to flow run" in worker_log_tail(home, 200_000), "the race was missed"
+        pids = flow_run_processes(home)
+
+        async def cancel():
+            async with get_client() as c:
+                return await c.set_flow_run_state(fid, Cancelling(message="Cancel from the UI"))
+
+        assert asyncio.run(cancel()).status.value == "ACCEPT"
+        _wait_gone(pids, timeout_s=CANCEL_GRACE_S + 120)
+        history = asyncio.run(_states(fid))
+        assert history[-1] == "CANCELLED:Cancelled", history
+        assert not [s for s in history if s.startswith("CRASHED")], history
+        assert store.record("rl-stage-1") is None
