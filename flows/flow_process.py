@@ -43,12 +43,13 @@ def watch_for_cancel(flow_run_id: str, poll_s: float = 5.0, grace_s: float = CAN
     from prefect.client.schemas.objects import StateType
     from prefect.states import Cancelled
 
-    since = None
+    since, failing = None, False
     while True:
         time.sleep(poll_s)
         try:
             with get_client(sync_client=True) as c:
                 state = c.read_flow_run(flow_run_id).state
+                failing = False
                 if state is None or state.type != StateType.CANCELLING:
                     since = None
                     continue
@@ -59,7 +60,9 @@ def watch_for_cancel(flow_run_id: str, poll_s: float = 5.0, grace_s: float = CAN
                                      f"was Cancelling for {grace_s:g} s and the worker had not stopped it"),
                                      force=True)
         except Exception as exc:  # noqa: BLE001 - the API away or a transient error: poll again
-            print(f"flows.flow_process: reading this run's state failed ({exc!r}); trying again", file=sys.stderr)
+            if not failing:                       # once a streak, not every poll of a minute-long outage
+                print(f"flows.flow_process: reading this run's state failed ({exc!r}); polling on", file=sys.stderr)
+            failing = True
             continue
         print(f"flows.flow_process: this run was Cancelling for {grace_s:g} s and its process was not stopped; "
               "set Cancelled, stopping it (SIGTERM)", file=sys.stderr, flush=True)
