@@ -133,14 +133,13 @@ class MemoryPeak:
     the figure sampled (bytes; the tests read this process's RSS, which other processes cannot move)."""
 
     def __init__(self, read=None):
-        self._read = read
+        import psutil
+
+        self._read = read or (lambda: psutil.virtual_memory().used)
 
     def __enter__(self):
         import threading
 
-        import psutil
-
-        self._read = self._read or (lambda: psutil.virtual_memory().used)
         self._stop = threading.Event()
         self.base = self.top = self._read()
         self._t = threading.Thread(target=self._watch, daemon=True)

@@ -189,6 +189,7 @@ def test_a_cancel_reaches_a_retry_whose_process_the_worker_lost(tmp_path, monkey
             time.sleep(0.5)
         assert "Lost connection to flow run" in worker_log_tail(home, 200_000), "the race was missed"
         pids = flow_run_processes(home)
+        assert pids, "the retry's process is not running: nothing for the Cancel to stop"
 
         async def cancel():
             async with get_client() as c:
