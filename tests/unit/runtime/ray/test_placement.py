@@ -219,7 +219,7 @@ def test_engines_not_ready_in_time_raise_a_retryable_error_naming_them(ray_here)
     """The colocated hang of cluster.cpus_per_gpu = 1: a trainer shard holds the bundle's only CPU, so
     the engine actor asking 1 CPU of the same bundle is never scheduled; the readiness wait gives up after
     its timeout, names the engine and shuts the group down. A second engine still constructing is named
-    too; the one that started is not."""
+    too (which ones a wait names: test_the_readiness_wait_names_only_the_actors_not_ready)."""
     from rstar2_core.runtime.layout import Bundle, ClusterLayout, EngineSlot, PlacementGroupSpec
     from rstar2_core.runtime.ray.engine_actors import start_engines
     from rstar2_core.runtime.ray.placement import ActorGroup, bundle_strategy
@@ -235,8 +235,9 @@ def test_engines_not_ready_in_time_raise_a_retryable_error_naming_them(ray_here)
     with pytest.raises(ActorStartTimeout) as ei:   # 15 s: room for an actor process to start on a loaded machine
         start_engines(group, layout, factory=_slow_engine, ready_timeout_s=15)
     assert time.monotonic() - t0 < 60
-    err = ei.value
-    assert err.actors == ["engine-1", "engine-2"] and "cluster.placement_timeout_s" in str(err)
+    err = ei.value   # engine-0 starts at once, but on a loaded machine its process may take longer than 15 s
+    assert err.actors[-2:] == ["engine-1", "engine-2"] and set(err.actors) <= {"engine-0", "engine-1", "engine-2"}
+    assert "cluster.placement_timeout_s" in str(err)
     assert retry.is_infrastructure_error(err)
     assert group.actors == {} and group.pgs == [] and _pg_states(ray_here, pgs) == {"REMOVED"}
 
@@ -251,9 +252,23 @@ def test_trainer_shards_not_placed_in_time_raise_a_retryable_error(ray_here):
     layout = ClusterLayout("colocated", 1, 0, 2, (), (), (TrainerShard(0, 0, -1, 0.0), TrainerShard(1, 0, -1, 0.5)),
                            ())
     group = ActorGroup(None)
-    with pytest.raises(ActorStartTimeout, match="trainer shards trainer-1 not ready within 15 s") as ei:
-        TrainerGroup(group, layout, dict, {}, None, ready_timeout_s=15)
-    assert ei.value.actors == ["trainer-1"] and group.actors == {}
+    with pytest.raises(ActorStartTimeout, match=r"trainer shards (trainer-0, )?trainer-1 not ready within 15 s") as ei:
+        TrainerGroup(group, layout, dict, {}, None, ready_timeout_s=15)   # trainer-0: late only on a loaded machine
+    assert ei.value.actors[-1] == "trainer-1" and group.actors == {}
+
+
+def test_the_readiness_wait_names_only_the_actors_not_ready(ray_here):
+    """An actor constructed before the wait is never named; one Ray cannot place (half a GPU on a CPU-only
+    Ray) is, after the timeout, and the group is shut down."""
+    from rstar2_core.runtime.ray.placement import ActorGroup
+
+    group = ActorGroup(None)
+    group.spawn("ready", Worker, num_cpus=0)
+    assert group.call_all("ping", timeout=300) == ["pong"]        # constructed: its __ray_ready__ answers at once
+    group.spawn("unplaceable", Worker, num_cpus=0, num_gpus=0.5)
+    with pytest.raises(ActorStartTimeout, match="actors unplaceable not ready within 10 s") as ei:
+        group.wait_ready(["ready", "unplaceable"], 10)
+    assert ei.value.actors == ["unplaceable"] and group.actors == {}
 
 
 def test_a_blocked_live_rank_is_not_blamed_for_its_dead_peer(ray_here, kill_and_wait):
