@@ -332,6 +332,29 @@ def upload_dir(local_dir: Path, url: str) -> None:
                 _remote("uploaded", f"{url.rstrip('/')}/{rel}", put)
 
 
+def copy_dir(src_url: str, dst_url: str, skip: set[str] = frozenset()) -> None:
+    """Copy the files of folder `src_url` into `dst_url` (one filesystem; no marker), except the
+    top-level names in `skip`: hard links on a local disk (a copy across devices), a server-side copy on
+    an object store (S3's CopyObject: no byte passes through this process)."""
+    (fs, src), (dst_fs, dst) = fs_for(src_url), fs_for(dst_url)
+    if type(fs) is not type(dst_fs):
+        raise ValueError(f"copy_dir copies within one filesystem: {src_url} -> {dst_url}")
+    local = to_local_path(dst_url)
+    for f in sorted(_remote("listed", src_url, lambda: fs.find(src))):
+        rel = f[len(src.rstrip("/")) + 1:]
+        if rel.split("/", 1)[0] in skip:
+            continue
+        target = f"{dst.rstrip('/')}/{rel}"
+        if local is not None:
+            Path(target).parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(f, target)
+            except OSError:
+                shutil.copyfile(f, target)
+        else:
+            _remote("copied", f"{dst_url.rstrip('/')}/{rel}", lambda f=f, target=target: fs.copy(f, target))
+
+
 def write_dir_atomic(local_dir: Path, url: str, meta: dict | None = None) -> None:
     """Publish a local folder at `url`: local targets are renamed into place; remote ones are
     uploaded file by file and the `_COMPLETE` marker (with `meta`) is written last."""

@@ -124,3 +124,25 @@ def local_ray():
     yield ray
     if started:
         ray.shutdown()
+
+
+@pytest.fixture
+def s3_endpoint(monkeypatch):
+    """A moto S3 server on 127.0.0.1 (a thread of this process) that `storage` is configured for."""
+    from moto.server import ThreadedMotoServer
+
+    from rstar2_core import storage
+
+    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                 "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(k, v)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    storage.configure_s3(endpoint, "us-east-1")
+    try:
+        yield endpoint
+    finally:
+        storage.configure_s3(None, None)
+        server.stop()

@@ -168,6 +168,18 @@ def publish_checkpoint(out_url: str, write_weights, tokenizer=None, extra: dict[
     return out_url
 
 
+def publish_copy(src_url: str, out_url: str, extra: dict[str, bytes] | None = None,
+                 meta: dict | None = None) -> str:
+    """Publish at `out_url` the complete checkpoint `src_url` (weights, trainer state, tokenizer) with its
+    own `extra` files and `meta`, as `publish_checkpoint` would, but by `storage.copy_dir` (a server-side
+    copy, hard links locally): nothing is gathered, serialized or uploaded again. Returns `out_url`."""
+    if not storage.is_complete(src_url):
+        raise ValueError(f"{src_url} is not a complete checkpoint: nothing to publish a copy of")
+    return publish_checkpoint(
+        out_url, lambda staging: storage.copy_dir(src_url, staging, {storage.COMPLETE_MARKER, *(extra or {})}),
+        None, extra, meta)
+
+
 def write_hf_folder(save, url: str) -> None:
     """Run `save(local_dir)` (an HF `save_pretrained`-style writer) so its files land at `url`: straight
     into a local folder, or through a local staging folder uploaded to a remote one."""

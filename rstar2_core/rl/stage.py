@@ -24,7 +24,7 @@ from rstar2_core import storage
 from rstar2_core.config import Config
 from rstar2_core.errors import CorruptCheckpoint, StageTrainedNothing
 from rstar2_core.faults import maybe_inject_fault
-from rstar2_core.models.io import load_tokenizer, read_meta
+from rstar2_core.models.io import load_tokenizer, publish_copy, read_meta
 from rstar2_core.progress import progress_bar
 from rstar2_core.results import StageResult
 from rstar2_core.rl.checkpoint import (
@@ -265,11 +265,14 @@ async def _run(cfg: Config, stage_index: int, init_url: str, data_url: str, out_
         _refuse_untrained(stage.name, stage.steps, done.totals, rl.require_update)
         final_state = rl_state(stage.name, stage.steps, done.cursor, done.run_id, done.metrics, done.totals,
                                rt.trainer.world_size)
-        final = publish_policy_checkpoint(final_url(out_url), rt.trainer, chat.tokenizer,
-                                          extra={STATE_FILE: _state_bytes(final_state)},
-                                          meta={"stage": stage.name, "steps": stage.steps,
-                                                "global_step": steps.offset + stage.steps,
-                                                "tracking_run_id": done.run_id, "metrics": _plain(done.metrics)})
+        extra = {STATE_FILE: _state_bytes(final_state)}
+        meta = {"stage": stage.name, "steps": stage.steps, "global_step": steps.offset + stage.steps,
+                "tracking_run_id": done.run_id, "metrics": _plain(done.metrics)}
+        last = step_url(out_url, stage.steps)       # the last step's checkpoint holds the same weights and state
+        if storage.is_complete(last):
+            final = publish_copy(last, final_url(out_url), extra, meta)
+        else:
+            final = publish_policy_checkpoint(final_url(out_url), rt.trainer, chat.tokenizer, extra, meta)
     return StageResult(stage.name, final, _plain(done.metrics), stage.steps, {"tracking_run_id": done.run_id})
 
 

@@ -9,25 +9,6 @@ from rstar2_core import storage
 FIX = Path(__file__).resolve().parents[2] / "fixtures"
 
 
-@pytest.fixture
-def s3_endpoint(monkeypatch):
-    from moto.server import ThreadedMotoServer
-
-    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                 "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        monkeypatch.setenv(k, v)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    storage.configure_s3(endpoint, "us-east-1")
-    try:
-        yield endpoint
-    finally:
-        storage.configure_s3(None, None)
-        server.stop()
-
-
 @pytest.mark.slow
 def test_curate_from_and_to_s3(s3_endpoint):
     import boto3

@@ -11,6 +11,7 @@ from rstar2_core import storage
 from rstar2_core.models.io import (
     latest_complete,
     load_model_and_tokenizer,
+    publish_copy,
     read_extra,
     read_meta,
     save_checkpoint,
@@ -111,3 +112,35 @@ def test_concurrent_loads_of_one_checkpoint_all_get_real_weights(tmp_path):
     for mm in loaded:
         assert not any(p.is_meta for p in mm.parameters())
         assert torch.equal(mm.lm_head.weight, m.model.embed_tokens.weight)
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_published_copy_has_the_files_of_its_source_and_its_own_state_and_meta(where, tmp_path, request,
+                                                                              monkeypatch):
+    """What a stage's final checkpoint is: its last step's checkpoint copied (hard links locally, a
+    server-side copy on S3: the weights are never uploaded again) with its own extra file and meta."""
+    if where == "s3":
+        import boto3
+
+        endpoint = request.getfixturevalue("s3_endpoint")
+        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket="ckpt")
+        root = "s3://ckpt/run"
+    else:
+        root = (tmp_path / "run").as_uri()
+    src, dst = storage.join(root, "steps", "step-000002"), storage.join(root, "final")
+    save_checkpoint(_tiny_model(), None, src, extra={"rl_state.pt": b"step"}, meta={"step": 2})
+    fs, _ = storage.fs_for(src)
+    put = fs.put_file
+    uploaded: list[str] = []
+    monkeypatch.setattr(fs, "put_file", lambda lpath, rpath, **kw: uploaded.append(rpath) or put(lpath, rpath, **kw))
+    with pytest.raises(ValueError, match="not a complete checkpoint"):
+        publish_copy(storage.join(root, "steps", "step-000001"), dst)
+    assert publish_copy(src, dst, extra={"rl_state.pt": b"final"}, meta={"steps": 2}) == dst
+    assert read_meta(dst) == {"steps": 2} and read_extra(dst, "rl_state.pt") == b"final"
+    assert read_extra(src, "rl_state.pt") == b"step" and read_meta(src) == {"step": 2}
+    for name in ("model.safetensors", "config.json"):
+        assert storage.read_bytes(storage.join(dst, name)) == storage.read_bytes(storage.join(src, name))
+    assert all(u.endswith("rl_state.pt") for u in uploaded), uploaded   # only the copy's own state went up
+    if where == "local":
+        a, b = (tmp_path / "run" / "steps" / "step-000002" / "model.safetensors"), tmp_path / "run" / "final" / "model.safetensors"
+        assert a.stat().st_ino == b.stat().st_ino
