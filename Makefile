@@ -1,13 +1,14 @@
 # rstar2: `make demo` runs the whole tiny recipe (it learns: RL beats SFT); `make demo-quick` runs the same DAG at
 # sizes that learn nothing (a machinery check); `make demo-fault` rehearses a failure and the UI's Retry;
 # `make rehearsal` runs the production profile scaled down through the production service stack;
-# `make test` lints, then runs the tests. All set up .venv first.
+# `make test` lints, then runs the tests (`make test-all`: with the production rehearsal's full run). All set up .venv
+# first.
 SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 ENV := source scripts/env.sh &&
 
-.PHONY: setup lint test test-fast demo demo-quick demo-fault rehearsal stop bench clean
+.PHONY: setup lint test test-all test-fast demo demo-quick demo-fault rehearsal stop bench clean
 
 setup: $(VENV)/.setup-done
 
@@ -19,6 +20,10 @@ lint: setup
 	$(VENV)/bin/ruff check .
 
 test: lint
+	$(ENV) $(PY) -m pytest -q -m "not rehearsal_run"
+
+# make test and the rehearsal's full run (~35 min more on 2 cores; docs/rehearsal.md)
+test-all: lint
 	$(ENV) $(PY) -m pytest -q
 
 test-fast: lint

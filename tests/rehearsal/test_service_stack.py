@@ -79,6 +79,7 @@ def test_a_flow_run_through_the_production_worker_reaches_preflight(stack):
     assert int(tables.stdout.strip()) >= 1                           # the MLflow server's tables, on PostgreSQL
 
 
+@pytest.mark.rehearsal_run          # ~35 min on 2 cores: make test-all (make test's CI has 90 min in all)
 @pytest.mark.timeout(2700)
 def test_the_production_profile_runs_to_a_registered_model(stack):
     """`make rehearsal` on the shared stack: the stores filled as an operator would (rehearsal_data.py, the
