@@ -1,8 +1,7 @@
 # rstar2: `make demo` runs the whole tiny recipe (it learns: RL beats SFT); `make demo-quick` runs the same DAG at
 # sizes that learn nothing (a machinery check); `make demo-fault` rehearses a failure and the UI's Retry;
 # `make rehearsal` runs the production profile scaled down through the production service stack;
-# `make test` lints, then runs the tests (`make test-all`: with the production rehearsal's full run). All set up .venv
-# first.
+# `make test` lints, then runs the tests; `make test-all` adds the production rehearsal's full run. All set up .venv.
 SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python

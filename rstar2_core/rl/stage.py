@@ -268,11 +268,8 @@ async def _run(cfg: Config, stage_index: int, init_url: str, data_url: str, out_
         extra = {STATE_FILE: _state_bytes(final_state)}
         meta = {"stage": stage.name, "steps": stage.steps, "global_step": steps.offset + stage.steps,
                 "tracking_run_id": done.run_id, "metrics": _plain(done.metrics)}
-        last = step_url(out_url, stage.steps)       # the last step's checkpoint holds the same weights and state
-        if storage.is_complete(last):
-            final = publish_copy(last, final_url(out_url), extra, meta)
-        else:
-            final = publish_policy_checkpoint(final_url(out_url), rt.trainer, chat.tokenizer, extra, meta)
+        # the last step's checkpoint (always written, never pruned: keep_checkpoints >= 1) holds these weights
+        final = publish_copy(step_url(out_url, stage.steps), final_url(out_url), extra, meta)
     return StageResult(stage.name, final, _plain(done.metrics), stage.steps, {"tracking_run_id": done.run_id})
 
 

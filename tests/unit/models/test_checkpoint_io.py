@@ -142,5 +142,5 @@ def test_a_published_copy_has_the_files_of_its_source_and_its_own_state_and_meta
         assert storage.read_bytes(storage.join(dst, name)) == storage.read_bytes(storage.join(src, name))
     assert all(u.endswith("rl_state.pt") for u in uploaded), uploaded   # only the copy's own state went up
     if where == "local":
-        a, b = (tmp_path / "run" / "steps" / "step-000002" / "model.safetensors"), tmp_path / "run" / "final" / "model.safetensors"
-        assert a.stat().st_ino == b.stat().st_ino
+        run = tmp_path / "run"
+        assert (run / "steps/step-000002/model.safetensors").stat().st_ino == (run / "final/model.safetensors").stat().st_ino

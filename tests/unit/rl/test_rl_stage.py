@@ -109,7 +109,7 @@ def test_resume_after_crash_matches_straight_run(toy_policy, tmp_path, monkeypat
     steps = [u.rsplit("/", 1)[-1] for u in storage.list_dirs(storage.join(out_b, "steps"))]
     assert steps == ["step-000003", "step-000004"]
     for name in ("model.safetensors", "trainer/rank-00000.pt"):   # the final is step 4's files, not a new write
-        assert (tmp_path / "b" / "final" / name).stat().st_ino == (tmp_path / "b" / "steps" / "step-000004" / name).stat().st_ino
+        assert (tmp_path / "b/final" / name).stat().st_ino == (tmp_path / "b/steps/step-000004" / name).stat().st_ino
     again = run_rl_stage(cfg, 0, init_checkpoint_url=ckpt, data_url=data, out_url=out_b)
     assert again.checkpoint_url == res_b.checkpoint_url and again.extra["resumed"]
     assert read_meta(res_b.checkpoint_url)["steps"] == 4
