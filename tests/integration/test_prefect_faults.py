@@ -59,8 +59,8 @@ def test_prefect_server_down_30_s_mid_stage_the_run_completes(tmp_path, monkeypa
         fid = asyncio.run(start_run("rstar2/full-recipe", {"profile": "tiny", "overrides": E2E_OVERRIDES}))
         store = RunStore.for_run(cfg.resolved_storage_root(), str(fid))
         deadline = time.monotonic() + 600
-        while store.record("sft-data") is None:      # SFT starts next; it ends during the outage
-            assert time.monotonic() < deadline, worker_log_tail(home)
+        while store.record("sft-data") is None or store.record("base-model") is None:   # SFT's inputs: it
+            assert time.monotonic() < deadline, worker_log_tail(home)                  # starts in the outage
             time.sleep(0.2)
         assert store.record("sft") is None
         stop_prefect_server(home)
