@@ -16,7 +16,7 @@ from __future__ import annotations
 from prefect import flow, runtime
 from prefect.artifacts import create_markdown_artifact
 
-from flows.flow_process import final_state_accepted
+from flows.flow_process import final_state_accepted, on_cancel
 from rstar2_core.config import ConfigError
 from rstar2_core.eval.metrics import EvalReport
 from tasks import nightly, registry
@@ -39,8 +39,10 @@ def _close(status):
 
 
 def _open(kind: str, profile: str, overrides: list[str] | None) -> RecipeContext:
-    return open_recipe(profile, list(overrides or []), None, runtime.flow_run.id,
-                       attempt=int(runtime.flow_run.run_count or 1), kind=kind)
+    ctx = open_recipe(profile, list(overrides or []), None, runtime.flow_run.id,
+                      attempt=int(runtime.flow_run.run_count or 1), kind=kind)
+    on_cancel(lambda: close_recipe(profile, list(overrides or []), ctx.run_id, "KILLED"))
+    return ctx
 
 
 def _evaluate(ctx: RecipeContext, model: str, benchmarks: list[str] | None, k: int | None

@@ -5,8 +5,9 @@ after the API accepted Failed (the failure hook, the task runner's teardown), so
 seconds was overwritten by Crashed. Here a process whose final state the API accepted exits 0; one that
 ends before that (killed, out of memory, the API unreachable at the end) still exits non-zero and is marked
 Crashed. And a Cancel reaches the run when the worker has lost track of its process (a retry whose
-process started before the failed attempt's ended): `watch_for_cancel`. docs/faults.md, "The Prefect API
-goes away" and "A Retry pressed right after Failed"."""
+process started before the failed attempt's ended): `watch_for_cancel`, which also runs the `on_cancel`
+hooks (a cancelled run's MLflow runs end KILLED). docs/faults.md, "The Prefect API goes away" and "A Retry
+pressed right after Failed"."""
 
 from __future__ import annotations
 
@@ -18,11 +19,31 @@ import threading
 import time
 
 _accepted: list[str] = []
+_cancel_hooks: list = []
+_cancel_lock = threading.Lock()
 
 
 def final_state_accepted(state) -> None:
     """Called first by each flow's failure hook, which Prefect calls once the API accepted the state."""
     _accepted.append(f"{state.type.value} ({state.name})")
+
+
+def on_cancel(fn) -> None:
+    """Call `fn()` once if this run is cancelled: when this process first sees the run Cancelling (or ends
+    in a cancel), before it stops. The flows register the closing of their MLflow runs as KILLED with it;
+    Prefect's `on_cancellation` hooks run in the process worker instead (which loads the flow by its pull
+    steps, without the run's environment) and not at all when the worker lost track of the process."""
+    _cancel_hooks.append(fn)
+
+
+def _run_cancel_hooks() -> None:
+    with _cancel_lock:
+        hooks, _cancel_hooks[:] = list(_cancel_hooks), []
+    for fn in hooks:
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - the cancel goes on; say what was left open
+            print(f"flows.flow_process: a cancel hook failed ({exc!r})", file=sys.stderr, flush=True)
 
 
 CANCEL_GRACE_S = 30.0
@@ -33,12 +54,13 @@ it, a longer one keeps a cancelled run's GPUs busy that much longer when it does
 
 def watch_for_cancel(flow_run_id: str, poll_s: float = 5.0, grace_s: float = CANCEL_GRACE_S,
                      kill_after_s: float = 30.0) -> None:
-    """Poll the API for this run's state (a daemon thread); once it has been Cancelling for `grace_s`, do
-    what the worker's cancel does: set Cancelled, SIGTERM this process, and end it `kill_after_s` later if
-    it is still alive. Needed because Prefect's worker keys processes by flow run: when a failed attempt's
-    process exits after the retry's started, the worker forgets the retry's ("Lost connection to flow run
-    ... infrastructure") and a Cancel pressed in the UI stayed Cancelling while the run went on. An API
-    that does not answer is polled again (the run's own state reports wait it out too)."""
+    """Poll the API for this run's state (a daemon thread); on first seeing it Cancelling, run the
+    `on_cancel` hooks; once it has been Cancelling for `grace_s`, do what the worker's cancel does: set
+    Cancelled, SIGTERM this process, and end it `kill_after_s` later if it is still alive. Needed because
+    Prefect's worker keys processes by flow run: when a failed attempt's process exits after the retry's
+    started, the worker forgets the retry's ("Lost connection to flow run ... infrastructure") and a Cancel
+    pressed in the UI stayed Cancelling while the run went on. An API that does not answer is polled again
+    (the run's own state reports wait it out too)."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.objects import StateType
     from prefect.states import Cancelled
@@ -53,7 +75,9 @@ def watch_for_cancel(flow_run_id: str, poll_s: float = 5.0, grace_s: float = CAN
                 if state is None or state.type != StateType.CANCELLING:
                     since = None
                     continue
-                since = since or time.monotonic()
+                if since is None:
+                    since = time.monotonic()
+                    _run_cancel_hooks()
                 if time.monotonic() - since < grace_s:
                     continue
                 c.set_flow_run_state(flow_run_id, Cancelled(message="Cancelled by the flow-run process: the run "
@@ -71,13 +95,29 @@ def watch_for_cancel(flow_run_id: str, poll_s: float = 5.0, grace_s: float = CAN
         os._exit(1)
 
 
+def _was_cancelled(flow_run_id: str) -> bool:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.objects import StateType
+
+    try:
+        with get_client(sync_client=True) as c:
+            state = c.read_flow_run(flow_run_id).state
+    except Exception:  # noqa: BLE001 - the API away: the process's exit is what matters now
+        return False
+    return state is not None and state.type in (StateType.CANCELLING, StateType.CANCELLED)
+
+
 def main() -> None:
     fid = sys.argv[1] if len(sys.argv) > 1 else os.environ.get("PREFECT__FLOW_RUN_ID")
     if fid:
         threading.Thread(target=watch_for_cancel, args=(fid,), name="rstar2-cancel-watch", daemon=True).start()
     try:
         runpy.run_module("prefect.engine", run_name="__main__", alter_sys=True)
-    except SystemExit as exc:
+    except BaseException as exc:
+        if fid and _cancel_hooks and _was_cancelled(fid):   # the worker's SIGTERM came before the watcher's poll
+            _run_cancel_hooks()
+        if not isinstance(exc, SystemExit):
+            raise
         if exc.code in (0, None) or not _accepted:
             raise
         print(f"flows.flow_process: the API accepted this run's final state {_accepted[-1]}; exiting 0 instead "

@@ -17,7 +17,7 @@ import argparse
 from prefect import flow, runtime
 from prefect.artifacts import create_markdown_artifact
 
-from flows.flow_process import final_state_accepted
+from flows.flow_process import final_state_accepted, on_cancel
 from rstar2_cli.common import add_profile_args
 from tasks.context import RecipeContext, stage_label
 from tasks.recipe import close_recipe, open_recipe, register_best
@@ -108,6 +108,7 @@ def full_recipe(profile: str = "tiny", overrides: list[str] | None = None, run_i
     storage, so the UI's Retry of this flow run reuses every finished stage."""
     ctx = open_recipe(profile, list(overrides or []), run_id, runtime.flow_run.id,
                       attempt=int(runtime.flow_run.run_count or 1))
+    on_cancel(lambda: close_recipe(profile, list(overrides or []), ctx.run_id, "KILLED"))
     cfg = ctx.config()
     runner = task_runner(cfg)
     summary = recipe_stages.with_options(task_runner=runner, flow_run_name=f"{cfg.profile} stages {ctx.run_id[:8]}")(ctx)

@@ -200,7 +200,8 @@ def open_recipe(profile: str, overrides: list[str], run_id: str | None, flow_run
 
 
 def close_recipe(profile: str, overrides: list[str], run_id: str, status: str) -> None:
-    """Mark the parent MLflow run FINISHED/FAILED (called from flow state hooks)."""
+    """Mark the parent MLflow run FINISHED/FAILED (called from flow state hooks), or KILLED with every
+    stage run still RUNNING under it (a cancelled run: `flows.flow_process.on_cancel`)."""
     try:
         store = locate_store(profile, overrides, run_id)
         rc = read_snapshot(store)
@@ -211,6 +212,8 @@ def close_recipe(profile: str, overrides: list[str], run_id: str, status: str) -
     apply_storage_settings(rc.config)
     parent = store.tracking_id("parent")
     if parent is not None:
+        if status == "KILLED":
+            tracking.finish_running_children(rc.config, parent, status)
         tracking.finish(rc.config, parent, status)
 
 

@@ -137,6 +137,16 @@ def finish(cfg: Config, run_id: str, status: str = "FINISHED") -> None:
     client(cfg).set_terminated(run_id, status=status)
 
 
+def finish_running_children(cfg: Config, parent_run_id: str, status: str) -> list[str]:
+    """End every nested run of `parent_run_id` still RUNNING with `status`; returns their ids. For a
+    cancelled run, whose stage threads never reach their own `finish` (the process is ended under them)."""
+    runs = client(cfg).search_runs([experiment_id(cfg)], max_results=1000, filter_string=(
+        f"tags.mlflow.parentRunId = '{parent_run_id}' and attributes.status = 'RUNNING'"))
+    for r in runs:
+        finish(cfg, r.info.run_id, status)
+    return [r.info.run_id for r in runs]
+
+
 class MetricsLogger:
     """The `log_metrics(metrics, step)` callback handed to the core. Non-numeric values are skipped.
 

@@ -63,3 +63,23 @@ def test_tasks_use_the_flows_state_folder_whatever_their_own_environment(opened,
     assert cfg.resolved_storage_root() == (tmp_path / "home-a" / "artifacts").as_uri()
     assert ctx.store(cfg).root == first.root
     assert ctx.config_digest == first.read_config_snapshot()["digest"]     # the snapshot itself is unchanged
+
+
+def test_closing_a_cancelled_run_ends_the_stage_runs_it_left_running(opened):
+    """A Cancel ends the flow process under its stage threads, which never reach their own `finish`:
+    `close_recipe(..., "KILLED")` (flows.flow_process.on_cancel) ends the parent run and every stage run
+    still RUNNING under it; a stage that had finished keeps FINISHED."""
+    from tasks import tracking
+
+    home, overrides = opened
+    home("home-a")
+    ctx = recipe.open_recipe("tiny", overrides, "run-1", "flow-1", attempt=1)
+    cfg = ctx.config()
+    done = tracking.start_stage_run(cfg, parent_run_id=ctx.parent_run_id, stage="sft", params={})
+    tracking.finish(cfg, done)
+    live = tracking.start_stage_run(cfg, parent_run_id=ctx.parent_run_id, stage="rl-stage-1", params={})
+    other = recipe.open_recipe("tiny", overrides, "run-2", "flow-2", attempt=1)   # another run's stage
+    elsewhere = tracking.start_stage_run(cfg, parent_run_id=other.parent_run_id, stage="sft", params={})
+    recipe.close_recipe("tiny", overrides, "run-1", "KILLED")
+    status = {r: tracking.client(cfg).get_run(r).info.status for r in (ctx.parent_run_id, done, live, elsewhere)}
+    assert status == {ctx.parent_run_id: "KILLED", done: "FINISHED", live: "KILLED", elsewhere: "RUNNING"}

@@ -167,13 +167,14 @@ def test_a_cancel_reaches_a_retry_whose_process_the_worker_lost(tmp_path, monkey
     """The same race, then the UI's Cancel while the retry trains a long RL stage: the worker no longer
     watches that process ("Lost connection"), so before flows/flow_process.py watched its own run the run
     stayed Cancelling and trained on; now its process sets Cancelled after its grace and ends, and the
-    stage never finishes."""
+    stage never finishes. Its MLflow runs, the recipe's and the RL stage's, end KILLED (they stayed RUNNING)."""
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
     from prefect.states import Cancelling
 
     from flows.flow_process import CANCEL_GRACE_S
     from rstar2_core.config import load_config
+    from tasks import tracking
     from tasks.run_store import RunStore
 
     home = tmp_path / "home"
@@ -201,3 +202,6 @@ def test_a_cancel_reaches_a_retry_whose_process_the_worker_lost(tmp_path, monkey
         assert history[-1] == "CANCELLED:Cancelled", history
         assert not [s for s in history if s.startswith("CRASHED")], history
         assert store.record("rl-stage-1") is None
+    runs = {k: store.tracking_id(k) for k in ("parent", "sft", "rl-stage-1")}
+    status = {k: tracking.client(cfg).get_run(r).info.status for k, r in runs.items()}
+    assert status == {"parent": "KILLED", "sft": "FINISHED", "rl-stage-1": "KILLED"}, status
