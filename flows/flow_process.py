@@ -114,8 +114,9 @@ def main() -> None:
     try:
         runpy.run_module("prefect.engine", run_name="__main__", alter_sys=True)
     except BaseException as exc:
-        if fid and _cancel_hooks and _was_cancelled(fid):   # the worker's SIGTERM came before the watcher's poll
-            _run_cancel_hooks()
+        clean = isinstance(exc, SystemExit) and exc.code in (0, None)
+        if fid and _cancel_hooks and not clean and not _accepted and _was_cancelled(fid):
+            _run_cancel_hooks()       # the worker's SIGTERM came before the watcher saw the run Cancelling
         if not isinstance(exc, SystemExit):
             raise
         if exc.code in (0, None) or not _accepted:
