@@ -69,17 +69,16 @@ def watch_for_cancel(flow_run_id: str, poll_s: float = 5.0, grace_s: float = CAN
     while True:
         time.sleep(poll_s)
         try:
+            if _state_type(flow_run_id) != StateType.CANCELLING:
+                since, failing = None, False
+                continue
+            failing = False
+            if since is None:
+                since = time.monotonic()
+                _run_cancel_hooks()
+            if time.monotonic() - since < grace_s:
+                continue
             with get_client(sync_client=True) as c:
-                state = c.read_flow_run(flow_run_id).state
-                failing = False
-                if state is None or state.type != StateType.CANCELLING:
-                    since = None
-                    continue
-                if since is None:
-                    since = time.monotonic()
-                    _run_cancel_hooks()
-                if time.monotonic() - since < grace_s:
-                    continue
                 c.set_flow_run_state(flow_run_id, Cancelled(message="Cancelled by the flow-run process: the run "
                                      f"was Cancelling for {grace_s:g} s and the worker had not stopped it"),
                                      force=True)
@@ -95,16 +94,22 @@ def watch_for_cancel(flow_run_id: str, poll_s: float = 5.0, grace_s: float = CAN
         os._exit(1)
 
 
-def _was_cancelled(flow_run_id: str) -> bool:
+def _state_type(flow_run_id: str):
+    """The run's state type in the API (None before it has one); raises when the API does not answer."""
     from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as c:
+        state = c.read_flow_run(flow_run_id).state
+    return None if state is None else state.type
+
+
+def _was_cancelled(flow_run_id: str) -> bool:
     from prefect.client.schemas.objects import StateType
 
     try:
-        with get_client(sync_client=True) as c:
-            state = c.read_flow_run(flow_run_id).state
+        return _state_type(flow_run_id) in (StateType.CANCELLING, StateType.CANCELLED)
     except Exception:  # noqa: BLE001 - the API away: the process's exit is what matters now
         return False
-    return state is not None and state.type in (StateType.CANCELLING, StateType.CANCELLED)
 
 
 def main() -> None:
