@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import shutil
 import signal
@@ -47,38 +48,122 @@ def services_up(home: Path, **extra_env: str):
         subprocess.run(["bash", "scripts/services.sh", "down"], cwd=ROOT, env=env, timeout=120, check=False)
 
 
-def stop_prefect_server(home: Path) -> None:
-    """Stop the stack's Prefect server (its process group, by PID) and wait until it is gone."""
-    pid = int((home / "pids" / "prefect-server.pid").read_text())
-    os.killpg(pid, signal.SIGTERM)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+@dataclasses.dataclass
+class Stack:
+    """A running stack of services_up, shared by the tests of tests/integration (each starting its own added
+    ~30 s alone, ~60 s beside another job): `home`, the `api` URL, `env` (what a shell of the stack has) and
+    the `profiles` folder its worker reads. Tests run one at a time; `begin` marks the worker log where a test
+    starts and `clean` leaves the stack as the next test expects it (server up, no flow run left running or
+    scheduled, no flow-run process left, the profiles as shipped), whatever the test did or how it failed."""
+
+    home: Path
+    api: str
+    env: dict[str, str]
+    profiles: Path
+    log_from: int = 0
+
+    @property
+    def _log(self) -> Path:
+        return self.home / "logs" / "prefect-worker.log"
+
+    def begin(self) -> None:
+        self.log_from = self._log.stat().st_size if self._log.exists() else 0
+
+    def worker_log(self, chars: int = 6000) -> str:
+        """The end of what the process worker logged since `begin` (a failed run's traceback, for an assertion)."""
+        if not self._log.exists():
+            return f"no worker log at {self._log}"
+        with self._log.open("rb") as f:
+            f.seek(self.log_from)
+            return f.read().decode(errors="replace")[-chars:]
+
+    def processes(self, flow_run_id: UUID | str | None = None) -> list[int]:
+        """PIDs of the live flow-run processes the worker started (its children), of `flow_run_id` only when
+        given (the worker puts PREFECT__FLOW_RUN_ID in each one's environment)."""
+        import psutil
+
+        worker = psutil.Process(int((self.home / "pids" / "prefect-worker.pid").read_text()))
+        out = []
+        for p in worker.children():
+            try:
+                if p.status() == psutil.STATUS_ZOMBIE:
+                    continue
+                if flow_run_id is None or p.environ().get("PREFECT__FLOW_RUN_ID") == str(flow_run_id):
+                    out.append(p.pid)
+            except psutil.Error:
+                continue                                 # it ended meanwhile, or has not exec'd yet
+        return out
+
+    def stop_server(self) -> None:
+        """Stop the Prefect server (its process group, by PID) and wait until it is gone."""
+        pid = int((self.home / "pids" / "prefect-server.pid").read_text())
+        os.killpg(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
+        os.killpg(pid, signal.SIGKILL)
+
+    def start_server(self) -> None:
+        """`services.sh up` again: the server on its old port (RSTAR2_PREFECT_PORT) and database."""
+        subprocess.run(["bash", "scripts/services.sh", "up"], cwd=ROOT, env={k: v for k, v in self.env.items()
+                       if k != "PREFECT_API_URL"}, check=True, timeout=600, capture_output=True)
+
+    def server_answers(self) -> bool:
+        import urllib.request
+
         try:
-            os.killpg(pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.2)
-    os.killpg(pid, signal.SIGKILL)
+            with urllib.request.urlopen(f"{self.api}/health", timeout=5) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def clean(self, timeout_s: float = 120) -> None:
+        if not self.server_answers():
+            self.start_server()
+        asyncio.run(_cancel_unfinished_runs(self.api))
+        deadline = time.monotonic() + timeout_s
+        while self.processes() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        import psutil
+
+        for pid in self.processes():                     # one that ignored the cancel, or was left stopped
+            with contextlib.suppress(psutil.Error):
+                proc = psutil.Process(pid)
+                for p in [*proc.children(recursive=True), proc]:
+                    p.kill()
+        shutil.copytree(ROOT / "configs", self.profiles, dirs_exist_ok=True)
 
 
-def start_prefect_server(env: dict[str, str]) -> None:
-    """`services.sh up` again: the server on its old port (RSTAR2_PREFECT_PORT) and database."""
-    subprocess.run(["bash", "scripts/services.sh", "up"], cwd=ROOT, env={k: v for k, v in env.items()
-                   if k != "PREFECT_API_URL"}, check=True, timeout=600)
+async def _cancel_unfinished_runs(api: str) -> None:
+    """Cancel every flow run of the stack that has not reached a final state: a scheduled one (an
+    AwaitingRetry the worker would pick up later) at once, a running one through Cancelling, as the UI does."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType
+    from prefect.client.schemas.objects import StateType
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.states import Cancelled, Cancelling
+
+    live = [StateType.SCHEDULED, StateType.PENDING, StateType.RUNNING, StateType.PAUSED, StateType.CANCELLING]
+    with temporary_settings({PREFECT_API_URL: api}):
+        async with get_client() as c:
+            runs = await c.read_flow_runs(flow_run_filter=FlowRunFilter(
+                state=FlowRunFilterState(type=FlowRunFilterStateType(any_=live))))
+            for run in runs:
+                waiting = run.state_type in (StateType.SCHEDULED, StateType.PAUSED)
+                await c.set_flow_run_state(run.id, Cancelled() if waiting else Cancelling(), force=True)
 
 
-def flow_run_processes(home: Path) -> list[int]:
-    """PIDs of the flow-run processes the stack's worker started (its children) that are still alive."""
-    import psutil
-
-    worker = psutil.Process(int((home / "pids" / "prefect-worker.pid").read_text()))
-    return [p.pid for p in worker.children() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-
-
-def worker_log_tail(home: Path, chars: int = 6000) -> str:
-    """The end of the process worker's log (the flow run's traceback), for a failed run's assertion."""
-    log = home / "logs" / "prefect-worker.log"
-    return log.read_text(errors="replace")[-chars:] if log.exists() else f"no worker log at {log}"
+@contextlib.contextmanager
+def stack_up(root: Path, **extra_env: str):
+    """services_up under `root`/home with its worker reading a copy of the profiles at `root`/configs (a test
+    may edit one mid-run; `Stack.clean` restores them); yields the Stack."""
+    profiles = copy_profiles(root / "configs")
+    with services_up(root / "home", RSTAR2_CONFIG_DIR=str(profiles), **extra_env) as (api, env):
+        yield Stack(root / "home", api, env, profiles)
 
 
 async def attempt_process_exited(flow_run_id: UUID, timeout_s: float = 300) -> None:

@@ -13,52 +13,29 @@ every rollout and evaluation with vLLM engines (`rollout.engine = "vllm"`, the C
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
 import subprocess
 import tempfile
 from uuid import UUID
 
 import pytest
-from deployment_services import (
-    E2E_EXTRA,
-    E2E_OVERRIDES,
-    NO_RAY,
-    QUICK,
-    ROOT,
-    attempt_process_exited,
-    copy_profiles,
-    services_up,
-    worker_log_tail,
-)
-
-
-@pytest.fixture
-def services(tmp_path):
-    home = tmp_path / "home"
-    profiles = copy_profiles(tmp_path / "configs")  # the worker reads the profiles here; the test edits one mid-run
-    with services_up(home, RSTAR2_CONFIG_DIR=str(profiles)) as (api, env):
-        yield home, api, profiles, env
+from deployment_services import E2E_EXTRA, E2E_OVERRIDES, NO_RAY, QUICK, ROOT, attempt_process_exited
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("ui", "engine"), [("v2", "hf"), ("classic", "hf")])
-def test_fault_retry_resume_through_the_deployment(services, monkeypatch, ui, engine):
+def test_fault_retry_resume_through_the_deployment(stack, ui, engine):
     """`ui`: what each Prefect UI's Retry sends (force=True / False); `engine`: rollout.engine of the run.
     vLLM through a deployment runs in tests/rehearsal (every stage's engine) and a vLLM stage's retry in
     tests/vllm/test_vllm_stages.py; a vLLM arm here added ~3 min to `make test` and nothing the UI's Retry
     does differently."""
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
     from flows.client import retry_flow_run, watch
     from rstar2_core import storage
     from rstar2_core.config import load_config
     from tasks import tracking
     from tasks.run_store import RunStore
 
-    home, api, profiles, env = services
-    monkeypatch.setenv("RSTAR2_HOME", str(home))
-    monkeypatch.setenv("RSTAR2_CONFIG_DIR", str(profiles))
+    home, profiles, env = stack.home, stack.profiles, stack.env       # the worker reads `profiles`
     extra = [*E2E_EXTRA, f'rollout.engine="{engine}"']
     cfg = load_config("tiny", [*E2E_OVERRIDES, *extra])
     lr = cfg.rl.lr
@@ -70,25 +47,23 @@ def test_fault_retry_resume_through_the_deployment(services, monkeypatch, ui, en
     assert "injected fault in rl-stage-1 at step 2" in demo.stdout, demo.stdout[-3000:]
     fid = (home / "last-flow-run").read_text().strip()
     assert f"python -m flows.client retry {fid}" in demo.stdout and f"/v2/runs/flow-run/{fid}" in demo.stdout
-    with temporary_settings({PREFECT_API_URL: api}):
-        store = RunStore.for_run(cfg.resolved_storage_root(), str(fid))
-        assert store.read_config_snapshot()["overrides"] == [*QUICK, "pipeline.task_retries=0", *NO_RAY, *extra]
-        first = {k: store.record(k) for k in ("curate", "sft-data", "base-model", "sft")}
-        assert all(r is not None and r["attempt"] == 1 for r in first.values()), first
-        assert store.record("rl-stage-1") is None
-        rl1_run = store.tracking_id("rl-stage-1")
-        assert rl1_run is not None
-        tiny = profiles / "tiny.toml"  # edit the profile between the failure and the retry
-        assert lr == 3e-4 and "\nlr = 3e-4\n" in tiny.read_text()
-        tiny.write_text(tiny.read_text().replace("\nlr = 3e-4\n", "\nlr = 1e-3\n"))
-        assert load_config("tiny", [*E2E_OVERRIDES, *extra]).rl.lr == 1e-3
+    store = RunStore.for_run(cfg.resolved_storage_root(), str(fid))
+    assert store.read_config_snapshot()["overrides"] == [*QUICK, "pipeline.task_retries=0", *NO_RAY, *extra]
+    first = {k: store.record(k) for k in ("curate", "sft-data", "base-model", "sft")}
+    assert all(r is not None and r["attempt"] == 1 for r in first.values()), first
+    assert store.record("rl-stage-1") is None
+    rl1_run = store.tracking_id("rl-stage-1")
+    assert rl1_run is not None
+    tiny = profiles / "tiny.toml"  # edit the profile between the failure and the retry (the stack restores it)
+    assert lr == 3e-4 and "\nlr = 3e-4\n" in tiny.read_text()
+    tiny.write_text(tiny.read_text().replace("\nlr = 3e-4\n", "\nlr = 1e-3\n"))
+    assert load_config("tiny", [*E2E_OVERRIDES, *extra]).rl.lr == 1e-3
 
-        asyncio.run(attempt_process_exited(UUID(fid)))   # as a person does: after the failed process ended
-        asyncio.run(retry_flow_run(fid, ui))  # the UI's Retry
-        assert asyncio.run(watch(UUID(fid), timeout_s=900, quiet=True)) == "Completed"
+    asyncio.run(attempt_process_exited(UUID(fid)))   # as a person does: after the failed process ended
+    asyncio.run(retry_flow_run(fid, ui))  # the UI's Retry
+    assert asyncio.run(watch(UUID(fid), timeout_s=900, quiet=True)) == "Completed", stack.worker_log()
     summary = subprocess.run([str(ROOT / ".venv/bin/python"), "-m", "flows.client", "summary", fid], check=False,
-                             cwd=ROOT,
-                             env={**env, "PREFECT_API_URL": api}, capture_output=True, text=True, timeout=300)
+                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert "| rl-stage-3 |" in summary.stdout and "promotion (synthetic" in summary.stdout, summary.stdout
     plot = storage.to_local_path(store.url("summary", "recipe.png"))
     assert f"plot: {plot}" in summary.stdout and plot.exists()
@@ -140,22 +115,14 @@ def test_fault_retry_resume_through_the_deployment(services, monkeypatch, ui, en
 RAY_RUNTIME = ["cluster.use_ray=true", "rl.zero_stage=2", "sft.zero_stage=2"]
 
 
-@pytest.fixture
-def services_no_fault(tmp_path):
-    home = tmp_path / "home"
-    with services_up(home, RSTAR2_RAY_TMP=f"/tmp/rstar2-ray-e2e-{os.getpid()}") as (api, _env):
-        yield home, api
-
-
 @pytest.mark.slow
-def test_full_recipe_through_the_deployment_on_a_multi_node_cluster(services_no_fault, monkeypatch):
+def test_full_recipe_through_the_deployment_on_a_multi_node_cluster(stack):
     """The quick recipe on the Ray runtime placed across two worker nodes, with the node holding trainer
     rank 1 lost at RL stage 1's step 2 (task retries off): the failed flow run's message is the
     project's `NodeLost` naming the node and the actors it held (it crossed from the stage task's Ray
     worker to the flow pickled); once the node is back the UI's Retry resumes the run to the end, every
     RL step on both nodes."""
     from prefect.client.orchestration import get_client
-    from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from flows.client import retry_flow_run, start_run, watch
     from rstar2_cli.cluster import rehearsal_overrides
@@ -164,18 +131,19 @@ def test_full_recipe_through_the_deployment_on_a_multi_node_cluster(services_no_
     from tasks import tracking
     from tasks.run_store import RunStore
 
-    home, api = services_no_fault
-    monkeypatch.setenv("RSTAR2_HOME", str(home))
-    base = E2E_OVERRIDES[len(NO_RAY):] + RAY_RUNTIME + rehearsal_overrides()
+    # two evaluations (SFT's, the last stage's), not E2E_EXTRA's four: on this layout an evaluation holds both
+    # nodes' GPUs between two stages (~45 s each beside another job), and this test checks none of them
+    base = [o for o in E2E_OVERRIDES[len(NO_RAY):] if o not in E2E_EXTRA]
+    base += ["pipeline.eval_stages=last", *RAY_RUNTIME, *rehearsal_overrides()]
     root = tempfile.mkdtemp(prefix="rstar2-e2e-mn-", dir="/tmp")      # Ray's socket paths must stay short
     try:
-        with LocalCluster.for_config(load_config("tiny", base).cluster, root, env={"RSTAR2_HOME": str(home)}) as cluster, \
-                temporary_settings({PREFECT_API_URL: api}):
+        with LocalCluster.for_config(load_config("tiny", base).cluster, root,
+                                     env={"RSTAR2_HOME": str(stack.home)}) as cluster:
             overrides = [*base, f'cluster.ray_address="{cluster.address}"']
             cfg = load_config("tiny", overrides)
             fid = asyncio.run(start_run("rstar2/full-recipe", {"profile": "tiny", "overrides": overrides},
                                         env={"RSTAR2_FAULT_INJECT": "rl-stage-1:step=2:kill-node"}))
-            assert asyncio.run(watch(fid, timeout_s=1800, quiet=True)) == "Failed", worker_log_tail(home)
+            assert asyncio.run(watch(fid, timeout_s=1800, quiet=True)) == "Failed", stack.worker_log()
 
             async def message() -> str:
                 async with get_client() as c:
@@ -188,7 +156,7 @@ def test_full_recipe_through_the_deployment_on_a_multi_node_cluster(services_no_
             assert cluster.restart_dead_nodes(), cluster.describe()      # the node is back
             asyncio.run(retry_flow_run(fid))  # the UI's Retry
             state = asyncio.run(watch(fid, timeout_s=1800, quiet=True))
-            assert state == "Completed", worker_log_tail(home)
+            assert state == "Completed", stack.worker_log()
     except BaseException:
         print(f"the cluster's node logs are kept in {root}")
         raise

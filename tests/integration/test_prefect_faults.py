@@ -13,14 +13,7 @@ import time
 from uuid import UUID
 
 import pytest
-from deployment_services import (
-    E2E_OVERRIDES,
-    flow_run_processes,
-    services_up,
-    start_prefect_server,
-    stop_prefect_server,
-    worker_log_tail,
-)
+from deployment_services import E2E_OVERRIDES
 
 pytestmark = pytest.mark.slow
 
@@ -41,46 +34,41 @@ async def _task_states(flow_run_id: UUID) -> list[str]:
         return await _task_lines(c, flow_run_id)
 
 
-def test_prefect_server_down_30_s_mid_stage_the_run_completes(tmp_path, monkeypatch):
+def test_prefect_server_down_30_s_mid_stage_the_run_completes(stack):
     """Prefect's client waits out a server it has reached before (it retries a refused connection with
     backoff, ~1 min in all): a flow run whose stages start and end while the server is away reports every
     state once it is back, and completes; the worker reconnects by itself."""
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
     from flows.client import start_run, watch
     from rstar2_core.config import load_config
     from tasks import tracking
     from tasks.run_store import RunStore
 
-    home = tmp_path / "home"
-    monkeypatch.setenv("RSTAR2_HOME", str(home))
-    with services_up(home) as (api, env), temporary_settings({PREFECT_API_URL: api}):
-        cfg = load_config("tiny", E2E_OVERRIDES)
-        fid = asyncio.run(start_run("rstar2/full-recipe", {"profile": "tiny", "overrides": E2E_OVERRIDES}))
-        store = RunStore.for_run(cfg.resolved_storage_root(), str(fid))
-        deadline = time.monotonic() + 600
-        while store.record("sft-data") is None or store.record("base-model") is None:   # SFT's inputs: it
-            assert time.monotonic() < deadline, worker_log_tail(home)                  # starts in the outage
-            time.sleep(0.2)
-        assert store.record("sft") is None
-        stop_prefect_server(home)
-        time.sleep(30)
-        sft_ran = store.tracking_id("sft") is not None     # SFT's task started (and maybe ended) in the outage
-        start_prefect_server(env)
-        assert asyncio.run(watch(fid, timeout_s=900, quiet=True)) == "Completed", worker_log_tail(home)
-        assert sft_ran, "SFT did not start while the server was away: the outage met no state report"
-        tasks = asyncio.run(_task_states(fid))
-        assert tasks and all(t.endswith(": Completed") for t in tasks), tasks
-        assert not [s for s in asyncio.run(_states(fid)) if s.startswith(("CRASHED", "FAILED"))]
+    cfg = load_config("tiny", E2E_OVERRIDES)
+    fid = asyncio.run(start_run("rstar2/full-recipe", {"profile": "tiny", "overrides": E2E_OVERRIDES}))
+    store = RunStore.for_run(cfg.resolved_storage_root(), str(fid))
+    deadline = time.monotonic() + 600
+    while store.record("sft-data") is None or store.record("base-model") is None:   # SFT's inputs: it
+        assert time.monotonic() < deadline, stack.worker_log()                     # starts in the outage
+        time.sleep(0.2)
+    assert store.record("sft") is None
+    stack.stop_server()
+    time.sleep(30)
+    sft_ran = store.tracking_id("sft") is not None     # SFT's task started (and maybe ended) in the outage
+    stack.start_server()
+    assert asyncio.run(watch(fid, timeout_s=900, quiet=True)) == "Completed", stack.worker_log()
+    assert sft_ran, "SFT did not start while the server was away: the outage met no state report"
+    tasks = asyncio.run(_task_states(fid))
+    assert tasks and all(t.endswith(": Completed") for t in tasks), tasks
+    assert not [s for s in asyncio.run(_states(fid)) if s.startswith(("CRASHED", "FAILED"))]
     assert store.record("sft")["attempt"] == 1 and store.record("rl-stage-3")["attempt"] == 1
     assert tracking.metric_steps(cfg, store.tracking_id("rl-stage-1"), "rollout/trajectories") == [1, 2, 3]
 
 
-def _stop_the_next_flow_run_process(home, known: set[int], timeout_s: float = 120) -> int:
-    """SIGSTOP the first flow-run process the worker starts that is not in `known`, as soon as it exists
-    (interpreter start-up: long before it runs the deployment's pull step); return its PID."""
+def _stop_the_next_flow_run_process(stack, fid: UUID, known: set[int], timeout_s: float = 120) -> int:
+    """SIGSTOP the first process the worker starts for flow run `fid` that is not in `known`, as soon as it
+    exists (interpreter start-up: long before it runs the deployment's pull step); return its PID."""
     deadline = time.monotonic() + timeout_s
-    while not (new := [p for p in flow_run_processes(home) if p not in known]):
+    while not (new := [p for p in stack.processes(fid) if p not in known]):
         assert time.monotonic() < deadline, "the worker started no process for the retry"
         time.sleep(0.02)
     os.kill(new[0], signal.SIGSTOP)
@@ -103,7 +91,7 @@ def _wait_gone(pids, timeout_s: float = 300) -> None:
     time.sleep(2)                        # the worker notices the exit (polls every 0.1 s) and cleans up
 
 
-def _retry_while_the_failed_attempts_process_ends(home, overrides: list[str]) -> UUID:
+def _retry_while_the_failed_attempts_process_ends(stack, overrides: list[str]) -> UUID:
     """Start a run whose SFT fails at its first step; press Retry the moment the API shows Failed, while the
     failed attempt's process is still ending (held with SIGSTOP until the Retry is in); hold the retry's
     process from its start until the failed attempt's has ended, so that the worker, which keys processes
@@ -116,7 +104,7 @@ def _retry_while_the_failed_attempts_process_ends(home, overrides: list[str]) ->
     while not (states := asyncio.run(_states(fid))) or not states[-1].startswith("FAILED"):
         assert time.monotonic() < deadline and states[-1:] != ["COMPLETED:Completed"], states
         time.sleep(0.1)
-    pids = flow_run_processes(home)
+    pids = stack.processes(fid)
     assert pids, "the failed attempt's process had already exited: the race this test pins was missed"
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)
@@ -124,7 +112,7 @@ def _retry_while_the_failed_attempts_process_ends(home, overrides: list[str]) ->
     try:
         asyncio.run(retry_flow_run(fid, "v2"))
         assert asyncio.run(_states(fid))[-1] == "SCHEDULED:AwaitingRetry"
-        retry_pid = _stop_the_next_flow_run_process(home, set(pids))
+        retry_pid = _stop_the_next_flow_run_process(stack, fid, set(pids))
     finally:
         for pid in pids:
             os.kill(pid, signal.SIGCONT)
@@ -135,7 +123,7 @@ def _retry_while_the_failed_attempts_process_ends(home, overrides: list[str]) ->
     return fid
 
 
-def test_a_retry_pressed_while_the_failed_attempts_process_ends_is_kept(tmp_path, monkeypatch):
+def test_a_retry_pressed_while_the_failed_attempts_process_ends_is_kept(stack):
     """The UI's Retry pressed the moment the run shows Failed, while the failed attempt's process is still
     ending (its failure hook, its teardown; the test holds it with SIGSTOP until the Retry is in): the
     worker does not mark the run Crashed when that process exits, and the retry resumes to Completed.
@@ -143,33 +131,27 @@ def test_a_retry_pressed_while_the_failed_attempts_process_ends_is_kept(tmp_path
     retry's process is held too, from its start until the failed attempt's has ended: before the local pool
     set working_dir, the worker deleted the retry's temporary start directory then and it died in the pull
     step (FileNotFoundError from os.getcwd; CI, 2026-12-05)."""
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
     from flows.client import watch
     from rstar2_core.config import load_config
     from tasks.run_store import RunStore
 
-    home = tmp_path / "home"
-    monkeypatch.setenv("RSTAR2_HOME", str(home))
-    with services_up(home) as (api, _env), temporary_settings({PREFECT_API_URL: api}):
-        cfg = load_config("tiny", E2E_OVERRIDES)
-        fid = _retry_while_the_failed_attempts_process_ends(home, E2E_OVERRIDES)
-        assert asyncio.run(watch(fid, timeout_s=900, quiet=True)) == "Completed", worker_log_tail(home)
-        history = asyncio.run(_states(fid))
-        assert not [s for s in history if s.startswith("CRASHED")], history
-        assert history.count("FAILED:Failed") == 1, history
+    cfg = load_config("tiny", E2E_OVERRIDES)
+    fid = _retry_while_the_failed_attempts_process_ends(stack, E2E_OVERRIDES)
+    assert asyncio.run(watch(fid, timeout_s=900, quiet=True)) == "Completed", stack.worker_log()
+    history = asyncio.run(_states(fid))
+    assert not [s for s in history if s.startswith("CRASHED")], history
+    assert history.count("FAILED:Failed") == 1, history
     store = RunStore.for_run(cfg.resolved_storage_root(), str(fid))
     assert store.record("sft")["attempt"] == 2 and store.record("curate")["attempt"] == 1
-    assert "exiting 0 instead of 1" in worker_log_tail(home, 200_000)
+    assert "exiting 0 instead of 1" in stack.worker_log(200_000)
 
 
-def test_a_cancel_reaches_a_retry_whose_process_the_worker_lost(tmp_path, monkeypatch):
+def test_a_cancel_reaches_a_retry_whose_process_the_worker_lost(stack):
     """The same race, then the UI's Cancel while the retry trains a long RL stage: the worker no longer
     watches that process ("Lost connection"), so before flows/flow_process.py watched its own run the run
     stayed Cancelling and trained on; now its process sets Cancelled after its grace and ends, and the
     stage never finishes. Its MLflow runs, the recipe's and the RL stage's, end KILLED (they stayed RUNNING)."""
     from prefect.client.orchestration import get_client
-    from prefect.settings import PREFECT_API_URL, temporary_settings
     from prefect.states import Cancelling
 
     from flows.flow_process import CANCEL_GRACE_S
@@ -177,31 +159,28 @@ def test_a_cancel_reaches_a_retry_whose_process_the_worker_lost(tmp_path, monkey
     from tasks import tracking
     from tasks.run_store import RunStore
 
-    home = tmp_path / "home"
-    monkeypatch.setenv("RSTAR2_HOME", str(home))
     overrides = [*E2E_OVERRIDES, "rl.stages.0.steps=400"]        # hours at these sizes: only a cancel ends it
-    with services_up(home) as (api, _env), temporary_settings({PREFECT_API_URL: api}):
-        cfg = load_config("tiny", overrides)
-        fid = _retry_while_the_failed_attempts_process_ends(home, overrides)
-        store = RunStore.for_run(cfg.resolved_storage_root(), str(fid))
-        deadline = time.monotonic() + 600
-        while store.tracking_id("rl-stage-1") is None:            # the retry is training: its RL stage began
-            assert time.monotonic() < deadline, worker_log_tail(home)
-            time.sleep(0.5)
-        assert "Lost connection to flow run" in worker_log_tail(home, 200_000), "the race was missed"
-        pids = flow_run_processes(home)
-        assert pids, "the retry's process is not running: nothing for the Cancel to stop"
+    cfg = load_config("tiny", overrides)
+    fid = _retry_while_the_failed_attempts_process_ends(stack, overrides)
+    store = RunStore.for_run(cfg.resolved_storage_root(), str(fid))
+    deadline = time.monotonic() + 600
+    while store.tracking_id("rl-stage-1") is None:            # the retry is training: its RL stage began
+        assert time.monotonic() < deadline, stack.worker_log()
+        time.sleep(0.5)
+    assert "Lost connection to flow run" in stack.worker_log(200_000), "the race was missed"
+    pids = stack.processes(fid)
+    assert pids, "the retry's process is not running: nothing for the Cancel to stop"
 
-        async def cancel():
-            async with get_client() as c:
-                return await c.set_flow_run_state(fid, Cancelling(message="Cancel from the UI"))
+    async def cancel():
+        async with get_client() as c:
+            return await c.set_flow_run_state(fid, Cancelling(message="Cancel from the UI"))
 
-        assert asyncio.run(cancel()).status.value == "ACCEPT"
-        _wait_gone(pids, timeout_s=CANCEL_GRACE_S + 120)
-        history = asyncio.run(_states(fid))
-        assert history[-1] == "CANCELLED:Cancelled", history
-        assert not [s for s in history if s.startswith("CRASHED")], history
-        assert store.record("rl-stage-1") is None
+    assert asyncio.run(cancel()).status.value == "ACCEPT"
+    _wait_gone(pids, timeout_s=CANCEL_GRACE_S + 120)
+    history = asyncio.run(_states(fid))
+    assert history[-1] == "CANCELLED:Cancelled", history
+    assert not [s for s in history if s.startswith("CRASHED")], history
+    assert store.record("rl-stage-1") is None
     runs = {k: store.tracking_id(k) for k in ("parent", "sft", "rl-stage-1")}
     status = {k: tracking.client(cfg).get_run(r).info.status for k, r in runs.items()}
     assert status == {"parent": "KILLED", "sft": "FINISHED", "rl-stage-1": "KILLED"}, status
