@@ -15,7 +15,7 @@ from pathlib import Path
 from uuid import UUID
 
 from rstar2_cli.common import read_overrides_file
-from rstar2_cli.rehearsal_stack import free_port
+from rstar2_cli.rehearsal_stack import free_port, wait_http
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,7 +51,7 @@ def services_up(home: Path, **extra_env: str):
 @dataclasses.dataclass
 class Stack:
     """A running stack of services_up, shared by the tests of tests/integration (each starting its own added
-    ~30 s alone, ~60 s beside another job): `home`, the `api` URL, `env` (what a shell of the stack has) and
+    ~25 s alone, ~51 s beside make demo): `home`, the `api` URL, `env` (what a shell of the stack has) and
     the `profiles` folder its worker reads. Tests run one at a time; `begin` marks the worker log where a test
     starts and `clean` leaves the stack as the next test expects it (server up, no flow run left running or
     scheduled, no flow-run process left, the profiles as shipped), whatever the test did or how it failed."""
@@ -112,17 +112,10 @@ class Stack:
         subprocess.run(["bash", "scripts/services.sh", "up"], cwd=ROOT, env={k: v for k, v in self.env.items()
                        if k != "PREFECT_API_URL"}, check=True, timeout=600, capture_output=True)
 
-    def server_answers(self) -> bool:
-        import urllib.request
-
-        try:
-            with urllib.request.urlopen(f"{self.api}/health", timeout=5) as r:
-                return r.status == 200
-        except OSError:
-            return False
-
     def clean(self, timeout_s: float = 120) -> None:
-        if not self.server_answers():
+        try:
+            wait_http(f"{self.api}/health", "Prefect server", 5)
+        except TimeoutError:                             # a test stopped it and failed before starting it
             self.start_server()
         asyncio.run(_cancel_unfinished_runs(self.api))
         deadline = time.monotonic() + timeout_s
@@ -161,7 +154,7 @@ async def _cancel_unfinished_runs(api: str) -> None:
 def stack_up(root: Path, **extra_env: str):
     """services_up under `root`/home with its worker reading a copy of the profiles at `root`/configs (a test
     may edit one mid-run; `Stack.clean` restores them); yields the Stack."""
-    profiles = copy_profiles(root / "configs")
+    profiles = Path(shutil.copytree(ROOT / "configs", root / "configs"))
     with services_up(root / "home", RSTAR2_CONFIG_DIR=str(profiles), **extra_env) as (api, env):
         yield Stack(root / "home", api, env, profiles)
 
@@ -182,8 +175,3 @@ async def attempt_process_exited(flow_run_id: UUID, timeout_s: float = 300) -> N
                 return
             await asyncio.sleep(1)
     raise AssertionError(f"the worker did not report the exit of flow run {flow_run_id}'s process in {timeout_s:.0f} s")
-
-
-def copy_profiles(dest: Path) -> Path:
-    shutil.copytree(ROOT / "configs", dest)
-    return dest
