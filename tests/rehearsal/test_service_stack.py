@@ -15,6 +15,7 @@ import subprocess
 import tempfile
 
 import pytest
+from deployment_services import attempt_process_exited
 
 pytestmark = [pytest.mark.slow, pytest.mark.rehearsal]
 
@@ -57,6 +58,9 @@ def test_a_flow_run_through_the_production_worker_reaches_preflight(stack):
         state = asyncio.run(watch(fid, timeout_s=600, quiet=True))
         assert state == "Failed", (stack.logs / "prefect-worker.log").read_text()[-4000:]
         assert asyncio.run(message())
+        # its last lines come seconds after Failed (the failure hook, the teardown): read the log once the
+        # worker has seen the process exit, which it reports after relaying the process's output to the end
+        asyncio.run(attempt_process_exited(fid))
 
     log = (stack.logs / "prefect-worker.log").read_text()
     assert "the recipe cannot start" in log, log[-4000:]           # the flow ran: pull step and import worked
