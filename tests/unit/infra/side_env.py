@@ -1,26 +1,31 @@
 """Side Python environments for version tests, built once and cached under $RSTAR2_HOME/cache/side-envs.
 
-`side_python(name, packages)` returns the interpreter of a venv holding the project's torch (the CPU
-wheel on this machine's disk: `pip install torch==<ours>` downloads nothing) plus `packages` from the
-package index, e.g. another transformers release. The venv is built in a temporary folder and renamed
-into place when complete, so an interrupted build is never reused; a different package list gets a
-fresh one. Building transformers 5.17's took 62 s and 135 s on the 2-core development machine (load
-average ~3 and ~5; torch from disk, transformers, pytest, pydantic, numpy, psutil from PyPI); later
-runs reuse it. Only a package index that cannot be reached
+`side_python(name, packages)` returns the interpreter of a venv that sees this project's torch installation
+(symlinks to torch and the distributions it requires, in a folder a .pth file puts on the venv's path:
+the very build the project runs, nothing copied or downloaded) and holds `packages` from the package index,
+e.g. another transformers release, installed with uv (pip where uv is missing). What the venv installs
+comes first on its path, so a package it pins shadows the project's copy. The venv is built in a
+temporary folder and renamed into place when complete, so an interrupted build is never reused; another
+package list, torch version or project venv gets a fresh one. Copying torch in with pip instead (the wheel
+from disk) took 62-135 s of the 2-core machine per fresh clone. Only a package index that cannot be reached
 skips the test (with that reason); any other install failure fails it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata as md
 import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import urllib.request
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -31,12 +36,6 @@ def _cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or ROOT / ".rstar2" / "cache") / "side-envs"
 
 
-def _torch_spec() -> str:
-    import torch
-
-    return f"torch=={torch.__version__.split('+')[0]}"
-
-
 def _index_reachable(url: str = "https://pypi.org/simple/pip/") -> bool:
     try:
         with urllib.request.urlopen(url, timeout=15) as r:
@@ -45,27 +44,69 @@ def _index_reachable(url: str = "https://pypi.org/simple/pip/") -> bool:
         return False
 
 
+def _torch_closure() -> dict[str, set[str]]:
+    """torch and every distribution it requires (extras off), each with the top-level entries of this
+    interpreter's site-packages it installed (packages, modules, its .dist-info)."""
+    out: dict[str, set[str]] = {}
+    todo = ["torch"]
+    while todo:
+        name = canonicalize_name(todo.pop())
+        if name in out:
+            continue
+        try:
+            dist = md.distribution(name)
+        except md.PackageNotFoundError:       # a requirement torch's metadata names but this venv lacks
+            continue
+        out[name] = {f.parts[0] for f in dist.files or [] if f.parts[0] != ".." and "__pycache__" not in f.parts[:1]}
+        for spec in dist.requires or []:
+            req = Requirement(spec)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(req.name)
+    return out
+
+
+def _link_torch(home: Path, site: Path) -> None:
+    """Symlink the torch closure into home/project-torch and put that folder on the venv's path (a .pth line
+    relative to its site-packages, so the venv still works once renamed)."""
+    src = Path(sysconfig.get_paths()["purelib"])
+    links = home / "project-torch"
+    links.mkdir()
+    for entries in _torch_closure().values():
+        for entry in entries:
+            if (src / entry).exists():
+                (links / entry).symlink_to(src / entry)
+    (site / "project-torch.pth").write_text(os.path.relpath(links, site) + "\n")
+
+
+def _install(py: Path, packages: list[str]) -> subprocess.CompletedProcess:
+    uv = Path(sys.executable).with_name("uv")
+    cmd = ([str(uv), "pip", "install", "-q", "--python", str(py)] if uv.exists() else
+           [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check"])
+    return subprocess.run(cmd + packages, capture_output=True, text=True, check=False)
+
+
 def side_python(name: str, packages: list[str]) -> Path:
-    spec = [_torch_spec(), *packages]
+    spec = [f"torch=={md.version('torch')} at {sysconfig.get_paths()['purelib']}", *packages]
     key = hashlib.sha256("\n".join(spec).encode()).hexdigest()[:12]
     home = _cache_root() / f"{name}-{key}"
     py = home / "bin" / "python"
-    if (home / "COMPLETE").is_file() and py.exists():
+    if (home / "COMPLETE").is_file() and py.exists() and (home / "project-torch" / "torch").exists():
         return py
     tmp = home.with_name(home.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.parent.mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, "-m", "venv", str(tmp)], check=True, capture_output=True)
-    pip = [str(tmp / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-    for step in ([spec[0]], spec[1:]):          # torch first, so the rest never pulls another build
-        proc = subprocess.run(pip + step, capture_output=True, text=True, check=False)
-        if proc.returncode != 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if not _index_reachable():
-                pytest.skip(f"the package index (PyPI) is unreachable, so the side environment {name} "
-                            f"({' '.join(step)}) cannot be built")
-            raise RuntimeError(f"pip install {' '.join(step)} failed in the side environment {name}:\n"
-                               f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    site = subprocess.run([str(tmp / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    _link_torch(tmp, Path(site))
+    proc = _install(tmp / "bin" / "python", packages)
+    if proc.returncode != 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not _index_reachable():
+            pytest.skip(f"the package index (PyPI) is unreachable, so the side environment {name} "
+                        f"({' '.join(packages)}) cannot be built")
+        raise RuntimeError(f"installing {' '.join(packages)} failed in the side environment {name}:\n"
+                           f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
     (tmp / "COMPLETE").write_text("\n".join(spec) + "\n")
     shutil.rmtree(home, ignore_errors=True)
     tmp.rename(home)
