@@ -7,6 +7,7 @@ sometimes a misspelt `pritn` first, then answer with what it printed; on problem
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -112,18 +113,20 @@ def dist_env():
 @pytest.fixture(scope="session")
 def local_ray():
     """A local Ray (2 CPUs, small object store, short temp path) shared by the tests that need one (the
-    cluster tests, the vLLM engine actors); stopped at the end of the session."""
+    cluster tests, the vLLM engine actors); stopped at the end of the session, its temp folder (one per
+    pytest process: two suites on one machine do not share Ray's session links) removed."""
     import ray
 
     started = False
+    ray_tmp = f"/tmp/rstar2-ray-cl-{os.getpid()}"
     if not ray.is_initialized():
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
-                 object_store_memory=100 * 1024 * 1024, _node_ip_address="127.0.0.1",
-                 _temp_dir=f"/tmp/rstar2-ray-cl-{os.getuid()}")
+                 object_store_memory=100 * 1024 * 1024, _node_ip_address="127.0.0.1", _temp_dir=ray_tmp)
         started = True
     yield ray
     if started:
         ray.shutdown()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 @pytest.fixture

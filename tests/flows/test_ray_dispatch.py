@@ -7,6 +7,7 @@ rule as in process. The module's flows share one local Ray started as the runner
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import ray.exceptions as rex
@@ -34,12 +35,14 @@ def flow_ray(tmp_path_factory):
     home = tmp_path_factory.mktemp("ray-home")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RSTAR2_HOME", str(home))
-        mp.setenv("RSTAR2_RAY_TMP", f"/tmp/rstar2-ray-test-{os.getpid()}")
+        ray_tmp = f"/tmp/rstar2-ray-test-{os.getpid()}"
+        mp.setenv("RSTAR2_RAY_TMP", ray_tmp)
         ray.init(**ray_init_kwargs(load_config("tiny", RAY).cluster))
         try:
             yield home
         finally:
             ray.shutdown()
+            shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 @task

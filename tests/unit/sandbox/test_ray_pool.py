@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 
 import pytest
 
@@ -24,12 +25,13 @@ def pool():
     import ray
 
     started = False
+    ray_tmp = f"/tmp/rstar2-ray-sbx-{os.getpid()}"
     if not ray.is_initialized():
         for attempt in range(2):  # Ray gives its raylet 30 s to register: a loaded 2-core host can miss it
             try:
                 ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
                          object_store_memory=100 * 1024 * 1024, _node_ip_address="127.0.0.1",
-                         _temp_dir=f"/tmp/rstar2-ray-sbx-{os.getuid()}")
+                         _temp_dir=ray_tmp)
                 break
             except Exception as e:
                 ray.shutdown()
@@ -43,6 +45,7 @@ def pool():
     p.close()
     if started:
         ray.shutdown()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 def test_pool_answers_in_order_with_backpressure(pool):
