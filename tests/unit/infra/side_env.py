@@ -44,37 +44,38 @@ def _index_reachable(url: str = "https://pypi.org/simple/pip/") -> bool:
         return False
 
 
-def _torch_closure() -> dict[str, set[str]]:
-    """torch and every distribution it requires (extras off), each with the top-level entries of this
-    interpreter's site-packages it installed (packages, modules, its .dist-info)."""
-    out: dict[str, set[str]] = {}
+def _torch_entries() -> set[str]:
+    """The top-level entries of this interpreter's site-packages (packages, modules, .dist-info folders)
+    that torch and every distribution it requires (extras off) installed."""
+    entries: set[str] = set()
+    seen: set[str] = set()
     todo = ["torch"]
     while todo:
         name = canonicalize_name(todo.pop())
-        if name in out:
+        if name in seen:
             continue
+        seen.add(name)
         try:
             dist = md.distribution(name)
         except md.PackageNotFoundError:       # a requirement torch's metadata names but this venv lacks
             continue
-        out[name] = {f.parts[0] for f in dist.files or [] if f.parts[0] != ".." and "__pycache__" not in f.parts[:1]}
+        entries |= {f.parts[0] for f in dist.files or [] if f.parts[0] not in ("..", "__pycache__")}
         for spec in dist.requires or []:
             req = Requirement(spec)
             if req.marker is None or req.marker.evaluate({"extra": ""}):
                 todo.append(req.name)
-    return out
+    return entries
 
 
 def _link_torch(home: Path, site: Path) -> None:
-    """Symlink the torch closure into home/project-torch and put that folder on the venv's path (a .pth line
+    """Symlink torch and what it requires into home/project-torch and put that folder on the venv's path (a .pth line
     relative to its site-packages, so the venv still works once renamed)."""
     src = Path(sysconfig.get_paths()["purelib"])
     links = home / "project-torch"
     links.mkdir()
-    for entries in _torch_closure().values():
-        for entry in entries:
-            if (src / entry).exists():
-                (links / entry).symlink_to(src / entry)
+    for entry in _torch_entries():
+        if (src / entry).exists():
+            (links / entry).symlink_to(src / entry)
     (site / "project-torch.pth").write_text(os.path.relpath(links, site) + "\n")
 
 
