@@ -7,7 +7,6 @@ sometimes a misspelt `pritn` first, then answer with what it printed; on problem
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -112,21 +111,13 @@ def dist_env():
 
 @pytest.fixture(scope="session")
 def local_ray():
-    """A local Ray (2 CPUs, small object store, short temp path) shared by the tests that need one (the
-    cluster tests, the vLLM engine actors); stopped at the end of the session, its temp folder (one per
-    pytest process: two suites on one machine do not share Ray's session links) removed."""
+    """A local Ray (tests/ray_local.py) shared by the tests that need one (the cluster tests, the vLLM engine
+    actors); stopped at the end of the session, its temp folder removed."""
     import ray
+    from ray_local import local_ray_session
 
-    started = False
-    ray_tmp = f"/tmp/rstar2-ray-cl-{os.getpid()}"
-    if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
-                 object_store_memory=100 * 1024 * 1024, _node_ip_address="127.0.0.1", _temp_dir=ray_tmp)
-        started = True
-    yield ray
-    if started:
-        ray.shutdown()
-        shutil.rmtree(ray_tmp, ignore_errors=True)
+    with local_ray_session("cl"):
+        yield ray
 
 
 @pytest.fixture

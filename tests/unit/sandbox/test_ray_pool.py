@@ -5,8 +5,6 @@ actors. Local Ray, 2 CPUs (slow)."""
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
 
 import pytest
 
@@ -22,30 +20,14 @@ def small_cfg(**kw) -> SandboxConfig:
 
 @pytest.fixture(scope="module")
 def pool():
-    import ray
+    from ray_local import local_ray_session
 
-    started = False
-    ray_tmp = f"/tmp/rstar2-ray-sbx-{os.getpid()}"
-    if not ray.is_initialized():
-        for attempt in range(2):  # Ray gives its raylet 30 s to register: a loaded 2-core host can miss it
-            try:
-                ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
-                         object_store_memory=100 * 1024 * 1024, _node_ip_address="127.0.0.1",
-                         _temp_dir=ray_tmp)
-                break
-            except Exception as e:
-                ray.shutdown()
-                if attempt or "timed out during startup" not in str(e):
-                    raise
-        started = True
     from rstar2_core.runtime.ray.sandbox_pool import RaySandboxPool
 
-    p = RaySandboxPool(small_cfg(preload=["math"], backend="ray"), max_inflight_per_actor=3, chunk=2)
-    yield p
-    p.close()
-    if started:
-        ray.shutdown()
-        shutil.rmtree(ray_tmp, ignore_errors=True)
+    with local_ray_session("sbx"):
+        p = RaySandboxPool(small_cfg(preload=["math"], backend="ray"), max_inflight_per_actor=3, chunk=2)
+        yield p
+        p.close()
 
 
 def test_pool_answers_in_order_with_backpressure(pool):
