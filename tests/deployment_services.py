@@ -159,19 +159,31 @@ def stack_up(root: Path, **extra_env: str):
         yield Stack(root / "home", api, env, profiles)
 
 
-async def attempt_process_exited(flow_run_id: UUID, timeout_s: float = 300) -> None:
-    """Return once the worker has seen the failed attempt's process exit ("exited cleanly" or "exited with
-    status code"), as a person pressing Retry after the run ended does."""
+async def attempt_process_exited(flow_run_id: UUID, timeout_s: float = 300, attempts: int = 1) -> None:
+    """Return once the worker has seen the process of the run's `attempts`-th attempt exit ("exited cleanly"
+    or "exited with status code": one report per attempt), as a person pressing Retry after the run ended
+    does."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
     from prefect.client.schemas.sorting import LogSort
 
+    # the run's logs oldest first, read on from where the last page ended (less a margin, for a log that
+    # arrived late; ids counted once); Prefect's text search (LogFilterTextSearch) needs SQLite's concat
+    # (3.44+), which this Python's SQLite may lack
+    said = ("exited with status code", "exited cleanly")
+    only = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id]))
+    exits: set = set()
+    read = 0
     deadline = time.monotonic() + timeout_s
     async with get_client() as c:
         while time.monotonic() < deadline:
-            logs = await c.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), limit=200,
-                                     sort=LogSort.TIMESTAMP_DESC)
-            if any(m in log.message for log in logs for m in ("exited with status code", "exited cleanly")):
+            start = max(0, read - 50)
+            page = await c.read_logs(only, limit=200, offset=start, sort=LogSort.TIMESTAMP_ASC)
+            exits |= {log.id for log in page if any(m in log.message for m in said)}
+            read = start + len(page)
+            if len(exits) >= attempts:
                 return
-            await asyncio.sleep(1)
-    raise AssertionError(f"the worker did not report the exit of flow run {flow_run_id}'s process in {timeout_s:.0f} s")
+            if len(page) < 200:
+                await asyncio.sleep(1)
+    raise AssertionError(f"the worker did not report the exit of flow run {flow_run_id}'s attempt {attempts} process "
+                         f"in {timeout_s:.0f} s")

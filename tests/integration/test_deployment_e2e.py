@@ -1,14 +1,13 @@
 """End to end through real services: scripts/services.sh starts a Prefect server and a process worker
 (as `make demo` does), prefect.yaml is deployed, and the failure rehearsal `scripts/demo.sh --quick --fault
-rl-stage-1:step=2` (what `make demo-fault` runs) runs `rstar2/full-recipe` at the quick demo's sizes
-(scripts/demo-quick.overrides) with the fault injected into that flow run only. Between the failure and the
-retry the profile on disk is edited (`[rl] lr`). The failed flow run is retried through the API exactly as
-the UI's Retry button does; the test then checks that finished stages were not recomputed, RL stage 1
-resumed from its step checkpoint into the same MLflow run with no step lost or repeated, the resumed and
-later RL stages trained with the run's frozen lr (not the edited one), MLflow's params are the run's config
-snapshot, one model version was registered, MLflow holds one parent run with its nested stage runs, and the
-run's summary (stage table, promotion, plot) is printed. One of its two runs (the classic UI's Retry) serves
-every rollout and evaluation with vLLM engines (`rollout.engine = "vllm"`, the CPU build)."""
+...` (what `make demo-fault` runs, here with two faults) runs `rstar2/full-recipe` at the quick demo's sizes
+(scripts/demo-quick.overrides) with the faults injected into that flow run only. Between the first failure
+and its retry the profile on disk is edited (`[rl] lr`). Each failure is retried through the API exactly as
+one of Prefect's UIs' Retry does; the test then checks that finished stages were not recomputed, each failed
+RL stage resumed from its step checkpoint into the same MLflow run with no step lost or repeated, the
+resumed and later RL stages trained with the run's frozen lr (not the edited one), MLflow's params are the
+run's config snapshot, one model version was registered, MLflow holds one parent run with its nested stage
+runs, and the run's summary (stage table, promotion, plot) is printed."""
 
 from __future__ import annotations
 
@@ -21,46 +20,54 @@ from uuid import UUID
 import pytest
 from deployment_services import E2E_EXTRA, E2E_OVERRIDES, NO_RAY, QUICK, ROOT, attempt_process_exited
 
+FAULTS = "rl-stage-1:step=2,rl-stage-2:step=1"   # the quick recipe's stage 2 has one step
+
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("ui", "engine"), [("v2", "hf"), ("classic", "hf")])
-def test_fault_retry_resume_through_the_deployment(stack, ui, engine):
-    """`ui`: what each Prefect UI's Retry sends (force=True / False); `engine`: rollout.engine of the run.
-    vLLM through a deployment runs in tests/rehearsal (every stage's engine) and a vLLM stage's retry in
-    tests/vllm/test_vllm_stages.py; a vLLM arm here added ~3 min to `make test` and nothing the UI's Retry
-    does differently."""
+def test_fault_retry_resume_through_the_deployment(stack):
+    """Two failures in one flow run, each retried as one of Prefect's UIs does (`UI_RETRY_FORCE`: the v2
+    UI's Retry, force=True, after RL stage 1's fault at step 2; the classic UI's, force=False, after RL stage
+    2's at its first step, which the retry runs again from the stage's start), so both Retry buttons are
+    covered by one quick recipe. HF engine: vLLM through a deployment runs in tests/rehearsal (every stage's
+    engine) and a vLLM stage's retry in tests/vllm/test_vllm_stages.py."""
     from flows.client import retry_flow_run, watch
     from rstar2_core import storage
     from rstar2_core.config import load_config
+    from rstar2_core.rl.stage import stage_offset
     from tasks import tracking
     from tasks.run_store import RunStore
 
     home, profiles, env = stack.home, stack.profiles, stack.env       # the worker reads `profiles`
-    extra = [*E2E_EXTRA, f'rollout.engine="{engine}"']
-    cfg = load_config("tiny", [*E2E_OVERRIDES, *extra])
+    cfg = load_config("tiny", E2E_OVERRIDES)
     lr = cfg.rl.lr
-    demo = subprocess.run(["bash", "scripts/demo.sh", "--quick", "--fault", "rl-stage-1:step=2"], check=False, cwd=ROOT,
-                          env={**env, "RSTAR2_DEMO_OVERRIDES": " ".join([*NO_RAY, *extra])},
+    demo = subprocess.run(["bash", "scripts/demo.sh", "--quick", "--fault", FAULTS], check=False, cwd=ROOT,
+                          env={**env, "RSTAR2_DEMO_OVERRIDES": " ".join([*NO_RAY, *E2E_EXTRA])},
                           capture_output=True, text=True, timeout=900)
     assert demo.returncode == 1, demo.stdout[-3000:] + demo.stderr[-3000:]
-    assert "QUICK MODE" in demo.stdout and "fault rl-stage-1:step=2" in demo.stdout
+    assert "QUICK MODE" in demo.stdout and f"fault {FAULTS}" in demo.stdout
     assert "injected fault in rl-stage-1 at step 2" in demo.stdout, demo.stdout[-3000:]
     fid = (home / "last-flow-run").read_text().strip()
     assert f"python -m flows.client retry {fid}" in demo.stdout and f"/v2/runs/flow-run/{fid}" in demo.stdout
     store = RunStore.for_run(cfg.resolved_storage_root(), str(fid))
-    assert store.read_config_snapshot()["overrides"] == [*QUICK, "pipeline.task_retries=0", *NO_RAY, *extra]
+    assert store.read_config_snapshot()["overrides"] == [*QUICK, "pipeline.task_retries=0", *NO_RAY, *E2E_EXTRA]
     first = {k: store.record(k) for k in ("curate", "sft-data", "base-model", "sft")}
     assert all(r is not None and r["attempt"] == 1 for r in first.values()), first
     assert store.record("rl-stage-1") is None
-    rl1_run = store.tracking_id("rl-stage-1")
-    assert rl1_run is not None
+    rl_runs = {"rl-stage-1": store.tracking_id("rl-stage-1")}
+    assert rl_runs["rl-stage-1"] is not None
     tiny = profiles / "tiny.toml"  # edit the profile between the failure and the retry (the stack restores it)
     assert lr == 3e-4 and "\nlr = 3e-4\n" in tiny.read_text()
     tiny.write_text(tiny.read_text().replace("\nlr = 3e-4\n", "\nlr = 1e-3\n"))
-    assert load_config("tiny", [*E2E_OVERRIDES, *extra]).rl.lr == 1e-3
+    assert load_config("tiny", E2E_OVERRIDES).rl.lr == 1e-3
 
     asyncio.run(attempt_process_exited(UUID(fid)))   # as a person does: after the failed process ended
-    asyncio.run(retry_flow_run(fid, ui))  # the UI's Retry
+    asyncio.run(retry_flow_run(fid, "v2"))           # the v2 UI's Retry: RL stage 1 resumes, stage 2 fails
+    assert asyncio.run(watch(UUID(fid), timeout_s=900, quiet=True)) == "Failed", stack.worker_log()
+    assert store.record("rl-stage-1")["attempt"] == 2 and store.record("rl-stage-2") is None
+    rl_runs["rl-stage-2"] = store.tracking_id("rl-stage-2")
+    assert rl_runs["rl-stage-2"] is not None
+    asyncio.run(attempt_process_exited(UUID(fid), attempts=2))
+    asyncio.run(retry_flow_run(fid, "classic"))      # the classic UI's Retry: RL stage 2 resumes, the run ends
     assert asyncio.run(watch(UUID(fid), timeout_s=900, quiet=True)) == "Completed", stack.worker_log()
     summary = subprocess.run([str(ROOT / ".venv/bin/python"), "-m", "flows.client", "summary", fid], check=False,
                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -70,15 +77,17 @@ def test_fault_retry_resume_through_the_deployment(stack, ui, engine):
 
     # finished stages were reused, not recomputed
     assert {k: store.record(k) for k in first} == first
-    assert store.record("rl-stage-1")["attempt"] == 2
-    # stage 1 resumed in the same MLflow run: every step exactly once, in order
-    assert store.tracking_id("rl-stage-1") == rl1_run
+    assert store.record("rl-stage-1")["attempt"] == 2 and store.record("rl-stage-2")["attempt"] == 3
+    # each failed stage resumed in its own MLflow run: every step exactly once, in order
     c = tracking.client(cfg)
-    run = c.get_run(rl1_run)
-    step_keys = [k for k in run.data.metrics if k.startswith(("actor/", "rollout/"))]
-    assert step_keys
-    for k in step_keys:
-        assert tracking.metric_steps(cfg, rl1_run, k) == [1, 2, 3], k
+    steps = {  # MLflow's step is the global RL step, counted on across the stages
+        s.name: [stage_offset(cfg, i) + n for n in range(1, s.steps + 1)] for i, s in enumerate(cfg.rl.stages)}
+    for stage, run_id in rl_runs.items():
+        assert store.tracking_id(stage) == run_id
+        step_keys = [k for k in c.get_run(run_id).data.metrics if k.startswith(("actor/", "rollout/"))]
+        assert step_keys, stage
+        for k in step_keys:
+            assert tracking.metric_steps(cfg, run_id, k) == steps[stage], (stage, k)
     # one registered version for this recipe run, one parent run with its nested runs
     versions = c.search_model_versions(f"name='{cfg.tracking.registered_model}'")
     mine = [v for v in versions if v.tags.get("rstar2.recipe_run_id") == str(fid)]
@@ -86,9 +95,9 @@ def test_fault_retry_resume_through_the_deployment(stack, ui, engine):
     exp = tracking.experiment_id(cfg)
     parents = c.search_runs([exp], f"tags.`prefect.flow_run_id` = '{fid}'")
     assert len(parents) == 1
-    # the retry ran the frozen config: every RL stage's optimizer ran at the first attempt's peak lr (its
+    # both retries ran the frozen config: every RL stage's optimizer ran at the first attempt's peak lr (its
     # LR scheduler's base lr, saved in the stage's final checkpoint; stage 3 resets its optimizer, so it
-    # rebuilds it from the config it is given), params = the snapshot, the drift logged
+    # rebuilds it from the config it is given), params = the snapshot, the drift logged at each attempt
     from rstar2_core.runtime.checkpoint import read_rank_state
 
     for stage in ("rl-stage-1", "rl-stage-2", "rl-stage-3"):
@@ -97,13 +106,13 @@ def test_fault_retry_resume_through_the_deployment(stack, ui, engine):
     snap = store.read_config_snapshot()
     parent = parents[0].data
     assert parent.params["rl.lr"] == str(lr) and parent.tags["config_digest"] == snap["digest"]
-    assert parent.params["rollout.engine"] == engine
     assert parent.params == {tracking.metric_key(k): v[:6000] for k, v in tracking.flatten(snap["config"]).items()}
-    assert "rl.lr: 0.0003 (run) vs 0.001 (now)" in parent.tags["rstar2.drift.attempt_2"]
+    for attempt in (2, 3):
+        assert "rl.lr: 0.0003 (run) vs 0.001 (now)" in parent.tags[f"rstar2.drift.attempt_{attempt}"]
     children = c.search_runs([exp], f"tags.mlflow.parentRunId = '{parents[0].info.run_id}'")
     assert {"curate", "sft", "rl-stage-1", "rl-stage-2", "rl-stage-3", "eval-rl-stage-3"} <= {
         r.info.run_name for r in children}
-    assert len([r for r in children if r.info.run_name == "rl-stage-1"]) == 1
+    assert all(len([r for r in children if r.info.run_name == s]) == 1 for s in rl_runs)
 
 
 # The same shrunk recipe on the Ray runtime across nodes: a local multi-node Ray cluster (a head and two
