@@ -182,20 +182,29 @@ class _Stream(list):
 
 def test_checkpoint_weight_sync_takes_the_same_steps_as_the_in_process_sync(toy_policy, tmp_path, one_thread):
     """rollout.weight_sync = "checkpoint": the engine reloads each step's published checkpoint instead of
-    copying the trainer's tensors, and the stage takes exactly the same steps."""
+    copying the trainer's tensors, and the stage takes the same steps: bit for bit up to a near-tie in
+    sampling (the HF engine's logits change in their last bits with the requests that share a decode batch,
+    which the load decides), what the design keeps exact throughout, the same final weights without one."""
     ckpt, data, _ = toy_policy
     base = OVERRIDES + ["rl.stages.0.steps=3"]
-    runs = {}
+    runs, traces, finals = {}, {}, {}
     for mode in ("state_dict", "checkpoint"):
-        stream = _Stream()
-        run_rl_stage(load_config("tiny", base + [f'rollout.weight_sync="{mode}"']), 0, init_checkpoint_url=ckpt,
-                     data_url=data, out_url=(tmp_path / mode).as_uri(), log_metrics=stream.append_step)
-        runs[mode] = stream
+        stream, trace = _Stream(), []
+        cfg = load_config("tiny", base + [f'rollout.weight_sync="{mode}"'])
+        with recording(trace, cfg.rl.seed):
+            res = run_rl_stage(cfg, 0, init_checkpoint_url=ckpt, data_url=data, out_url=(tmp_path / mode).as_uri(),
+                               log_metrics=stream.append_step)
+        runs[mode], traces[mode], finals[mode] = stream, trace, res.checkpoint_url
 
     def same(stream):
         return [(s, {k: v for k, v in m.items() if not k.endswith("sync/bytes")}) for s, m in _exact(stream)]
 
-    assert same(runs["checkpoint"]) == same(runs["state_dict"])
+    near_tie = assert_same_steps(runs["state_dict"], runs["checkpoint"], traces["state_dict"], traces["checkpoint"])
+    upto = len(runs["state_dict"]) if near_tie is None else near_tie.step - 1
+    assert same(runs["checkpoint"])[:upto] == same(runs["state_dict"])[:upto]
+    if near_tie is None:
+        wa, wb = _weights(finals["state_dict"]), _weights(finals["checkpoint"])
+        assert all(torch.equal(wa[k], wb[k]) for k in wa)
     synced = [m for _, m in runs["checkpoint"] if "sync/bytes" in m]
     assert synced and all(m["sync/bytes"] == 0 for m in synced)                  # nothing copied in memory
     assert all(m["sync/bytes"] > 0 for _, m in runs["state_dict"] if "sync/bytes" in m)
