@@ -67,7 +67,7 @@ def test_fault_retry_resume_through_the_deployment(stack):
     rl_runs["rl-stage-2"] = store.tracking_id("rl-stage-2")
     assert rl_runs["rl-stage-2"] is not None
     asyncio.run(attempt_process_exited(UUID(fid), attempts=2))
-    asyncio.run(retry_flow_run(fid, "classic"))      # the classic UI's Retry: RL stage 2 resumes, the run ends
+    asyncio.run(retry_flow_run(fid, "classic"))      # the classic UI's Retry: RL stage 2 again, the run ends
     assert asyncio.run(watch(UUID(fid), timeout_s=900, quiet=True)) == "Completed", stack.worker_log()
     summary = subprocess.run([str(ROOT / ".venv/bin/python"), "-m", "flows.client", "summary", fid], check=False,
                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -78,7 +78,7 @@ def test_fault_retry_resume_through_the_deployment(stack):
     # finished stages were reused, not recomputed
     assert {k: store.record(k) for k in first} == first
     assert store.record("rl-stage-1")["attempt"] == 2 and store.record("rl-stage-2")["attempt"] == 3
-    # each failed stage resumed in its own MLflow run: every step exactly once, in order
+    # each failed stage went on in the MLflow run it had started: every step exactly once, in order
     c = tracking.client(cfg)
     steps = {  # MLflow's step is the global RL step, counted on across the stages
         s.name: [stage_offset(cfg, i) + n for n in range(1, s.steps + 1)] for i, s in enumerate(cfg.rl.stages)}
