@@ -50,14 +50,16 @@ UI_RETRY_FORCE = {"v2": True, "classic": False}
 dialog; prefect/server/ui: retryFlowRun)."""
 
 
-async def retry_flow_run(flow_run_id: UUID | str, ui: str = "v2") -> None:
-    """What the Retry of Prefect's `ui` ("v2": the new UI, the default page; "classic") sends."""
+async def retry_flow_run(flow_run_id: UUID | str, ui: str = "v2") -> str:
+    """What the Retry of Prefect's `ui` ("v2": the new UI, the default page; "classic") sends. Returns the
+    server's answer ("ACCEPT", "REJECT", ...): the run's latest state may already be the worker's Pending."""
     if ui not in UI_RETRY_FORCE:
         raise ValueError(f"retry_flow_run: ui={ui!r}; valid: {sorted(UI_RETRY_FORCE)}")
     async with get_client() as c:
-        await c.set_flow_run_state(UUID(str(flow_run_id)),
-                                   Scheduled(name="AwaitingRetry", message="Retry from the UI"),
-                                   force=UI_RETRY_FORCE[ui])
+        result = await c.set_flow_run_state(UUID(str(flow_run_id)),
+                                            Scheduled(name="AwaitingRetry", message="Retry from the UI"),
+                                            force=UI_RETRY_FORCE[ui])
+    return result.status.value
 
 
 async def task_runs(c, flow_run_id: UUID) -> list:
@@ -194,7 +196,9 @@ def _main(argv: list[str] | None) -> int:
         state = asyncio.run(watch(fid, a.timeout, total=total))
     elif a.cmd == "retry":
         fid = UUID(a.flow_run_id)
-        asyncio.run(retry_flow_run(fid, a.ui))
+        answer = asyncio.run(retry_flow_run(fid, a.ui))
+        if answer != "ACCEPT":
+            raise SystemExit(f"retry of flow run {fid}: the server answered {answer}, the run was not rescheduled")
         state = asyncio.run(watch(fid))
     else:
         fid, state = UUID(a.flow_run_id), "Completed"
