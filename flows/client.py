@@ -50,16 +50,23 @@ UI_RETRY_FORCE = {"v2": True, "classic": False}
 dialog; prefect/server/ui: retryFlowRun)."""
 
 
-async def retry_flow_run(flow_run_id: UUID | str, ui: str = "v2") -> str:
-    """What the Retry of Prefect's `ui` ("v2": the new UI, the default page; "classic") sends. Returns the
-    server's answer ("ACCEPT", "REJECT", ...): the run's latest state may already be the worker's Pending."""
+class RetryRefused(RuntimeError):
+    """The server did not accept a retry (its answer and reason in the message); the run was not rescheduled."""
+
+
+async def retry_flow_run(flow_run_id: UUID | str, ui: str = "v2") -> None:
+    """What the Retry of Prefect's `ui` ("v2": the new UI, the default page; "classic") sends. Raises
+    RetryRefused when the server does not accept it. Once accepted, the run's latest state may already be the
+    worker's Pending rather than AwaitingRetry."""
     if ui not in UI_RETRY_FORCE:
         raise ValueError(f"retry_flow_run: ui={ui!r}; valid: {sorted(UI_RETRY_FORCE)}")
     async with get_client() as c:
         result = await c.set_flow_run_state(UUID(str(flow_run_id)),
                                             Scheduled(name="AwaitingRetry", message="Retry from the UI"),
                                             force=UI_RETRY_FORCE[ui])
-    return result.status.value
+    if result.status.value != "ACCEPT":
+        raise RetryRefused(f"retry of flow run {flow_run_id}: the server answered {result.status.value} "
+                           f"({getattr(result.details, 'reason', None) or 'no reason given'}); the run was not rescheduled")
 
 
 async def task_runs(c, flow_run_id: UUID) -> list:
@@ -196,9 +203,10 @@ def _main(argv: list[str] | None) -> int:
         state = asyncio.run(watch(fid, a.timeout, total=total))
     elif a.cmd == "retry":
         fid = UUID(a.flow_run_id)
-        answer = asyncio.run(retry_flow_run(fid, a.ui))
-        if answer != "ACCEPT":
-            raise SystemExit(f"retry of flow run {fid}: the server answered {answer}, the run was not rescheduled")
+        try:
+            asyncio.run(retry_flow_run(fid, a.ui))
+        except RetryRefused as e:
+            raise SystemExit(str(e)) from None
         state = asyncio.run(watch(fid))
     else:
         fid, state = UUID(a.flow_run_id), "Completed"
