@@ -282,23 +282,27 @@ RESULTS = INFRA.parent / "bench" / "results"
 """Where the committed benchmark JSONs are: the newest `*weight_sync*.json` gives `weight_push` its rates."""
 
 
-def _model_config(cfg: Any, read_model: bool) -> tuple[dict | None, str]:
-    """(the policy's config.json, where it came from or why it was not read)."""
+def _model_config(cfg: Any, read_model: bool, model_config: str | None = None) -> tuple[dict | None, str]:
+    """(the policy's config.json, where it came from or why it was not read); `model_config`: a local
+    config.json given in its place (`--model-config`)."""
     from rstar2_core import storage
     from rstar2_core.config.runtime_rules import is_node_local
 
+    if model_config:
+        return json.loads(Path(model_config).read_text()), f"{model_config} (--model-config)"
     if cfg.model.kind != "hf":
         return None, f"model.kind = \"{cfg.model.kind}\" is built by the base-model task: its size is known then"
     url = storage.join(cfg.model.name_or_path, "config.json")
     if not (read_model or is_node_local(cfg.model.name_or_path)):
-        return None, f"not read: `rstar2 plan --read-model` reads {url} from the store"
+        return None, (f"not read: `rstar2 plan --read-model` reads {url} from the store, `--model-config FILE` "
+                      "sizes it from a local config.json")
     try:
         return storage.read_json(url), url
     except Exception as e:  # noqa: BLE001 - any failure to read is reported, not fatal to the plan
         return None, f"{url} could not be read ({type(e).__name__}: {str(e)[:160]})"
 
 
-def weight_push(cfg: Any, read_model: bool = False) -> dict:
+def weight_push(cfg: Any, hf: dict | None, source: str) -> dict:
     """Bytes of one trainer -> engine weight push (the policy's parameters in model.dtype, from its
     config.json) and, per transport, the seconds one push would take at the rate the newest committed
     bench/weight_sync.py result measured (CPU rates: a GPU cluster's differ; nccl and ipc are unmeasured)."""
@@ -306,8 +310,7 @@ def weight_push(cfg: Any, read_model: bool = False) -> dict:
     from rstar2_core.models.param_count import param_bytes, param_count
 
     out: dict = {"weight_sync": resolved_weight_sync(cfg), "params": None, "bytes": None, "rates_from": None,
-                 "seconds_at_measured_rate": {}}
-    hf, out["source"] = _model_config(cfg, read_model)
+                 "seconds_at_measured_rate": {}, "source": source}
     if hf is not None:
         try:
             out["params"], out["bytes"] = param_count(hf), param_bytes(hf, cfg.model.dtype)
@@ -332,10 +335,12 @@ def object_store_problems(push: dict, nodes: list) -> list[str]:
             "\"ipc\"" for n in small]
 
 
-def build_plan(cfg: Any, nodes: list | None = None, read_model: bool = False) -> dict:
+def build_plan(cfg: Any, nodes: list | None = None, read_model: bool = False, model_config: str | None = None) -> dict:
     """Everything `rstar2 plan` prints, as a JSON-able dict; `nodes`: a live cluster's nodes to fit the
-    layout to (`--address`). Raises ConfigError when the layout cannot fit the config's cluster."""
+    layout to (`--address`); `model_config`: a local config.json sizing the policy (`--model-config`).
+    Raises ConfigError when the layout cannot fit the config's cluster."""
     from rstar2_core.config import ConfigError
+    from rstar2_core.runtime.cluster_plan import gpu_plan
     from rstar2_core.runtime.layout import LayoutError, compute_layout, driver_conflicts
 
     try:
@@ -346,7 +351,10 @@ def build_plan(cfg: Any, nodes: list | None = None, read_model: bool = False) ->
     if cfg.cluster.image:
         problems += infra_problems(cfg)
     live: list[str] = []
-    push = weight_push(cfg, read_model)
+    hf, source = _model_config(cfg, read_model, model_config)
+    push = weight_push(cfg, hf, source)
+    gpu = gpu_plan(cfg, hf, source)
+    problems += gpu["problems"]
     if nodes is not None:
         live, more = cluster_fit(cfg, layout, nodes)
         problems += more + object_store_problems(push, nodes)
@@ -354,7 +362,8 @@ def build_plan(cfg: Any, nodes: list | None = None, read_model: bool = False) ->
             "tracking_uri": cfg.resolved_tracking_uri(), "storage_root": cfg.resolved_storage_root(),
             "dag": [asdict(t) for t in recipe_dag(cfg)], "layout": layout.to_json(),
             "layout_summary": layout.describe(), "live_cluster": live, "label_check": label_check_cost(cfg),
-            "weight_push": push, "problems": problems}
+            "weight_push": push, "gpu_memory": gpu["gpu_memory"], "collectives": gpu["collectives"],
+            "problems": problems}
 
 
 def _fmt_res(t: dict) -> str:
@@ -391,6 +400,7 @@ def render(plan: dict, cfg: Any) -> str:
                          "not measured)")
     else:
         lines.append(f"  weight push ({push['weight_sync']}): size unknown: {push['source']}")
+    lines += render_gpu(plan["gpu_memory"], plan["collectives"])
     lc = plan.get("label_check")
     if lc:
         where = "holds the runtime slot" if cfg.cluster.runtime == "ray" else "in the curate task"
@@ -414,6 +424,32 @@ def render(plan: dict, cfg: Any) -> str:
     return "\n".join(lines)
 
 
+def render_gpu(mem: dict, coll: dict) -> list[str]:
+    """The GPU memory and collectives part of the human-readable plan."""
+    if "skipped" in mem:
+        return ["", f"GPU memory and collectives: not checked: {mem['skipped']}"]
+    lines = ["", f"GPU memory per GPU (device {mem['device_gb']:g} GB; model from {mem['source']}):"]
+    for phase in ("rollout", "update", "sft"):
+        parts = {k.split(".", 1)[1]: v for k, v in mem["parts"].items() if k.startswith(phase + ".")}
+        lines.append(f"  {phase:<8} peak {mem[phase + '_peak_gb']:7.1f} GB  "
+                     + ", ".join(f"{k} {v:.1f}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]) if v >= 0.05))
+    a = mem["assumptions"]
+    lines.append(f"  ({a['trainer_world']} trainer ranks; {a['rl_tokens_per_micro_batch']:,} RL / "
+                 f"{a['sft_tokens_per_micro_batch']:,} SFT tokens per micro-batch; an engine's KV cache holds "
+                 f"{a['engine_kv_capacity_tokens']:,} tokens, the longest sequence {a['longest_sequence_tokens']:,})")
+    def _t(b: float, s: float | None) -> str:
+        return f"{b / 1e12:.2f} TB" + (f" = {s:,.0f} s" if s is not None else " (no link speed: cluster.inter_node_gb_per_s)")
+    lines.append(f"collectives per trainer rank ({coll['assumes']}):")
+    lines.append(f"  RL update ({coll['update_stage']}): {_t(coll['update_bytes_per_rank'], coll['update_seconds'])}; "
+                 f"SFT step: {_t(coll['sft_bytes_per_rank'], coll['sft_seconds'])}")
+    for name, c in coll["hpz_compare"].items():
+        lines.append(f"  {name:<5} (zero_hpz_partition_size {c['zero_hpz_partition_size']}): across nodes "
+                     f"{c['inter_node_bytes'] / 1e12:.2f} TB, inside a node {c['intra_node_bytes'] / 1e12:.2f} TB"
+                     + (f", {c['seconds']:,.0f} s" if c["seconds"] is not None else "")
+                     + (f"; +{c['extra_memory_gb']:.1f} GB per GPU" if c["extra_memory_gb"] else ""))
+    return lines
+
+
 def _plan(args: argparse.Namespace) -> int:
     cfg = load(args)
     nodes = None
@@ -421,7 +457,7 @@ def _plan(args: argparse.Namespace) -> int:
         from rstar2_core.runtime.ray.connect import probe_cluster
 
         nodes = probe_cluster(args.address)
-    plan = build_plan(cfg, nodes, read_model=args.read_model)
+    plan = build_plan(cfg, nodes, read_model=args.read_model, model_config=args.model_config)
     print(json.dumps(plan, indent=1) if args.json else render(plan, cfg))
     return 1 if args.strict and plan["problems"] else 0
 
@@ -436,4 +472,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--read-model", action="store_true",
                    help="read the policy's config.json from the store (a remote model.name_or_path) to size the "
                         "weight push; a local checkpoint is always read")
+    p.add_argument("--model-config", default=None, metavar="CONFIG_JSON",
+                   help="a local config.json that sizes the policy in place of model.name_or_path's (e.g. "
+                        "configs/models/Qwen3-14B-Base.config.json): GPU memory, collectives, weight push")
     p.set_defaults(func=_plan)

@@ -55,6 +55,7 @@ ALLOWED: dict[str, str] = {
     "rl.prompts_per_step": "prompts per step",
     "rl.grpo.group_size": "rollouts kept per prompt (the oversampling factor stays)",
     "rl.max_tokens_per_micro_batch": "tokens per micro-batch (the shorter responses)",
+    "rl.zero_hpz_partition_size": "a node of 1 logical GPU has no partition inside it (hpZ needs the node's GPUs)",
     "rl.stages.*.steps": "steps per stage",
     "rl.stages.*.max_response_tokens": "response lengths (still growing across the stages)",
     "rl.stages.*.max_turns": "turns (still growing into stage 3)",

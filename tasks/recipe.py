@@ -34,7 +34,7 @@ def preflight(cfg: Config, kind: str = "recipe") -> None:
     if dead_s3:     # every object check would wait out botocore's retries against it: name the endpoint once
         raise ConfigError("the recipe cannot start:\n  " + "\n  ".join([dead_s3, *endpoint_problems(cfg)]))
     with storage.outage_budget(0):  # a check fails at once on a store that does not answer (StoreUnavailable)
-        problems = [*_recipe_input_problems(cfg)] if kind == "recipe" else []
+        problems = [*_recipe_input_problems(cfg), *gpu_memory_problems(cfg)] if kind == "recipe" else []
         for i, b in enumerate(cfg.eval.benchmarks):
             if b.url and not storage.exists(b.url):
                 problems.append(f"eval.benchmarks.{i}.url = {b.url!r} ({b.name}) does not exist; fix the URL "
@@ -80,6 +80,29 @@ def _recipe_input_problems(cfg: Config) -> list[str]:
     if not cfg.data.sources and not cfg.data.synthetic.enabled:
         problems.append("no training data: add data.sources or set data.synthetic.enabled = true")
     return problems
+
+
+def gpu_memory_problems(cfg: Config) -> list[str]:
+    """Where the run's GPUs would run out of memory (rstar2_core/runtime/cluster_plan.py): sized from the
+    policy's config.json in the store. Nothing to check on CPUs, logical GPUs or without
+    `cluster.gpu_memory_gb` (`rstar2 plan` says so); a model missing from the store is named by the input
+    check, a config.json that cannot be read or sized is a problem here."""
+    from rstar2_core.runtime.cluster_plan import gpu_plan, skip_reason
+
+    if cfg.model.kind != "hf" or skip_reason(cfg, {}, "") is not None:
+        return []
+    url = storage.join(cfg.model.name_or_path, "config.json")
+    if not storage.exists(url):
+        return []
+    try:
+        hf = storage.read_json(url)
+    except ValueError as e:
+        return [f"{url} is not a readable config.json ({e}); the GPU memory check needs it: fix model.name_or_path"]
+    plan = gpu_plan(cfg, hf, url)
+    if "skipped" in plan["gpu_memory"]:
+        return [(f"GPU memory cannot be checked: {plan['gpu_memory']['skipped']}; add the model's layout to "
+                 "rstar2_core/models/param_count.py, or unset cluster.gpu_memory_gb to run unchecked")]
+    return plan["problems"]
 
 
 ENDPOINT_TIMEOUT_S = 5.0

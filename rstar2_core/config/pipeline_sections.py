@@ -186,6 +186,19 @@ class ClusterConfig(_Section):
     are the GPU layout's (`gpus_per_node` GPU bundles per node), but engines and trainer shards compute on
     the CPU (gloo, float32, HF or vLLM's CPU build, TP 1). False on a real GPU cluster, where an actor that
     sees no GPU fails instead of silently running on the CPU."""
+    gpu_memory_gb: float | None = Field(None, gt=0)
+    """Memory of one GPU in GiB, as torch reports it (`torch.cuda.get_device_properties(0).total_memory /
+    2**30`: MI300X 192, H100 79.6, H200 139.8). `rstar2 plan` and preflight size every GPU's peak against it
+    (rstar2_core/runtime/gpu_memory.py) and refuse a profile that does not fit; None on GPU nodes = the
+    check is skipped, and plan says so."""
+    inter_node_gb_per_s: float | None = Field(None, gt=0)
+    """Bandwidth one GPU gets to other nodes in GB/s (its NIC: 400 Gb/s RoCE/InfiniBand = 50), as the
+    operator states it: `rstar2 plan` turns each RL update's and SFT step's collective bytes into
+    seconds with it (rstar2_core/runtime/collectives.py). None = bytes only."""
+    intra_node_gb_per_s: float | None = Field(None, gt=0)
+    """Bandwidth between GPUs of one node in GB/s per GPU (MI300X Infinity Fabric: 7 links x 64 = 448;
+    H100 NVLink: 450), as the operator states it: prices the collectives that stay inside a node (ZeRO++
+    hpZ's gathers). None = bytes only."""
     actor_torch_threads: int = Field(0, ge=0)
     """torch intra-op threads of each engine and trainer actor; 0 = 1 on CPU-only clusters (several
     actors share the cores: more threads each only add contention) and torch's default on GPU nodes."""

@@ -151,6 +151,11 @@ class RLConfig(_Section):
     """Actor training backend: `torch` (CPU/one GPU) or `deepspeed` ZeRO."""
     zero_stage: Literal[0, 1, 2, 3] = 2
     """DeepSpeed ZeRO stage for the actor (3 for 14B); with backend = "torch" only the default is accepted."""
+    zero_hpz_partition_size: int = Field(1, ge=1)
+    """DeepSpeed ZeRO++ hierarchical partitioning (hpZ, ZeRO-3 only): each rank also keeps the parameters
+    partitioned over this many ranks (one node's GPUs: cluster.gpus_per_node), so the backward's and the
+    recompute's gathers stay inside the node and only the forward's crosses the network. Costs
+    2/this of the model's bytes per GPU; 1 = off. `rstar2 plan` compares both (its `collectives`)."""
     seed: int = 0
     """Seed of prompt sampling, rollout sampling and resampling."""
     max_infra_failure_share: float = Field(0.1, ge=0.0, le=1.0)

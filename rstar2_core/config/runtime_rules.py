@@ -74,6 +74,13 @@ def runtime_problems(cfg: Any) -> list[str]:
         if sec.backend == "torch" and sec.zero_stage != type(sec).model_fields["zero_stage"].default:
             p.append(f"{section}.zero_stage = {sec.zero_stage} applies to {section}.backend = \"deepspeed\"; the torch "
                      f"backend has no ZeRO: remove it or set {section}.backend = \"deepspeed\"")
+        hpz = sec.zero_hpz_partition_size
+        if hpz > 1 and (sec.backend != "deepspeed" or sec.zero_stage != 3):
+            p.append(f"{section}.zero_hpz_partition_size = {hpz} is ZeRO++ hpZ, a DeepSpeed ZeRO-3 feature: set "
+                     f"{section}.backend = \"deepspeed\" and {section}.zero_stage = 3, or remove it")
+        elif hpz > 1 and cl.gpus_per_node and (cl.gpus_per_node % hpz or hpz > cl.gpus_per_node):
+            p.append(f"{section}.zero_hpz_partition_size = {hpz} must divide cluster.gpus_per_node = "
+                     f"{cl.gpus_per_node} (a secondary partition stays inside one node); set it to {cl.gpus_per_node}")
     if cfg.rl.max_staleness and ro.release_memory_during_training:
         p.append(f"rl.max_staleness = {cfg.rl.max_staleness} keeps the engines rolling out while the trainer steps, "
                  "so they cannot release their memory to it: set rollout.release_memory_during_training = false "

@@ -144,7 +144,8 @@ def backend_options(train_cfg: Any, model_cfg: Any, *, total_steps: int, warmup_
                            "gradient_checkpointing": bool(model_cfg.gradient_checkpointing),
                            "head_kernel": model_cfg.head_kernel}
     if kind == "deepspeed":
-        out.update(zero_stage=train_cfg.zero_stage, micro_batch_size=train_cfg.micro_batch_size or 1)
+        out.update(zero_stage=train_cfg.zero_stage, micro_batch_size=train_cfg.micro_batch_size or 1,
+                   hpz_partition_size=train_cfg.zero_hpz_partition_size)
     elif kind != "torch":
         raise ValueError(f"unknown training backend {kind!r}; valid: ['torch', 'deepspeed']")
     return out

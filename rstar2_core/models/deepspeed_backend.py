@@ -30,13 +30,17 @@ _DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 
 def deepspeed_config(*, zero_stage: int, grad_clip: float, bf16: bool, micro_batch_size: int = 1,
-                     world_size: int = 1, reduce_bucket_size: int = 50_000_000) -> dict:
+                     world_size: int = 1, reduce_bucket_size: int = 50_000_000, hpz_partition_size: int = 1) -> dict:
     """The DeepSpeed JSON config for our backend (pure; `deepspeed.initialize(config=...)`).
 
     `train_micro_batch_size_per_gpu` only feeds DeepSpeed's sample counters: batching and accumulation
-    are ours (managed_gradient_accumulation = false)."""
+    are ours (managed_gradient_accumulation = false). `hpz_partition_size` > 1: ZeRO++ hpZ (ZeRO-3 only; it
+    must divide `world_size`)."""
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage={zero_stage}: DeepSpeed ZeRO stages are 0, 1, 2, 3")
+    if hpz_partition_size > 1 and (zero_stage != 3 or world_size % hpz_partition_size):
+        raise ValueError(f"zero_hpz_partition_size={hpz_partition_size} needs ZeRO-3 and a world size it divides "
+                         f"(zero_stage={zero_stage}, world_size={world_size})")
     zero: dict[str, Any] = {"stage": zero_stage}
     if zero_stage in (1, 2):
         zero.update(contiguous_gradients=True, overlap_comm=False, reduce_scatter=True,
@@ -45,6 +49,8 @@ def deepspeed_config(*, zero_stage: int, grad_clip: float, bf16: bool, micro_bat
         zero.update(stage3_gather_16bit_weights_on_model_save=True, overlap_comm=True,
                     reduce_bucket_size=reduce_bucket_size, stage3_prefetch_bucket_size=reduce_bucket_size,
                     stage3_param_persistence_threshold=100_000)
+        if hpz_partition_size > 1:
+            zero["zero_hpz_partition_size"] = hpz_partition_size
     return {
         "train_micro_batch_size_per_gpu": micro_batch_size,
         "gradient_accumulation_steps": 1,
@@ -100,7 +106,7 @@ class DeepSpeedBackend:
                  warmup_steps: int = 0, schedule: str = "cosine", weight_decay: float = 0.0,
                  betas: tuple[float, float] = (0.9, 0.999), grad_clip: float = 1.0, min_lr_ratio: float = 0.0,
                  bf16: bool | None = None, gradient_checkpointing: bool = False, head_kernel: str = "auto",
-                 dist_backend: str | None = None, micro_batch_size: int = 1):
+                 dist_backend: str | None = None, micro_batch_size: int = 1, hpz_partition_size: int = 1):
         import deepspeed
 
         if schedule not in SCHEDULES:
@@ -127,7 +133,8 @@ class DeepSpeedBackend:
         self.global_step = 0
         world = torch.distributed.get_world_size()
         self.config = deepspeed_config(zero_stage=zero_stage, grad_clip=grad_clip, bf16=self.bf16,
-                                       micro_batch_size=micro_batch_size, world_size=world)
+                                       micro_batch_size=micro_batch_size, world_size=world,
+                                       hpz_partition_size=hpz_partition_size)
         params = [p for p in model.parameters() if p.requires_grad]
         if zero_stage == 0 and not self.bf16:
             opt = _ClippingAdamW(params, grad_clip=grad_clip, lr=lr, betas=tuple(betas), weight_decay=weight_decay)

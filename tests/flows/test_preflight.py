@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from s3_server import moto_s3
@@ -90,3 +91,22 @@ def test_a_prefect_api_that_does_not_answer_is_named_in_one_line(cmd):
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert url.rstrip("/") in r.stderr and "does not answer" in r.stderr and "PREFECT_API_URL" in r.stderr, r.stderr
 
+
+
+def test_a_profile_whose_gpus_run_out_of_memory_is_refused_with_the_setting_named():
+    """Preflight sizes each GPU from the base model's config.json in the store (Qwen3-14B-Base's): the production
+    profile fits; engines awake at 0.99 of the GPU do not, and the error names the setting."""
+    import boto3
+
+    qwen3 = (Path(__file__).resolve().parents[2] / "configs" / "models" / "Qwen3-14B-Base.config.json").read_bytes()
+    with moto_s3("rstar2-models", REGION) as s3:          # moto's buckets are per process: a new name
+        boto3.client("s3", endpoint_url=s3, region_name=REGION).put_object(Bucket="rstar2-models", Key="Qwen3-14B-Base/config.json", Body=qwen3)
+        base = [f'storage.s3_endpoint_url="{s3}"', f'storage.s3_region="{REGION}"']
+        errors = []
+        for over in ([], ["rollout.gpu_memory_utilization=0.99"]):
+            with pytest.raises(ConfigError) as e:       # the data and the services are missing in both
+                preflight(load_config("qwen3-14b-mi300x", [*base, *over]))
+            errors.append(str(e.value))
+    fits, overflows = errors
+    assert "data.sources.0.url" in fits and "GPU memory" not in fits
+    assert "GPU memory: the update peak" in overflows and "rollout.gpu_memory_utilization <=" in overflows

@@ -77,7 +77,8 @@ class TrainerShardActor:
             init_single_process_distributed("nccl" if device == "cuda" else "gloo")   # zero.Init needs the group
             ds = deepspeed_config(zero_stage=3, grad_clip=self.backend_options["grad_clip"], bf16=device == "cuda",
                                   micro_batch_size=self.backend_options.get("micro_batch_size", 1),
-                                  world_size=self.world)
+                                  world_size=self.world,
+                                  hpz_partition_size=self.backend_options.get("hpz_partition_size", 1))
             self._hf_ds = HfDeepSpeedConfig(ds)   # kept alive: from_pretrained then builds under zero.Init
         model = self.model_factory()
         model = model.to(device)

@@ -41,14 +41,14 @@ def test_infra_agrees_with_the_production_profile(prod):
 
 @pytest.mark.parametrize("override, needle", [
     ("cluster.nodes=4", "GPU worker replicas is 8, the profile says 4"),
-    ("cluster.gpus_per_node=4", "num-gpus is 8"),
+    ("cluster.gpus_per_node=4 rl.zero_hpz_partition_size=4", "num-gpus is 8"),
     ("cluster.cpus_per_node=96", "num-cpus is 128"),
     ("cluster.image=\"ghcr.io/other/img:1\"", "image is 'ghcr.io/rstar2/rstar2-rocm:0.1.0'"),
     ("tracking.tracking_uri=\"http://mlflow.other.svc:5001\"", "MLFLOW_TRACKING_URI"),
     ("cluster.ray_address=\"ray://head:10001\"", "RAY_ADDRESS"),
 ])
 def test_infra_check_catches_each_mismatch(override, needle):
-    cfg = load_config("qwen3-14b-mi300x", [override, "rollout.num_engines=8"])
+    cfg = load_config("qwen3-14b-mi300x", [*override.split(" "), "rollout.num_engines=8"])
     problems = infra_problems(cfg)
     assert any(needle in p for p in problems), problems
 

@@ -4,6 +4,7 @@ matches the flow's task names, and fails fast on a layout that cannot fit."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -142,12 +143,36 @@ def test_the_weight_push_is_sized_from_the_policys_config_and_timed_at_the_measu
                                                 "checkpoint": pytest.approx(29.54, abs=0.01)}
     assert main(["plan", "--profile", "tiny", *over]) == 0
     assert "59.07 GB per push" in capsys.readouterr().out
-    remote = plan_mod.weight_push(load_config("qwen3-14b-mi300x"))
+    prod = load_config("qwen3-14b-mi300x")
+    remote = plan_mod.weight_push(prod, *plan_mod._model_config(prod, False))
     assert remote["bytes"] is None and "--read-model" in remote["source"]
     cfg = load_config("tiny", ['model.kind="hf"', f'model.name_or_path="{ckpt}"', 'cluster.runtime="ray"',
                                'rl.backend="deepspeed"', 'sft.backend="deepspeed"', 'sandbox.backend="ray"',
                                'rollout.weight_sync="object_store"'])
     big = NodeResources("a" * 16, "10.0.0.1", {"object_store_memory": 200e9}, {}, True)
     small = NodeResources("b" * 16, "10.0.0.2", {"object_store_memory": 30e9}, {})
-    (problem,) = plan_mod.object_store_problems(plan_mod.weight_push(cfg), [big, small])
+    (problem,) = plan_mod.object_store_problems(plan_mod.weight_push(cfg, *plan_mod._model_config(cfg, False)),
+                                                [big, small])
     assert "59.1 GB" in problem and "node bbbbbbbb" in problem and '"checkpoint"' in problem
+
+
+QWEN3_CONFIG = str(Path(__file__).resolve().parents[3] / "configs" / "models" / "Qwen3-14B-Base.config.json")
+
+
+def test_plan_gives_each_gpus_memory_and_the_collectives_and_refuses_what_does_not_fit(capsys):
+    """Given Qwen3-14B's config.json the production plan has per-GPU memory by part and each rank's traffic, and
+    fits (--strict exits 0); engines awake at 0.99 of the GPU are a problem naming the setting (exit 1); without a
+    config.json the check says it was skipped and why."""
+    rc, plan = _plan_json(capsys, "--profile", "qwen3-14b-mi300x", "--model-config", QWEN3_CONFIG, "--strict")
+    mem, coll = plan["gpu_memory"], plan["collectives"]
+    assert rc == 0 and plan["problems"] == []
+    assert mem["device_gb"] == 192 and 0 < mem["rollout_peak_gb"] <= 192 and 0 < mem["update_peak_gb"] <= 192
+    assert {k.split(".")[0] for k in mem["parts"]} == {"rollout", "update", "sft"}
+    assert coll["update_bytes_per_rank"] > 0 and coll["update_seconds"] > 0
+    assert main(["plan", "--profile", "qwen3-14b-mi300x", "--model-config", QWEN3_CONFIG, "--strict",
+                 "--set", "rollout.gpu_memory_utilization=0.99"]) == 1
+    out = capsys.readouterr().out
+    assert "GPU memory: the update peak" in out and "rollout.gpu_memory_utilization <=" in out
+    assert main(["plan", "--profile", "qwen3-14b-mi300x"]) == 0
+    out = capsys.readouterr().out
+    assert "GPU memory and collectives: not checked" in out and "--model-config" in out
