@@ -227,10 +227,11 @@ def _runtime_slot_problems(cfg: Any, rc: dict, up: dict) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------- output
-def cluster_fit(cfg: Any, layout: Any, nodes: list) -> tuple[list[str], list[str]]:
+def cluster_fit(cfg: Any, layout: Any, nodes: list, address: str | None = None) -> tuple[list[str], list[str]]:
     """(lines, problems) of the layout against a live cluster's nodes: whether its placement groups fit the
     nodes' resources (and fit what is free now), and, for the Ray runtime, whether a node offers the
-    `rstar2_runtime` unit with the CPUs of the task that drives the RL stage."""
+    `rstar2_runtime` unit with the CPUs of the task that drives the RL stage; with the cluster's `address`,
+    the device check (runtime/ray/device_check.py: each GPU bundle binds its own device, by identity)."""
     from rstar2_core.runtime.layout import describe_nodes, fit_layout
     from rstar2_core.runtime.ray.connect import RUNTIME_RESOURCE
 
@@ -253,6 +254,12 @@ def cluster_fit(cfg: Any, layout: Any, nodes: list) -> tuple[list[str], list[str
         elif not any(n.total.get("CPU", 0) >= cpus for n in slot):
             problems.append(f"the node with {RUNTIME_RESOURCE} has fewer than the {cpus:g} CPUs of the RL task "
                             "(cluster.resources.rl.num_cpus)")
+    if address is not None:
+        from rstar2_core.runtime.ray.device_check import live_device_check
+
+        more_lines, more = live_device_check(address, layout, nodes)
+        lines += [f"  {x}" for x in more_lines]
+        problems += more
     return lines, problems
 
 
@@ -335,10 +342,11 @@ def object_store_problems(push: dict, nodes: list) -> list[str]:
             "\"ipc\"" for n in small]
 
 
-def build_plan(cfg: Any, nodes: list | None = None, read_model: bool = False, model_config: str | None = None) -> dict:
+def build_plan(cfg: Any, nodes: list | None = None, read_model: bool = False, address: str | None = None,
+               model_config: str | None = None) -> dict:
     """Everything `rstar2 plan` prints, as a JSON-able dict; `nodes`: a live cluster's nodes to fit the
-    layout to (`--address`); `model_config`: a local config.json sizing the policy (`--model-config`).
-    Raises ConfigError when the layout cannot fit the config's cluster."""
+    layout to (`--address`; with its `address`, also its devices); `model_config`: a local config.json sizing
+    the policy (`--model-config`). Raises ConfigError when the layout cannot fit the config's cluster."""
     from rstar2_core.config import ConfigError
     from rstar2_core.runtime.cluster_plan import gpu_plan
     from rstar2_core.runtime.layout import LayoutError, compute_layout, driver_conflicts
@@ -356,7 +364,7 @@ def build_plan(cfg: Any, nodes: list | None = None, read_model: bool = False, mo
     gpu = gpu_plan(cfg, hf, source)
     problems += gpu["problems"]
     if nodes is not None:
-        live, more = cluster_fit(cfg, layout, nodes)
+        live, more = cluster_fit(cfg, layout, nodes, address)
         problems += more + object_store_problems(push, nodes)
     return {"profile": cfg.profile, "image": cfg.cluster.image, "ray_address": cfg.cluster.ray_address,
             "tracking_uri": cfg.resolved_tracking_uri(), "storage_root": cfg.resolved_storage_root(),
@@ -457,7 +465,7 @@ def _plan(args: argparse.Namespace) -> int:
         from rstar2_core.runtime.ray.connect import probe_cluster
 
         nodes = probe_cluster(args.address)
-    plan = build_plan(cfg, nodes, read_model=args.read_model, model_config=args.model_config)
+    plan = build_plan(cfg, nodes, read_model=args.read_model, address=args.address, model_config=args.model_config)
     print(json.dumps(plan, indent=1) if args.json else render(plan, cfg))
     return 1 if args.strict and plan["problems"] else 0
 
@@ -468,7 +476,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--strict", action="store_true", help="exit 1 when a problem is found")
     p.add_argument("--address", default=None,
-                   help="a live Ray cluster (host:port): also say whether the layout fits its nodes")
+                   help="a live Ray cluster (host:port): also say whether the layout fits its nodes and, on "
+                        "real GPUs, whether each GPU bundle binds its own device (probes placed for a moment)")
     p.add_argument("--read-model", action="store_true",
                    help="read the policy's config.json from the store (a remote model.name_or_path) to size the "
                         "weight push; a local checkpoint is always read")

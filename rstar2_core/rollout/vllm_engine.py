@@ -102,6 +102,24 @@ class WeightSyncExtension:
         self.reload_weights(weights_iterator=iter(state_dict.items()), is_checkpoint_format=True)
         return len(state_dict)
 
+    def rstar2_device(self) -> dict:
+        """This worker's GPU as plain properties (the runtime turns them into an identity and checks them:
+        runtime/devices.py): `uuid` and the PCI address of the device it computes on (`self.device`, which
+        vLLM set; not the calling thread's current device), and `ray_gpu`, the GPU vLLM took for this
+        worker from its Ray executor's assignment (None outside vLLM's Ray executor)."""
+        import torch
+
+        device = getattr(self, "device", None)
+        index = device.index if isinstance(device, torch.device) and device.index is not None \
+            else torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(index)
+        out = {k: getattr(props, k, None) for k in ("pci_domain_id", "pci_bus_id", "pci_device_id")}
+        ids = self.vllm_config.parallel_config.assigned_physical_gpu_ids
+        rank = getattr(self, "local_rank", 0)
+        out.update(uuid=str(getattr(props, "uuid", "") or ""), name=props.name,
+                   ray_gpu=str(ids[rank]) if ids is not None and rank < len(ids) else None)
+        return out
+
 
 class VLLMEngine:
     """`Engine` over vLLM's AsyncLLM (see module docstring).
@@ -247,6 +265,10 @@ class VLLMEngine:
         """Wall seconds with at least one request running (vLLM batches them: the engine's busy time)."""
         extra = time.perf_counter() - self._busy_since if self._inflight else 0.0
         return self._busy_s + extra
+
+    def worker_devices(self) -> list[dict]:
+        """Each worker's GPU (`WeightSyncExtension.rstar2_device`), in the executor's worker order."""
+        return list(self._call(self._engine.collective_rpc("rstar2_device")))
 
     # ------------------------------------------------------------------- worker-extension weight updates
     def update_weights(self, weights: dict[str, Any] | str) -> None:

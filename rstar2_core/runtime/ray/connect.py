@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from rstar2_core.config.pipeline_sections import ClusterConfig
 
@@ -61,25 +63,33 @@ def disconnect_ray() -> None:
         ray.shutdown()
 
 
-def probe_cluster(address: str) -> list:
-    """The live nodes (`layout.NodeResources`, head first) of the Ray cluster at `address` (`host:port` of
-    its GCS), read through a short driver connection of this process (which must not be connected to
-    another Ray): run it where a driver can run, e.g. on the head, with the cluster's Ray version."""
+@contextmanager
+def driver_connection(address: str) -> Iterator[None]:
+    """A short driver connection of this process (which must not be connected to another Ray) to the Ray
+    cluster at `address` (`host:port` of its GCS), ended on leaving: run it where a driver can run, e.g. on
+    the head, with the cluster's Ray version."""
     if address.startswith("ray://"):
         raise ValueError(f"--address {address}: give the GCS address (host:6379) and run where a Ray driver can "
                          "connect (e.g. on the head); a Ray Client (ray://) connection is not used")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
 
-    from rstar2_core.runtime.ray.placement import live_nodes
-
     if ray.is_initialized():
         raise RuntimeError("this process is already connected to a Ray cluster")
     ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
-        return live_nodes()
+        yield
     finally:
         ray.shutdown()
+
+
+def probe_cluster(address: str) -> list:
+    """The live nodes (`layout.NodeResources`, head first) of the Ray cluster at `address`, read through a
+    `driver_connection`."""
+    with driver_connection(address):
+        from rstar2_core.runtime.ray.placement import live_nodes
+
+        return live_nodes()
 
 
 def holds_runtime_slot() -> bool:

@@ -35,14 +35,27 @@ VISIBLE_DEVICE_VARS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISI
 
 def clear_visible_devices(spec: EngineSpec | None, environ: dict | None = None) -> list[str]:
     """Drop the visible-device variables in an engine actor whose TP workers vLLM places with its own Ray
-    executor (`distributed_executor_backend="ray"`, the actor itself holds no GPU): Ray set them to none
-    for this actor, and vLLM would otherwise see no device to plan its workers on (vLLM's examples/rl
-    clear them the same way; ROCm images also set Ray's RAY_EXPERIMENTAL_NOSET_*_VISIBLE_DEVICES). The
-    workers get their own devices from their bundles. Returns the names removed."""
+    executor (`distributed_executor_backend="ray"`, the actor itself holds no GPU): whatever they say here
+    (empty, where Ray sets them for an actor with no GPU: older Ray, or RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO;
+    or what the node set) is not this engine's GPUs, and vLLM would plan its workers on it (vLLM's
+    examples/rl clear them the same way). The workers are separate Ray actors: they inherit the node's
+    variables, not these, and vLLM binds each to the GPU it took from their Ray ids (docs/ray-runtime.md,
+    "Devices by identity"). Returns the names removed."""
     env = os.environ if environ is None else environ
     if spec is None or spec.distributed_executor_backend != "ray":
         return []
     return [k for k in VISIBLE_DEVICE_VARS if env.pop(k, None) is not None]
+
+
+def bind_engine(spec: EngineSpec | None):
+    """On real GPUs, an engine with TP 1 narrows its visibility variables to the GPU Ray assigned it, so
+    that the engine's device 0 is that GPU (runtime/ray/device_binding.py; returns the `DeviceBinding`).
+    None elsewhere: CPU and logical-GPU engines, and TP > 1 engines, whose workers vLLM's Ray executor binds."""
+    if spec is None or spec.device != "cuda" or spec.distributed_executor_backend == "ray":
+        return None
+    from rstar2_core.runtime.ray.device_binding import bind_engine_device
+
+    return bind_engine_device()
 
 
 def set_torch_threads(threads: int) -> None:
@@ -62,6 +75,7 @@ class EngineActor:
             storage.configure_s3(**storage_s3)      # the driver's S3 endpoint: the engine loads its checkpoint
         set_torch_threads(threads)
         clear_visible_devices(spec)
+        self.binding = bind_engine(spec)
         self.engine = factory() if factory is not None else build_engine(spec)
         self._fail = False
 
@@ -100,6 +114,12 @@ class EngineActor:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def device_reports(self, name: str) -> list:
+        """The devices this engine computes on, by identity (runtime/ray/device_check.py); real GPUs only."""
+        from rstar2_core.runtime.ray.device_binding import engine_reports
+
+        return engine_reports(name, self.engine)
 
     async def close(self) -> None:
         await self.engine.close()

@@ -1,7 +1,8 @@
 """`RayRuntime`: the `StageRuntime` (runtime/protocol.py) on a Ray cluster, built from a `RuntimeSpec`.
 
 Start order: Ray -> one placement group per node -> trainer shards (before the engines reserve KV-cache
-memory) -> inference engines -> the sandbox pool on the layout's sandbox bundles -> the grader pool in
+memory) -> inference engines -> on real GPUs, the device check (each actor's device by identity,
+runtime/ray/device_check.py) -> the sandbox pool on the layout's sandbox bundles -> the grader pool in
 this driver process. Invariant: whatever started is stopped on every failure path and on leaving the
 `async with` (each cleanup step runs even when one before it fails; a cleanup error never replaces the
 error being raised), and one runtime per process holds the cluster at a time (`_OPEN`).
@@ -27,6 +28,7 @@ from rstar2_core.config.rollout_sections import SandboxConfig
 from rstar2_core.config.runtime_rules import computes_on_gpu
 from rstar2_core.runtime.protocol import OwnedGrader, RuntimeUsage, WeightSyncReport
 from rstar2_core.runtime.ray.connect import ensure_ray, holds_runtime_slot
+from rstar2_core.runtime.ray.device_check import check_runtime_devices
 from rstar2_core.runtime.ray.engine_actors import RemoteEngine, start_engines
 from rstar2_core.runtime.ray.node_kill import kill_local_raylet
 from rstar2_core.runtime.ray.placement import (
@@ -119,6 +121,10 @@ class RayRuntime:
             if spec.engines:
                 self.engines = start_engines(self.group, self.layout, None if engine_factory else spec.engines,
                                              threads=threads, factory=engine_factory, ready_timeout_s=timeout)
+            if self.layout.device == "cuda" and (self.trainer is not None or self.engines):
+                reports = check_runtime_devices(self.group, self.trainer, self.engines)   # DeviceConflict
+                log.info("devices by identity: %s", "; ".join(f"{r.actor} {r.node} Ray GPU {r.ray_gpu} = {r.device}"
+                                                               for r in reports))
             if spec.sandbox is not None:
                 placements = [(self.group.pg(s.node), s.bundle_index, s.cpus) for s in self.layout.sandbox_actors]
                 self.sandbox = (sandbox_factory or _ray_sandbox)(spec.sandbox, placements)

@@ -46,6 +46,7 @@ class TrainerShardActor:
         self.model_factory, self.backend_options = model_factory, dict(backend_options)
         self.step_body, self.threads = step, threads
         self.backend = None
+        self.binding = None       # the device bound in `init` on real GPUs (runtime/devices.DeviceBinding)
         self.busy_s = 0.0
 
     def address(self) -> tuple[str, int]:
@@ -69,6 +70,12 @@ class TrainerShardActor:
             raise RuntimeError(f"trainer rank {self.rank} was placed on a GPU bundle but sees no GPU "
                                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); on a cluster "
                                "whose GPUs are logical Ray resources set cluster.logical_gpus = true")
+        if device == "cuda":      # the GPU Ray assigned, by position in what this process sees (device_binding.py)
+            from rstar2_core.runtime.ray.device_binding import bind_trainer_device
+
+            self.binding = bind_trainer_device()
+            os.environ["LOCAL_RANK"] = str(self.binding.index)    # what DeepSpeed binds
+            device = f"cuda:{self.binding.index}"
         if self.backend_options.get("zero_stage") == 3:
             from transformers.integrations import HfDeepSpeedConfig
 
@@ -84,6 +91,12 @@ class TrainerShardActor:
         model = model.to(device)
         self.backend = DeepSpeedBackend(model, **self.backend_options)
         return os.getpid()
+
+    def device_report(self, name: str):
+        """This rank's device by identity (runtime/ray/device_check.py); only on real GPUs."""
+        from rstar2_core.runtime.ray.device_binding import local_report
+
+        return local_report(name, self.binding.index)
 
     def update(self, items: list, kwargs: dict) -> dict:
         """This rank's share of one optimizer step (the stage's `TrainerStep.update`)."""
