@@ -311,7 +311,7 @@ def train_paths(model, backend, device: torch.device, quick: bool, peak: float, 
     from train_step import sft_rows as mix_rows
     from train_step import trajectories as mix_trajectories
 
-    from rstar2_core.models.packed_attention import attention_kernel, default_kernel
+    from rstar2_core.models.packed_attention import resolve_kernel
     from rstar2_core.rl.trainer import rl_update
     from rstar2_core.sft.step import sft_update
 
@@ -320,14 +320,16 @@ def train_paths(model, backend, device: torch.device, quick: bool, peak: float, 
     budget_tokens = min(budget_tokens, 4 * seq)
     steps = 1 if quick else 2
     arms = {"old": ("segments", {"micro_batch_size": 8}, {"micro_batch_size": 2}),
-            "new": (default_kernel(device), {"micro_batch_size": None, "max_tokens_per_micro_batch": budget_tokens},
+            "new": (resolve_kernel("auto", device), {"micro_batch_size": None, "max_tokens_per_micro_batch": budget_tokens},
                     {"micro_batch_size": None, "max_tokens_per_micro_batch": budget_tokens})}
     out: dict = {"budget_tokens": budget_tokens, "mix": {"trajectories": count, "cap": cap, "system": system, "seq": seq}}
+    before = backend.attention_kernel
     for arm, (kernel, rl_kw, sft_kw) in arms.items():
         seed0 = 0 if arm == "old" else 1000                     # each arm on its own rows
         rl_s = sft_s = 0.0
         rl_tok = sft_flop = 0.0
-        with attention_kernel(kernel):
+        backend.attention_kernel = kernel                       # what model.attention_kernel sets
+        try:
             for i in range(steps + 1):
                 trajs = mix_trajectories(count, cap, system, vocab, seed=seed0 + i)
                 adv = [1.0 if j % 2 else -1.0 for j in range(count)]
@@ -341,6 +343,8 @@ def train_paths(model, backend, device: torch.device, quick: bool, peak: float, 
                     rl_tok += sum(len(t.prompt_ids) + len(t.response_ids) for t in trajs)
                     sft_s += s2
                     sft_flop += sft_flops(model, box["sft/computed_tokens"], box["sft/label_tokens"])
+        finally:
+            backend.attention_kernel = before
         out[arm] = {"kernel": kernel, "rl_update_tokens_per_s": rl_tok / rl_s,
                     "rl_update_mfu": 8 * n * rl_tok / rl_s / (peak * 1e12), "sft_mfu": sft_flop / sft_s / (peak * 1e12)}
         log(f"train path {arm} ({kernel}): RL update MFU {out[arm]['rl_update_mfu']:.1%}, "
@@ -355,7 +359,6 @@ def flex_grads(device: torch.device) -> dict:
     from train_step import PAD
     from train_step import trajectories as mix_trajectories
 
-    from rstar2_core.models.packed_attention import attention_kernel
     from rstar2_core.rl.logprobs import batch_logprobs, collate
 
     tf32 = torch.backends.cuda.matmul.allow_tf32
@@ -366,8 +369,7 @@ def flex_grads(device: torch.device) -> dict:
         got = {}
         for kernel in ("segments", "flex"):
             model.zero_grad(set_to_none=True)
-            with attention_kernel(kernel):
-                lp = batch_logprobs(model, batch)
+            lp = batch_logprobs(model, batch, kernel=kernel)
             lp.sum().backward()
             got[kernel] = (lp.detach(), {k: p.grad.detach().clone() for k, p in model.named_parameters()})
     finally:

@@ -50,13 +50,12 @@ def forward_calls(model, trajs, cut, system: int, kernel: str) -> int:
     flex kernel runs forwards on CPU; its backward needs CUDA)."""
     import warnings
 
-    from rstar2_core.models.packed_attention import attention_kernel
     from rstar2_core.rl.logprobs import batch_logprobs, collate
 
-    with torch.no_grad(), attention_kernel(kernel), warnings.catch_warnings(), AttentionCalls() as calls:
+    with torch.no_grad(), warnings.catch_warnings(), AttentionCalls() as calls:
         warnings.simplefilter("ignore")                     # eager FlexAttention's "use torch.compile"
         for mb in cut:
-            batch_logprobs(model, collate([trajs[i] for i in mb], PAD, "cpu", system))
+            batch_logprobs(model, collate([trajs[i] for i in mb], PAD, "cpu", system), kernel=kernel)
     return calls.calls
 
 

@@ -110,3 +110,15 @@ class StageTrainedNothing(ValueError):
     (all rollouts right, all wrong, or too few valid), so the policy left the stage as it came in.
     Deterministic (seeded rollouts give the same groups again): never retried; the message gives the
     stage's group counts and the fixes. The step checkpoints stay; `final/` is not written."""
+
+
+class AttentionKernelMismatch(PicklableError, ValueError):
+    """The trainer's start-up comparison of the attention kernels (rstar2_core/models/kernel_check.py): on
+    its first micro-batch the flex kernel's loss or gradient norms differ from the per-segment kernel's by
+    more than rounding explains. Deterministic (the same weights and data give the same kernels' figures):
+    never retried; the message names `model.attention_kernel` and the fix (`"segments"`); `figures` holds
+    the comparison's metrics."""
+
+    def __init__(self, message: str, figures: dict[str, float]):
+        self.figures = figures
+        super().__init__(message)

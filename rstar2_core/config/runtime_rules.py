@@ -156,6 +156,10 @@ def _ray_problems(cfg: Any, ws: str) -> list[str]:
     if ro.release_memory_during_training and not computes_on_gpu(cl):
         p.append("rollout.release_memory_during_training is vLLM's sleep mode, which exists on CUDA and ROCm only: a "
                  "CPU-only cluster (cluster.gpus_per_node = 0 or cluster.logical_gpus) has none; set it to false")
+    if not computes_on_gpu(cl) and cfg.model.attention_kernel == "flex":
+        p.append("model.attention_kernel = \"flex\" on a CPU-only cluster (cluster.gpus_per_node = 0 or "
+                 "cluster.logical_gpus): torch's FlexAttention has no backward on the CPU; set "
+                 "model.attention_kernel = \"auto\" or \"segments\"")
     if not computes_on_gpu(cl) and cfg.model.dtype != "float32":
         p.append(f"model.dtype = \"{cfg.model.dtype}\" on a CPU-only cluster (cluster.gpus_per_node = 0 or "
                  "cluster.logical_gpus): DeepSpeed trains bf16/fp16 only on GPUs; set model.dtype = \"float32\"")

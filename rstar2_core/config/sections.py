@@ -72,6 +72,16 @@ class ModelConfig(_Section):
     (0.5B shape, one run each): Liger 1.54x faster at 16K tokens a call with 3.4x less memory, but ~2x
     slower at 4K (its cost is nearly flat in the token count); the SFT step 8 x 2,048 took 0.47 s with it
     and 0.53 s with `torch`, within that run's step-to-step spread."""
+    attention_kernel: Literal["auto", "flex", "segments"] = "auto"
+    """The attention kernel training runs over packed rows (SFT and RL, every runtime and backend;
+    `models/packed_attention.py`). `segments`: one SDPA call per segment, exact, any device, but a Python
+    loop of calls per layer (slower on rows of many short segments). `flex`: one compiled FlexAttention call
+    per layer with a block mask, CUDA/ROCm only (torch's CPU FlexAttention has no backward: refused on a
+    CPU-only Ray cluster at load, and by a trainer that finds no GPU at its start). `auto` (default): `flex`
+    on a GPU, `segments` elsewhere. Whenever the kernel is `flex`, each trainer's first step first runs its
+    first micro-batch through both kernels (forward and backward, no update) and refuses to train when the
+    loss or the gradient norms differ beyond bf16 rounding (`models/kernel_check.py`; metrics
+    `sft/kernel_check_...`, `actor/kernel_check_...`): set `segments` then."""
 
     @model_validator(mode="after")
     def _hf_needs_path(self) -> ModelConfig:

@@ -3,8 +3,8 @@
 `TrainBackend` is the protocol the trainers code against; `TorchBackend` is plain PyTorch (CPU or one
 GPU); `DeepSpeedBackend` (ZeRO, models/deepspeed_backend.py) implements the same protocol.
 `make_backend(model, train_cfg, total_steps, warmup_steps, schedule)` picks one from `train_cfg.backend`;
-each backend sets `cfg.model.head_kernel` on its model, so a `liger` that cannot work is refused before
-the first step.
+each backend sets `cfg.model.head_kernel` on its model (a `liger` that cannot work is refused before the
+first step) and resolves `cfg.model.attention_kernel` (`attention_kernel`, `kernel_check_due`: kernel_check.py).
 
 Invariant: parameters stay in the model's dtype and bf16 autocast runs only on a CUDA device that
 supports it (on CPU `autocast()` is a no-op: the resume tests rely on fp32 numerics).
@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from rstar2_core.models.activation_checkpointing import enable_activation_checkpointing
+from rstar2_core.models.kernel_check import attention_setup
 from rstar2_core.models.schedules import SCHEDULES, lr_factor
 from rstar2_core.models.token_logprobs import set_head_kernel
 
@@ -28,6 +29,8 @@ from rstar2_core.models.token_logprobs import set_head_kernel
 @runtime_checkable
 class TrainBackend(Protocol):
     model: nn.Module
+    attention_kernel: str       # "segments" or "flex": `model.attention_kernel` resolved for the device
+    kernel_check_due: bool      # the next step compares the kernels first (models/kernel_check.py)
 
     def backward(self, loss: torch.Tensor) -> None: ...
 
@@ -56,12 +59,14 @@ class TorchBackend:
     def __init__(self, model: nn.Module, *, lr: float, total_steps: int, warmup_steps: int = 0,
                  schedule: str = "cosine", weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
                  grad_clip: float = 1.0, min_lr_ratio: float = 0.0, use_autocast: bool | None = None,
-                 gradient_checkpointing: bool = False, head_kernel: str = "auto"):
+                 gradient_checkpointing: bool = False, head_kernel: str = "auto", attention_kernel: str = "auto",
+                 kernel_check: bool | None = None):
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown lr schedule {schedule!r}; valid: {list(SCHEDULES)}")
         if total_steps < 1:
             raise ValueError(f"total_steps={total_steps} must be >= 1")
         set_head_kernel(model, head_kernel)
+        self.attention_kernel, self.kernel_check_due = attention_setup(model, attention_kernel, kernel_check)
         if gradient_checkpointing:
             enable_activation_checkpointing(model)
         self.model = model
@@ -142,7 +147,8 @@ def backend_options(train_cfg: Any, model_cfg: Any, *, total_steps: int, warmup_
                            "grad_clip": train_cfg.grad_clip,
                            "min_lr_ratio": getattr(train_cfg, "min_lr_ratio", 0.0),
                            "gradient_checkpointing": bool(model_cfg.gradient_checkpointing),
-                           "head_kernel": model_cfg.head_kernel}
+                           "head_kernel": model_cfg.head_kernel,
+                           "attention_kernel": model_cfg.attention_kernel}
     if kind == "deepspeed":
         out.update(zero_stage=train_cfg.zero_stage, micro_batch_size=train_cfg.micro_batch_size or 1,
                    hpz_partition_size=train_cfg.zero_hpz_partition_size)
@@ -171,3 +177,4 @@ def make_backend(model: nn.Module, train_cfg: Any, total_steps: int, warmup_step
 class _NoModelCfg:
     gradient_checkpointing = False
     head_kernel = "auto"
+    attention_kernel = "auto"

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from rstar2_core.models.activation_checkpointing import enable_activation_checkpointing
+from rstar2_core.models.kernel_check import attention_setup
 from rstar2_core.models.schedules import SCHEDULES, lr_factor
 from rstar2_core.models.token_logprobs import set_head_kernel
 
@@ -106,7 +107,8 @@ class DeepSpeedBackend:
                  warmup_steps: int = 0, schedule: str = "cosine", weight_decay: float = 0.0,
                  betas: tuple[float, float] = (0.9, 0.999), grad_clip: float = 1.0, min_lr_ratio: float = 0.0,
                  bf16: bool | None = None, gradient_checkpointing: bool = False, head_kernel: str = "auto",
-                 dist_backend: str | None = None, micro_batch_size: int = 1, hpz_partition_size: int = 1):
+                 attention_kernel: str = "auto", kernel_check: bool | None = None, dist_backend: str | None = None,
+                 micro_batch_size: int = 1, hpz_partition_size: int = 1):
         import deepspeed
 
         if schedule not in SCHEDULES:
@@ -124,6 +126,7 @@ class DeepSpeedBackend:
             raise ValueError(f"DeepSpeedBackend: this GPU ({torch.cuda.get_device_name()}) has no bf16 support; set "
                              "model.dtype = \"float32\" (or run on a GPU with bf16: A100/H100/MI200 and newer)")
         set_head_kernel(model, head_kernel, partitioned=zero_stage == 3)
+        self.attention_kernel, self.kernel_check_due = attention_setup(model, attention_kernel, kernel_check)
         init_single_process_distributed(dist_backend or ("nccl" if on_gpu else "gloo"))
         if gradient_checkpointing:
             enable_activation_checkpointing(model)

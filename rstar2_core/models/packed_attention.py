@@ -1,20 +1,19 @@
 """Attention over packed rows without a dense mask: each segment attends to itself causally and to its
 row's shared prefix.
 
-A row's `Segments` (prefix length, spans: SFT conversations after one shared system turn, or an RL
-micro-batch's trajectories) drive two kernels: `segments`, one SDPA per segment over [prefix keys, own keys]
-(CPU: FlexAttention has no backward there), and `flex`, one FlexAttention call per layer with a block mask
-from the segments (CUDA, compiled). `with segment_attention(model):` picks the device's kernel for the
-forwards inside (`attention_kernel("flex")` forces one); `model(..., segments=...)` hands the layout over.
+A row's `Segments` (prefix length, spans) drive two kernels: `segments`, one SDPA per segment over [prefix
+keys, own keys] (any device), and `flex`, one compiled FlexAttention call per layer with a block mask from
+the segments (CUDA: no FlexAttention backward on CPU). `with segment_attention(model, kernel):` runs the
+forwards inside with `kernel` ("auto": the device's); `model(..., segments=...)` hands the layout over. A
+trainer's kernel is `model.attention_kernel`, resolved by its backend (`training_kernel`) and passed down.
 
-Invariant: exact, equal to each sequence alone, both kernels (tests/unit/sft, tests/unit/rl).
-See docs/training-speed.md, "Segment attention" and "One attention call per layer".
+Invariant: exact, equal to each sequence alone, both kernels (tests/unit/sft, tests/unit/rl); a flex trainer
+compares the two before its first step (kernel_check.py). See docs/training-speed.md, "Segment attention".
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ import torch.nn.functional as F
 SEGMENTS = "rstar2_segments"
 FLEX = "rstar2_flex_segments"
 KERNELS = {"segments": SEGMENTS, "flex": FLEX}
-_forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("rstar2_attention_kernel", default=None)
+"""Kernel name -> the transformers attention function it registers as."""
 
 
 @dataclass(frozen=True)
@@ -165,28 +164,34 @@ def register() -> None:
     AttentionInterface.register(FLEX, flex_segment_attention_forward)
 
 
-def default_kernel(device: torch.device) -> str:
-    """`flex` on CUDA (one call per layer), `segments` elsewhere; `attention_kernel(...)` overrides it."""
-    return _forced.get() or ("flex" if device.type == "cuda" else "segments")
+def resolve_kernel(kernel: str, device: torch.device) -> str:
+    """The kernel `kernel` names on `device`: `auto` is `flex` on CUDA (ROCm too: torch calls it cuda),
+    `segments` elsewhere; a name in KERNELS is itself."""
+    if kernel == "auto":
+        return "flex" if device.type == "cuda" else "segments"
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown attention kernel {kernel!r}; valid: {['auto', *sorted(KERNELS)]}")
+    return kernel
+
+
+def training_kernel(setting: str, device: torch.device) -> str:
+    """`model.attention_kernel` resolved for a trainer on `device` (what its backend passes to the step
+    bodies). `flex` off CUDA is refused here, at the trainer's start, naming the setting: torch's CPU
+    FlexAttention has no backward, and the runtime's device is known only once the trainer holds it."""
+    kernel = resolve_kernel(setting, device)
+    if kernel == "flex" and device.type != "cuda":
+        raise ValueError(f'model.attention_kernel = "flex" trains on CUDA/ROCm GPUs only (torch\'s FlexAttention '
+                         f"has no backward on the {device.type}), and this trainer runs on the {device.type}: set "
+                         'model.attention_kernel = "auto" or "segments"')
+    return kernel
 
 
 @contextlib.contextmanager
-def attention_kernel(kind: str) -> Iterator[None]:
-    """Run `segment_attention` blocks inside with `kind` ("segments" or "flex") whatever the device."""
-    if kind not in KERNELS:
-        raise ValueError(f"unknown attention kernel {kind!r}; valid: {sorted(KERNELS)}")
-    token = _forced.set(kind)
-    try:
-        yield
-    finally:
-        _forced.reset(token)
-
-
-@contextlib.contextmanager
-def segment_attention(model: torch.nn.Module) -> Iterator[None]:
-    """Run the model's forwards inside with segment attention, the device's kernel (`default_kernel`; pass
-    `segments=` to them). With gradient checkpointing the backward re-runs the layers and looks the
-    attention up again: keep the backward inside the block too (rl_update and sft_update do)."""
+def segment_attention(model: torch.nn.Module, kernel: str = "auto") -> Iterator[None]:
+    """Run the model's forwards inside with segment attention by `kernel` (`resolve_kernel`: "auto",
+    "segments", "flex"; pass `segments=` to them). With gradient checkpointing the backward re-runs the
+    layers and looks the attention up again: keep the backward inside the block too (rl_update and
+    sft_update do)."""
     register()
     config = model.get_decoder().config     # the HF config its attention layers read (not a DeepSpeed engine's)
     windowed = [t for t in (getattr(config, "layer_types", None) or []) if t != "full_attention"]
@@ -195,7 +200,7 @@ def segment_attention(model: torch.nn.Module) -> Iterator[None]:
                          f"{sorted(set(windowed)) or ['sliding_window']} layers")
     before = config._attn_implementation
     device = next(model.parameters()).device
-    config._attn_implementation = KERNELS[default_kernel(device)]
+    config._attn_implementation = KERNELS[resolve_kernel(kernel, device)]
     try:
         yield
     finally:

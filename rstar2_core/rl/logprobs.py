@@ -90,9 +90,10 @@ def collate(trajectories: Sequence[Trajectory], pad_id: int, device: str | torch
 
 
 def batch_logprobs(model: torch.nn.Module, batch: PackedBatch, temperature: float = 1.0,
-                   chunk_tokens: int | None = None) -> torch.Tensor:
-    """`(B, R_max)` log-probs of the response tokens under `model` at `temperature` (0 where padded)."""
-    with segment_attention(model):
+                   chunk_tokens: int | None = None, kernel: str = "auto") -> torch.Tensor:
+    """`(B, R_max)` log-probs of the response tokens under `model` at `temperature` (0 where padded), its
+    attention by `kernel` (packed_attention.segment_attention)."""
+    with segment_attention(model, kernel):
         hidden = decoder_hidden(model, batch.input_ids, position_ids=batch.position_ids, segments=batch.segments)
     at = batch.gather_pos[batch.valid]
     lp = token_logprobs(model, hidden[0, at], batch.targets[batch.valid], temperature, chunk_tokens)
@@ -112,12 +113,13 @@ def model_device(model: torch.nn.Module) -> torch.device:
 
 @torch.no_grad()
 def sequence_logprobs(model: torch.nn.Module, trajectories: Sequence[Trajectory], pad_id: int,
-                      temperature: float = 1.0, micro_batch_size: int = 8, prefix_len: int = 0) -> list[torch.Tensor]:
+                      temperature: float = 1.0, micro_batch_size: int = 8, prefix_len: int = 0,
+                      kernel: str = "auto") -> list[torch.Tensor]:
     """Per trajectory, the `(R_b,)` log-probs of its response tokens under `model` (no gradient)."""
     device = model_device(model)
     out: list[torch.Tensor] = []
     for sl in micro_batch_slices(len(trajectories), micro_batch_size):
         chunk = trajectories[sl]
-        lp = batch_logprobs(model, collate(chunk, pad_id, device, prefix_len), temperature).cpu()
+        lp = batch_logprobs(model, collate(chunk, pad_id, device, prefix_len), temperature, kernel=kernel).cpu()
         out.extend(lp[b, :len(t.response_ids)] for b, t in enumerate(chunk))
     return out

@@ -3,8 +3,9 @@
 `rl_update(backend, trajectories, advantages, ...)` recomputes `old_logprobs` with the policy before the
 update (or takes the engine's, `old_logprobs="engine"`), runs `policy_loss` per micro-batch and takes one
 optimizer step (`backend.step()`: grad clip, AdamW, LR schedule); `RL_STEP` is that body as every trainer
-rank runs it. Invariant: each micro-batch's loss is divided by the token count of the whole step
-(`total_tokens`), so the accumulated gradient is that of the step's token-level mean.
+rank runs it, attention by the backend's kernel (compared with `segments` first where due: kernel_check.py).
+Invariant: each micro-batch's loss is divided by the token count of the whole step (`total_tokens`), so the
+accumulated gradient is that of the step's token-level mean.
 
 See docs/rl.md, "One RL step" (item 4) and "Choices, and where they depart from the paper or the
 reference code" (old_logprobs, truncated importance sampling, dropout).
@@ -17,6 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
+from rstar2_core.models.kernel_check import run_kernel_check
 from rstar2_core.models.packed_attention import segment_attention
 from rstar2_core.rl.logprobs import batch_logprobs, collate, sequence_logprobs
 from rstar2_core.rl.logprobs import model_device as _model_device
@@ -91,21 +93,28 @@ def rl_update(backend, trajectories: Sequence[Trajectory], advantages: Sequence[
     advs = [[float(advantages[i]) for i in mb] for mb in cut]
     advs += [[0.0]] * (need - len(advs))
     model.train()
+    kernel = getattr(backend, "attention_kernel", "auto")
+    autocast = backend.autocast if hasattr(backend, "autocast") else contextlib.nullcontext
     recompute = old_logprobs == "recompute"
-    recomputed = [sequence_logprobs(model, c, pad_id, temperature, len(c), prefix_len) for c in chunks] if recompute else []
+    recomputed = ([sequence_logprobs(model, c, pad_id, temperature, len(c), prefix_len, kernel) for c in chunks]
+                  if recompute else [])
     gap_sum, gap_max = 0.0, 0.0
     sums = {"actor/pg_clipfrac": 0.0, "actor/ratio_mean": 0.0, "actor/ppo_kl": 0.0, "actor/pg_loss": 0.0}
     if tis_cap is not None:
         sums.update({"actor/tis_weight_mean": 0.0, "actor/tis_capped_frac": 0.0})
+    checked: dict[str, float] = {}
     for i, chunk in enumerate(chunks):
         batch = collate(chunk, pad_id, device, prefix_len)
+        if i == 0:
+            checked = run_kernel_check(backend, lambda m, k, b=batch: _sampled_nll(m, b, k, temperature, autocast),
+                                       "actor/")
         if recompute:
             old = torch.zeros_like(batch.engine_logprobs)
             for b, t in enumerate(chunk):
                 old[b, :len(t.response_ids)] = recomputed[i][b].to(device)
-        with segment_attention(model):    # the backward too: gradient checkpointing re-runs the layers there
-            with backend.autocast() if hasattr(backend, "autocast") else contextlib.nullcontext():
-                lp = batch_logprobs(model, batch, temperature)
+        with segment_attention(model, kernel):  # the backward too: gradient checkpointing re-runs the layers there
+            with autocast():
+                lp = batch_logprobs(model, batch, temperature, kernel=kernel)
             if not recompute:
                 old = lp.detach() if tis_cap is not None else batch.engine_logprobs
             trainer_lp = old if recompute else lp.detach()
@@ -122,7 +131,7 @@ def rl_update(backend, trajectories: Sequence[Trajectory], advantages: Sequence[
     grad_norm = backend.step()
     model.eval()
     per = max(local_tokens, 1.0)
-    metrics = {k: v / per for k, v in sums.items()}
+    metrics = {**checked, **{k: v / per for k, v in sums.items()}}
     metrics.update({"actor/grad_norm": float(grad_norm), "actor/tokens": local_tokens,
                     "actor/skipped": 0.0, "actor/lr": lr, "actor/micro_batches": float(need),
                     "actor/over_budget": float(over_budget([trajectory_length(t, prefix_len) for t in trajectories],
@@ -130,6 +139,14 @@ def rl_update(backend, trajectories: Sequence[Trajectory], advantages: Sequence[
     metrics["actor/engine_logprob_gap"] = gap_sum / per
     metrics["actor/engine_logprob_gap_max"] = gap_max
     return metrics
+
+
+def _sampled_nll(model: torch.nn.Module, batch, kernel: str, temperature: float, autocast) -> torch.Tensor:
+    """The kernel check's loss: the mean negative log-prob of the micro-batch's response tokens under
+    `kernel` (not the policy loss, ~0 at ratio 1 with zero-mean advantages: models/kernel_check.py)."""
+    with autocast():
+        lp = batch_logprobs(model, batch, temperature, kernel=kernel)
+    return -(lp * batch.valid).sum() / max(1, int(batch.valid.sum()))
 
 
 _RANK_MEANS = ("actor/pg_loss", "actor/pg_clipfrac", "actor/ratio_mean", "actor/ppo_kl", "actor/engine_logprob_gap",
@@ -161,7 +178,8 @@ def cut_items(items: Sequence[tuple[Trajectory, float]], *, micro_batch_size: in
 
 def merge_rank_metrics(per_rank: Sequence[dict[str, float]], tokens: Sequence[float]) -> dict[str, float]:
     """The step's `actor/...` metrics from every rank's: token-weighted means, the (global) grad norm and
-    lr of rank 0, the step's token count."""
+    lr of rank 0, the step's token count, rank 0's kernel check figures (the verdict's differences are the
+    largest over ranks on every rank)."""
     total = float(sum(tokens))
     if not per_rank or total == 0:
         return {"actor/skipped": 1.0, "actor/tokens": 0.0}
@@ -171,6 +189,7 @@ def merge_rank_metrics(per_rank: Sequence[dict[str, float]], tokens: Sequence[fl
                 "actor/tokens": total, "actor/skipped": 0.0,
                 "actor/micro_batches": per_rank[0].get("actor/micro_batches", 1.0),
                 "actor/over_budget": sum(m.get("actor/over_budget", 0.0) for m in per_rank)})
+    out.update({k: v for k, v in per_rank[0].items() if k.startswith("actor/kernel_check_")})
     return out
 
 

@@ -4,11 +4,11 @@ The local trainer calls it on the whole batch; each Ray trainer shard on its sha
 label-token count (`total_tokens`), the micro-batch count every rank runs (`num_micro_batches`,
 zero-weight `padding_row` passes fill up) and `loss_scale` = the world size (DeepSpeed averages
 gradients over ranks). Loss: token-level cross-entropy on assistant tokens (labels != IGNORE), summed
-per micro-batch and divided by the batch's label count.
+per micro-batch and divided by the batch's label count. Attention: the backend's kernel, compared with
+the per-segment one first where that is due (models/kernel_check.py).
 
 Invariant: the accumulated micro-batch gradients are the gradient of the whole batch's token mean, and
-every rank issues the same collectives (rstar2_core/runtime/ray/sharding.py). See docs/models-and-sft.md,
-"Loss".
+every rank issues the same collectives (runtime/ray/sharding.py). See docs/models-and-sft.md, "Loss".
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
+from rstar2_core.models.kernel_check import run_kernel_check
 from rstar2_core.models.packed_attention import segment_attention
 from rstar2_core.models.token_logprobs import decoder_hidden, token_logprobs
 from rstar2_core.runtime.micro_batches import cut_micro_batches
@@ -25,17 +26,17 @@ from rstar2_core.runtime.protocol import TrainerStep
 from rstar2_core.sft.packing import IGNORE, PackedRow, collate, merge_shared_prefix, prefix_length
 
 
-def masked_token_loss(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, int]:
+def masked_token_loss(model: torch.nn.Module, batch: dict, kernel: str = "auto") -> tuple[torch.Tensor, int]:
     """Sum of next-token cross-entropy over positions whose label is not IGNORE, and their count.
 
     batch: `packing.collate` output (labels: (B, T) aligned with the inputs, shifted here). The decoder
-    runs with segment attention (or the batch's dense mask), then the LM head and log-softmax only at
-    label positions, chunk by chunk (`models.token_logprobs`): no (B, T, V) logits."""
+    runs with segment attention by `kernel` (or the batch's dense mask), then the LM head and log-softmax
+    only at label positions, chunk by chunk (`models.token_logprobs`): no (B, T, V) logits."""
     labels = batch["labels"]
     target = labels[:, 1:]
     keep = target != IGNORE
     if "segments" in batch:
-        with segment_attention(model):
+        with segment_attention(model, kernel):
             hidden = decoder_hidden(model, batch["input_ids"], position_ids=batch["position_ids"],
                                     segments=batch["segments"])
     else:
@@ -95,34 +96,46 @@ def sft_update(backend, rows: Sequence[PackedRow], *, micro_batch_size: int | No
                          f"{len(chunks)} micro-batches")
     chunks += [[padding_row(pad_id)]] * (need - len(chunks))
     lr = float(getattr(backend, "current_lr", float("nan")))
-    loss_sum, computed = 0.0, 0
+    kernel = getattr(backend, "attention_kernel", "auto")
+    loss_sum, computed, checked = 0.0, 0, {}
     model.train()
-    for chunk in chunks:
+    for i, chunk in enumerate(chunks):
         merged = merge_shared_prefix(chunk) if merge_prefix and not dense_mask else None
         run = [merged] if merged is not None else chunk
         computed += sum(r.n_real for r in run)
         mb = collate(run, device, mask_dtype, dense_mask=dense_mask)
+        if i == 0 and "segments" in mb:
+            checked = run_kernel_check(backend, lambda m, k, b=mb: _mean_loss(m, b, k, backend), "sft/")
         # the backward inside the attention switch too: gradient checkpointing re-runs the layers there
-        with segment_attention(model) if "segments" in mb else contextlib.nullcontext():
+        with segment_attention(model, kernel) if "segments" in mb else contextlib.nullcontext():
             with backend.autocast():
-                loss, _ = masked_token_loss(model, mb)
+                loss, _ = masked_token_loss(model, mb, kernel)
             backend.backward(loss * (loss_scale / max(1, total)))
         loss_sum += float(loss.detach())
     grad_norm = backend.step()
-    return {"sft/loss_sum": loss_sum, "sft/label_tokens": float(local),
+    return {**checked, "sft/loss_sum": loss_sum, "sft/label_tokens": float(local),
             "sft/real_tokens": float(sum(r.n_real for r in rows)), "sft/computed_tokens": float(computed),
             "sft/grad_norm": float(grad_norm), "sft/lr": lr, "sft/micro_batches": float(need)}
 
 
+def _mean_loss(model: torch.nn.Module, mb: dict, kernel: str, backend) -> torch.Tensor:
+    """The kernel check's loss: the micro-batch's mean token loss under `kernel`."""
+    with backend.autocast():
+        loss, n = masked_token_loss(model, mb, kernel)
+    return loss / max(1, n)
+
+
 def merge_rank_metrics(per_rank: Sequence[dict[str, float]], tokens: Sequence[float]) -> dict[str, float]:
     """One SFT step's metrics from each rank's `sft_update` sums: the batch's token-mean loss, its label and
-    real token counts, and the (global) grad norm and lr of rank 0."""
+    real token counts, the (global) grad norm and lr of rank 0, and its kernel check's figures (the verdict's
+    differences are the largest over ranks on every rank)."""
     labels = sum(m["sft/label_tokens"] for m in per_rank)
     return {"sft/loss": sum(m["sft/loss_sum"] for m in per_rank) / max(1.0, labels),
             "sft/label_tokens": labels, "sft/real_tokens": sum(m["sft/real_tokens"] for m in per_rank),
             "sft/computed_tokens": sum(m["sft/computed_tokens"] for m in per_rank),
             "sft/grad_norm": per_rank[0]["sft/grad_norm"], "sft/lr": per_rank[0]["sft/lr"],
-            "sft/micro_batches": per_rank[0].get("sft/micro_batches", 1.0)}
+            "sft/micro_batches": per_rank[0].get("sft/micro_batches", 1.0),
+            **{k: v for k, v in per_rank[0].items() if k.startswith("sft/kernel_check_")}}
 
 
 def _row_tokens(row: PackedRow) -> float:

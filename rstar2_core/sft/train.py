@@ -137,7 +137,8 @@ async def _run_sft(cfg: Config, base_model_url: str, sft_data_url: str, out_url:
             dt = time.perf_counter() - t0
             metrics = {"sft/loss": m["sft/loss"], "sft/lr": m["sft/lr"], "sft/grad_norm": m["sft/grad_norm"],
                        "sft/tokens_per_s": m["sft/real_tokens"] / dt,
-                       "sft/epoch": (step + 1) * sc.batch_size / max(1.0, per_pass)}
+                       "sft/epoch": (step + 1) * sc.batch_size / max(1.0, per_pass),
+                       **{k: v for k, v in m.items() if k.startswith("sft/kernel_check_")}}   # the first step's
             recent = (recent + [float(m["sft/loss"])])[-sc.converged_window:]
             if (converged_step is None and sc.converged_loss is not None and len(recent) == sc.converged_window
                     and sum(recent) / len(recent) < sc.converged_loss):

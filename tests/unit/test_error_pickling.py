@@ -39,6 +39,8 @@ SAMPLE_ARGS: dict[str, tuple] = {
         ["node 5c3a9e1f (10.0.0.7): GPU 0 free of 0, CPU 16 free of 16"]),
     "rstar2_core.data.sources.Reject": ("missing_field:answer",),
     "rstar2_core.errors.SFTNotConverged": ("SFT did not converge: ...", 0.23, 0.1, 1993, 0),
+    "rstar2_core.errors.AttentionKernelMismatch": ("the attention kernels disagree ...",
+                                                   {"actor/kernel_check_loss_rel_diff": 0.3}),
     "rstar2_core.errors.StoreUnavailable": ("wrote", "s3://rstar2/runs/r/rl-stage-1/steps/step-000002/_COMPLETE",
                                             9, 121.5, 120.0, ConnectionRefusedError(111, "Connection refused")),
 }

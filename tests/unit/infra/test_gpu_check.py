@@ -28,7 +28,7 @@ sys.argv = ["bench/gpu_check.py", "--cpu", "--quick", "--json"]
 runpy.run_path("bench/gpu_check.py", run_name="__main__")
 """
 SECTIONS = {"versions", "matmul", "gates", "head_kernel", "ipc", "cpu-small/build", "cpu-small/sft", "cpu-small/rl",
-            "cpu-small/decode", "cpu-small/deepspeed_zero2", "cpu-small/train_paths"}
+            "cpu-small/decode", "cpu-small/deepspeed_zero2", "cpu-small/train_paths", "kernel_check"}
 
 
 def _check_gates(out: dict) -> None:
@@ -69,6 +69,9 @@ def test_gpu_check_cpu_smoke():
     tp = r["train_paths"]                       # issue 42's old/new paths: CPU keeps the per-segment kernel
     assert tp["old"]["kernel"] == tp["new"]["kernel"] == "segments" and "skipped" in out["flex_grads"]
     assert all(tp[a][k] > 0 for a in ("old", "new") for k in ("rl_update_mfu", "sft_mfu")) and tp["rl_ratio"] > 0
+    kc = out["kernel_check"]                    # issue 58's start-up comparison: its wiring, flex skipped on the CPU
+    assert kc["ok"] and kc["candidate"] == "segments" and "no backward" in kc["flex"]
+    assert all(kc[s]["passed"] == 1.0 and kc[s]["grad_norm"] > 0 and kc[s]["loss_rel_diff"] == 0 for s in ("sft", "rl"))
     ipc = out["ipc"]                            # issue 43's push probe: shared memory here, CUDA IPC on a GPU
     assert ipc["packed"]["exact"] and ipc["per_tensor"]["exact"] and ipc["tensors"] > 10
     assert "[" in proc.stdout.splitlines()[0]  # per-section progress lines come first

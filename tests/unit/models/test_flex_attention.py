@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from rstar2_core.models.packed_attention import attention_kernel, default_kernel, segment_attention
+from rstar2_core.models.backend import TorchBackend
+from rstar2_core.models.packed_attention import resolve_kernel, segment_attention, training_kernel
 from rstar2_core.rl.logprobs import batch_logprobs, collate
 from rstar2_core.rollout.types import Trajectory
 from rstar2_core.sft.packing import pack
@@ -45,9 +46,9 @@ def test_flex_logprobs_equal_the_per_segment_kernel(shape, prefix_len):
     assert batch.segments[0].prefix == prefix_len
     with torch.no_grad():
         want = batch_logprobs(m, batch)
-        with attention_kernel("flex"), warnings.catch_warnings():
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore")                     # eager FlexAttention's "use torch.compile"
-            got = batch_logprobs(m, batch)
+            got = batch_logprobs(m, batch, kernel="flex")
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
@@ -61,25 +62,37 @@ def test_flex_sft_loss_equals_the_per_segment_kernel_with_padded_rows():
     m = model("smollm2")
     with torch.no_grad():
         want, n = masked_token_loss(m, mb)
-        with attention_kernel("flex"), warnings.catch_warnings():
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            got, n2 = masked_token_loss(m, mb)
+            got, n2 = masked_token_loss(m, mb, "flex")
     assert n == n2 and len(rows) > 1
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
 
 
 def test_the_device_picks_the_kernel_and_cpu_refuses_to_train_flex():
-    assert default_kernel(torch.device("cpu")) == "segments"
-    assert default_kernel(torch.device("cuda")) == "flex"
-    with attention_kernel("segments"):
-        assert default_kernel(torch.device("cuda")) == "segments"
-    with pytest.raises(ValueError, match="unknown attention kernel"), attention_kernel("dense"):
-        pass
+    assert resolve_kernel("auto", torch.device("cpu")) == "segments"
+    assert resolve_kernel("auto", torch.device("cuda")) == "flex"
+    assert resolve_kernel("segments", torch.device("cuda")) == "segments"
+    with pytest.raises(ValueError, match="unknown attention kernel"):
+        resolve_kernel("dense", torch.device("cpu"))
     m = model("tiny").train()
-    with attention_kernel("flex"), segment_attention(m):
+    with segment_attention(m, "flex"):
         assert m.config._attn_implementation == "rstar2_flex_segments"
     with segment_attention(m):
         assert m.config._attn_implementation == "rstar2_segments"
+    assert m.config._attn_implementation != "rstar2_segments"      # restored on the way out
     batch = collate(trajectories(()), 0, "cpu", 0)
-    with attention_kernel("flex"), pytest.raises(ValueError, match="trains on CUDA only"), segment_attention(m):
-        batch_logprobs(m, batch)
+    with pytest.raises(ValueError, match="trains on CUDA only"):
+        batch_logprobs(m, batch, kernel="flex")
+
+
+def test_a_trainer_on_the_cpu_refuses_the_flex_setting_naming_it():
+    """`model.attention_kernel = "flex"` reaches the backend as a value; on the CPU it is refused at the
+    trainer's start, naming the field, before any step (the flex kernel has no CPU backward)."""
+    assert training_kernel("auto", torch.device("cuda")) == "flex"
+    with pytest.raises(ValueError, match='model.attention_kernel = "flex" trains on CUDA'):
+        training_kernel("flex", torch.device("cpu"))
+    with pytest.raises(ValueError, match='model.attention_kernel = "flex" trains on CUDA'):
+        TorchBackend(model("tiny"), lr=1e-3, total_steps=1, attention_kernel="flex")
+    b = TorchBackend(model("tiny"), lr=1e-3, total_steps=1)
+    assert (b.attention_kernel, b.kernel_check_due) == ("segments", False)   # auto on the CPU: no check due
