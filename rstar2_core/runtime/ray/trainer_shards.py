@@ -81,8 +81,9 @@ class TrainerShardActor:
 
             from rstar2_core.models.deepspeed_backend import init_single_process_distributed
 
-            init_single_process_distributed("nccl" if device == "cuda" else "gloo")   # zero.Init needs the group
-            ds = deepspeed_config(zero_stage=3, grad_clip=self.backend_options["grad_clip"], bf16=device == "cuda",
+            on_gpu = self.device == "cuda"     # `device` is the bound "cuda:N" there
+            init_single_process_distributed("nccl" if on_gpu else "gloo")   # zero.Init needs the group
+            ds = deepspeed_config(zero_stage=3, grad_clip=self.backend_options["grad_clip"], bf16=on_gpu,
                                   micro_batch_size=self.backend_options.get("micro_batch_size", 1),
                                   world_size=self.world,
                                   hpz_partition_size=self.backend_options.get("hpz_partition_size", 1))

@@ -205,3 +205,31 @@ def test_ray_assigned_ids_resolve_under_rays_real_masking_and_with_noset():
     assert "device check skipped" in out["probe_lines"][0] and "logical" in out["probe_lines"][0]
     assert "cluster.logical_gpus = true" in out["probe_problems"][0]
     assert out["groups_left"] == []
+
+
+def test_a_gpu_trainer_shard_joins_nccl_in_bf16_on_the_bound_device(on_gpu_5, monkeypatch):
+    """After binding, the shard's device is "cuda:5": the process group, ZeRO-3's dtype and the model's place must
+    still follow the GPU (they once compared the bound name with "cuda" and would have run gloo in fp32)."""
+    from rstar2_core.models import deepspeed_backend
+    from rstar2_core.runtime.ray import trainer_shards
+
+    seen = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: None)
+    monkeypatch.setattr(deepspeed_backend, "init_single_process_distributed", lambda b: seen.update(group=b))
+    real = deepspeed_backend.deepspeed_config
+    monkeypatch.setattr(deepspeed_backend, "deepspeed_config", lambda **kw: seen.update(bf16=kw["bf16"]) or real(**kw))
+
+    class Placed(Exception):
+        pass
+
+    class Model:
+        def to(self, device):
+            seen["device"] = device
+            raise Placed
+    monkeypatch.setenv("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "1")
+    shard = trainer_shards.TrainerShardActor(0, 1, Model, {"zero_stage": 3, "grad_clip": 1.0}, None, device="cuda")
+    with pytest.raises(Placed):
+        shard.init("127.0.0.1", 1)
+    assert seen == {"group": "nccl", "bf16": True, "device": "cuda:5"}
