@@ -162,11 +162,44 @@ def infra_problems(cfg: Any, infra: Path = INFRA, prefect_yaml: Path = INFRA.par
         expect(f"infra/k8s/{fname} Service host", f"{s['metadata']['name']}.{s['metadata']['namespace']}.svc", host)
         expect(f"infra/k8s/{fname} Service port", s["spec"]["ports"][0]["port"], port)
 
+    p += rccl_problems(infra, groups, up)
     if cl.runtime == "ray":
         p += _runtime_slot_problems(cfg, rc, up)
     p += pull_step_problems(infra, env, prefect_yaml)
     tag = re.search(r"-t\s+(\S+)", (infra / "docker" / "Dockerfile.rocm").read_text())
     expect("infra/docker/Dockerfile.rocm build tag", tag.group(1) if tag else None, image)
+    return p
+
+
+RCCL_ENV = ("NCCL_SOCKET_IFNAME", "NCCL_IB_HCA")
+"""The interface settings RCCL needs between nodes, operator inputs (ConfigMap rstar2-rccl, /etc/rstar2/env)."""
+
+
+def rccl_problems(infra: Path, gpu_groups: list[dict], up: dict) -> list[str]:
+    """Whether the GPU workers give RCCL the node fabric: the host's network (not the pod network), RDMA devices,
+    locked memory and the interface settings, in both the KubeRay manifest and the `ray up` config."""
+    p = []
+    maps = {d["metadata"]["name"]: d.get("data") or {} for d in _yaml_docs(infra / "k8s" / "namespace.yaml")
+            if d.get("kind") == "ConfigMap"}
+    for g in gpu_groups:
+        spec, where = g["template"]["spec"], f"infra/k8s/raycluster.yaml {g['groupName']}"
+        if not spec.get("hostNetwork"):
+            p.append(f"{where} lacks hostNetwork: true: RCCL would cross nodes on the pod network")
+        for c in spec["containers"]:
+            if not any(k.startswith("rdma/") for k in c["resources"].get("limits", {})):
+                p.append(f"{where} {c['name']} asks no rdma/* device (the RDMA device plugin's resource)")
+            if "IPC_LOCK" not in ((c.get("securityContext") or {}).get("capabilities") or {}).get("add", []):
+                p.append(f"{where} {c['name']} lacks the IPC_LOCK capability (RDMA registers locked memory)")
+            env = set(_env(c)) | {k for ref in c.get("envFrom") or [] if "configMapRef" in ref
+                                  for k in maps.get(ref["configMapRef"]["name"], {})}
+            p += [f"{where} {c['name']} does not set {v} (ConfigMap rstar2-rccl in k8s/namespace.yaml)"
+                  for v in RCCL_ENV if v not in env]
+    opts = " ".join(up["docker"].get("run_options") or [])
+    for flag in ("--network=host", "--device=/dev/infiniband", "--ulimit memlock=-1", "--cap-add=IPC_LOCK"):
+        if flag not in opts:
+            p.append(f"infra/ray/cluster.yaml docker.run_options lack {flag} (RCCL over the node fabric)")
+    example = (infra / "ray" / "rstar2.env.example").read_text()
+    p += [f"infra/ray/rstar2.env.example does not list {v}" for v in RCCL_ENV if f"\n{v}=" not in f"\n{example}"]
     return p
 
 

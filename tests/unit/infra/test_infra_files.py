@@ -243,3 +243,27 @@ def test_the_local_cluster_starts_its_nodes_as_the_manifests_do(prod):
         assert (flags["num-gpus"], flags["num-cpus"]) == (str(cl.gpus_per_node), str(cl.cpus_per_node))
         assert resources(flags) == {}                                # only the head has the runtime unit
     assert resources(local_worker) == {}
+
+
+@pytest.mark.parametrize("path, old, new, needle", [
+    ("k8s/raycluster.yaml", "          hostNetwork: true\n", "", "lacks hostNetwork: true"),
+    ("k8s/raycluster.yaml", ', "IPC_LOCK"]', "]", "lacks the IPC_LOCK capability"),
+    ("k8s/raycluster.yaml", "                - configMapRef: {name: rstar2-rccl}\n", "", "does not set NCCL_SOCKET_IFNAME"),
+    ("k8s/raycluster.yaml", ", rdma/hca_shared_devices_a: 1}", "}", "asks no rdma/* device"),
+    ("k8s/namespace.yaml", "  NCCL_IB_HCA:", "  NCCL_IB_HCA_UNUSED:", "does not set NCCL_IB_HCA"),
+    ("ray/cluster.yaml", "    - --network=host\n", "", "lack --network=host"),
+    ("ray/rstar2.env.example", "NCCL_SOCKET_IFNAME=", "#", "does not list NCCL_SOCKET_IFNAME"),
+])
+def test_rccl_gets_the_node_fabric_in_both_cluster_descriptions(prod, tmp_path, path, old, new, needle):
+    """Each thing RCCL needs between nodes (host network, RDMA devices, memlock, interface settings), removed
+    from a copy of infra/, is a problem naming it; infra/ as committed has none."""
+    import shutil
+
+    copy = tmp_path / "infra"
+    shutil.copytree(INFRA, copy)
+    f = copy / path
+    assert old in f.read_text(), (path, old)
+    f.write_text(f.read_text().replace(old, new))
+    problems = infra_problems(prod, infra=copy, prefect_yaml=INFRA.parent / "prefect.yaml")
+    assert [p for p in problems if needle in p], problems
+    assert not [p for p in infra_problems(prod) if "RCCL" in p or "rdma" in p or "NCCL" in p or "IPC_LOCK" in p]
