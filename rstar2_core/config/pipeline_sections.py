@@ -106,6 +106,14 @@ class StorageConfig(_Section):
     is true: trainer ranks on other nodes
     write their checkpoint shards straight to storage, and on node-local disks the driver would find an
     incomplete checkpoint. S3 needs nothing. Trade-off: true trusts the operator about the mounts."""
+    node_cache_max_gb: float | None = Field(200.0, gt=0)
+    """GB (1e9 bytes) of remote checkpoints each machine keeps in its cache (`$RSTAR2_HOME/cache`: the base
+    model and each stage's checkpoint its engines, trainer ranks and evaluations read; weight sync's step
+    checkpoints are read from the store, not cached). Before a download would pass it, the least recently
+    used complete checkpoints are removed, never one a process is reading. None = no bound. Default 200:
+    six Qwen3-14B checkpoints (29.5 GB each). Trade-off: lower saves node disk, but an evicted checkpoint
+    read again is downloaded again; it must exceed the largest checkpoint (a smaller one is refused when
+    that download starts)."""
 
 
 class TaskResources(_Section):
