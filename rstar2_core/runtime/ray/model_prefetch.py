@@ -40,12 +40,16 @@ def model_needs(layout: ClusterLayout, trainer_url: str | None, engine_urls: lis
 
 
 def fetch_to_node(url: str, settings: dict) -> int:
-    """Run on a node: the complete checkpoint `url` in this machine's cache (downloaded unless it is there);
-    returns its bytes. `settings`: the driver's `storage.s3_settings()`."""
-    from rstar2_core.models.io import checkpoint_in_use
+    """Run on a node: the complete checkpoint `url` in this machine's cache (downloaded unless it is there),
+    the entry `models.io.checkpoint_in_use` reads; returns its bytes. `settings`: the driver's
+    `storage.s3_settings()`. Imports no torch: the task's worker process stays ~80 MB."""
+    from rstar2_core.models.node_cache import cached_copy
 
     storage.configure_s3(**settings)
-    with checkpoint_in_use(url) as path:
+    if not storage.is_complete(url):
+        raise FileNotFoundError(f"{url} is not a complete checkpoint (no {storage.COMPLETE_MARKER} marker): "
+                                "the stage's actors cannot load it")
+    with cached_copy(url, "checkpoints") as path:
         return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 

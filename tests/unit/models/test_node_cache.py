@@ -114,7 +114,7 @@ def test_a_bound_below_one_checkpoint_is_refused_naming_the_setting(cache):
 
 
 def test_the_bound_is_a_storage_setting_that_reaches_the_actors():
-    assert load_config("tiny").storage.node_cache_max_gb == 200.0
+    assert load_config("tiny").storage.node_cache_max_gb == storage.DEFAULT_NODE_CACHE_MAX_GB == 200.0
     assert load_config("tiny", ["storage.node_cache_max_gb=null"]).storage.node_cache_max_gb is None
     with pytest.raises(ConfigError, match="node_cache_max_gb"):
         load_config("tiny", ["storage.node_cache_max_gb=0"])
