@@ -4,8 +4,8 @@
         stack.prefect_api, stack.tracking_uri, stack.s3_endpoint, stack.cluster.address
 
 PostgreSQL (for Prefect and MLflow), a moto S3 server with the profile's buckets, the MLflow tracking
-server with S3 artifacts, the Prefect server, the `rstar2-cluster` work pool and a worker started as
-infra/k8s/raycluster.yaml's `prefect-worker` container, and a local multi-node Ray cluster.
+server with S3 artifacts, the Prefect server, a worker started as infra/k8s/raycluster.yaml's `prefect-worker`
+container (`deploy()`: the pool and deployments by `rstar2 deploy`'s code), and a local multi-node Ray cluster.
 Invariant: only the addresses (127.0.0.1 ports), the state folders (under `root`) and the S3 credentials
 (moto's test keys) differ from production; no RSTAR2_REPO of ours reaches the worker.
 See docs/rehearsal.md, "Rehearsing the production profile".
@@ -203,7 +203,9 @@ class ServiceStack:
                 "RSTAR2_REPO": str(ROOT)}
 
     def _worker(self) -> None:
-        """The pool from infra's base job template and a worker started as raycluster.yaml's container."""
+        """A worker started as raycluster.yaml's `prefect-worker` container (its `--base-job-template`, the
+        image's infra file, is this checkout's with the local values): it creates the pool on its first poll
+        unless `deploy` did already."""
         local = self.local_values()
         tmpl = json.loads((INFRA / "prefect" / "base-job-template.json").read_text())
         props = tmpl["variables"]["properties"]
@@ -213,29 +215,29 @@ class ServiceStack:
         cmd = (props.get("command", {}).get("default") or "").split()
         if cmd[:1] == ["python"]:
             props["command"]["default"] = " ".join([sys.executable, *cmd[1:]])   # the image's python is this venv's
-        path = self.root / "base-job-template.json"
-        path.write_text(json.dumps(tmpl))
-        cli = {**self.clean_env(), "PREFECT_API_URL": self.prefect_api}
-        subprocess.run([_bin("prefect"), "work-pool", "create", POOL, "--type", "process", "--base-job-template",
-                        str(path)], check=True, capture_output=True, env=cli, timeout=120)
+        self.template_path.write_text(json.dumps(tmpl))
         head = yaml.safe_load((INFRA / "k8s" / "raycluster.yaml").read_text())
         containers = head["spec"]["headGroupSpec"]["template"]["spec"]["containers"]
         spec = next(c for c in containers if c["name"] == "prefect-worker")
         wenv = {e["name"]: local.get(e["name"], e["value"]) for e in spec.get("env", [])}
         cmd = [_bin(spec["command"][0]), *spec["command"][1:]]
+        if "--base-job-template" in cmd:
+            cmd[cmd.index("--base-job-template") + 1] = str(self.template_path)
         self._start("prefect-worker", cmd, env={**wenv, **self.s3_env()}, base_env=self.clean_env(), cwd=str(ROOT))
 
+    @property
+    def template_path(self) -> Path:
+        """infra's base job template with the local values (`_worker` writes it)."""
+        return self.root / "base-job-template.json"
+
     def deploy(self) -> list[str]:
-        """prefect.yaml's deployments onto the `rstar2-cluster` pool, as infra/README.md says: one
-        `prefect deploy --name N --pool rstar2-cluster` each (`--all` ignores `--pool`)."""
-        names = [d["name"] for d in yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]]
-        env = {**self.clean_env(), "PREFECT_API_URL": self.prefect_api}
-        for name in names:
-            r = subprocess.run([_bin("prefect"), "--no-prompt", "deploy", "--name", name, "--pool", POOL], cwd=ROOT,
-                               env=env, capture_output=True, text=True, timeout=300, check=False)
-            if r.returncode != 0:
-                raise RuntimeError(f"prefect deploy --name {name} --pool {POOL} failed:\n{r.stdout[-3000:]}{r.stderr[-3000:]}")
-        return names
+        """The pool's template and prefect.yaml's deployments, as infra/README.md step 3 says: `rstar2 deploy`'s
+        `bring_up` (rstar2_cli/bringup.py) with this stack's API and template."""
+        from rstar2_cli.bringup import bring_up
+
+        report = bring_up(self.prefect_api, self.template_path, ROOT, pool=POOL, env=self.clean_env(),
+                          log=lambda m: None)
+        return list(report.deployments)
 
     def clean_env(self) -> dict[str, str]:
         """This process's environment without what only our scripts set (a production process has none)."""

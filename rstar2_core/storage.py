@@ -31,22 +31,38 @@ COMPLETE_MARKER = "_COMPLETE"
 _S3_OPTIONS: dict[str, Any] = {}
 DEFAULT_OUTAGE_RETRY_S = 120.0          # StorageConfig.outage_retry_s's default
 _OUTAGE_RETRY_S = DEFAULT_OUTAGE_RETRY_S
+DEFAULT_NODE_CACHE_MAX_GB: float | None = 200.0     # StorageConfig.node_cache_max_gb's default
+_NODE_CACHE_MAX_GB = DEFAULT_NODE_CACHE_MAX_GB
+_UNSET: Any = object()
 _RETRIES = {"n": 0}
 _RETRIES_LOCK = threading.Lock()
 
 
 def configure_s3(endpoint_url: str | None = None, region: str | None = None,
-                 outage_retry_s: float | None = None) -> None:
-    """Set s3fs client options for every s3:// URL this process opens afterwards (from StorageConfig), and
-    how long a remote operation waits out an unreachable store (`outage_retry_s`; None: the default).
+                 outage_retry_s: float | None = None, node_cache_max_gb: float | None = _UNSET) -> None:
+    """Set s3fs client options for every s3:// URL this process opens afterwards (from StorageConfig), how
+    long a remote operation waits out an unreachable store (`outage_retry_s`; None: the default) and the
+    bound of this machine's checkpoint cache (`node_cache_max_gb`; None: none; not given: the default).
     Process-wide: a Ray actor that reads or writes the store gets the driver's settings
     (`s3_settings()`) as a constructor argument and calls this first."""
-    global _OUTAGE_RETRY_S
+    global _OUTAGE_RETRY_S, _NODE_CACHE_MAX_GB
     _S3_OPTIONS.clear()
     if endpoint_url or region:
         _S3_OPTIONS["client_kwargs"] = {k: v for k, v in
                                         (("endpoint_url", endpoint_url), ("region_name", region)) if v}
     _OUTAGE_RETRY_S = DEFAULT_OUTAGE_RETRY_S if outage_retry_s is None else float(outage_retry_s)
+    _NODE_CACHE_MAX_GB = DEFAULT_NODE_CACHE_MAX_GB if node_cache_max_gb is _UNSET else node_cache_max_gb
+
+
+def set_node_cache_max_gb(gb: float | None) -> None:
+    """The bound of this machine's checkpoint cache in this process (None: none; leaves the endpoint)."""
+    global _NODE_CACHE_MAX_GB
+    _NODE_CACHE_MAX_GB = gb
+
+
+def node_cache_max_bytes() -> float | None:
+    """The bound of this machine's checkpoint cache (rstar2_core/models/node_cache.py) in bytes; None: none."""
+    return None if _NODE_CACHE_MAX_GB is None else _NODE_CACHE_MAX_GB * 1e9
 
 
 def set_outage_retry_s(seconds: float) -> None:
@@ -67,8 +83,8 @@ def outage_budget(seconds: float) -> Iterator[None]:
 
 
 def configure_from(section: Any) -> None:
-    """`configure_s3` from a config's `storage` section (its endpoint, region and outage budget)."""
-    configure_s3(section.s3_endpoint_url, section.s3_region, section.outage_retry_s)
+    """`configure_s3` from a config's `storage` section (its endpoint, region, outage budget, cache bound)."""
+    configure_s3(section.s3_endpoint_url, section.s3_region, section.outage_retry_s, section.node_cache_max_gb)
 
 
 def s3_settings() -> dict[str, Any]:
@@ -79,6 +95,8 @@ def s3_settings() -> dict[str, Any]:
                                              ("region", kw.get("region_name"))) if v}
     if _OUTAGE_RETRY_S != DEFAULT_OUTAGE_RETRY_S:
         out["outage_retry_s"] = _OUTAGE_RETRY_S
+    if _NODE_CACHE_MAX_GB != DEFAULT_NODE_CACHE_MAX_GB:
+        out["node_cache_max_gb"] = _NODE_CACHE_MAX_GB
     return out
 
 
@@ -409,6 +427,15 @@ def abort_dir(staging_url: str, url: str) -> None:
     """Drop a staging folder of `begin_dir` after a failure (a remote target stays incomplete)."""
     if staging_url != url:
         remove(staging_url)
+
+
+def dir_bytes(url: str, select: Callable[[str], bool] | None = None) -> int:
+    """Total size of the files under a folder (those `select(relative path)` keeps, when given)."""
+    fs, path = fs_for(url)
+    found = fs.find(path, detail=True) if to_local_path(url) is not None else \
+        _remote("listed", url, lambda: fs.find(path, detail=True))
+    base = len(path.rstrip("/")) + 1
+    return sum(int(info.get("size") or 0) for rpath, info in found.items() if select is None or select(rpath[base:]))
 
 
 def download_dir(url: str, local_dir: Path, select: Callable[[str], bool] | None = None) -> Path:

@@ -47,11 +47,13 @@ class RecipeContext:
 
 def apply_storage_settings(cfg: Config) -> None:
     """Point s3fs at `cfg.storage.s3_endpoint_url`/`s3_region` in this process (left as it is when unset)
-    and set the store's outage budget (`storage.outage_retry_s`)."""
+    and set the store's outage budget and the machine's cache bound (`storage.outage_retry_s`,
+    `storage.node_cache_max_gb`)."""
     if cfg.storage.s3_endpoint_url or cfg.storage.s3_region:
         storage.configure_from(cfg.storage)
     else:
         storage.set_outage_retry_s(cfg.storage.outage_retry_s)
+        storage.set_node_cache_max_gb(cfg.storage.node_cache_max_gb)
 
 
 def stage_label(cfg: Config, stage_index: int) -> str:

@@ -106,6 +106,14 @@ class StorageConfig(_Section):
     is true: trainer ranks on other nodes
     write their checkpoint shards straight to storage, and on node-local disks the driver would find an
     incomplete checkpoint. S3 needs nothing. Trade-off: true trusts the operator about the mounts."""
+    node_cache_max_gb: float | None = Field(200.0, gt=0)
+    """GB (1e9 bytes) of remote checkpoints each machine keeps in its cache (`$RSTAR2_HOME/cache`: the base
+    model and each stage's checkpoint its engines, trainer ranks and evaluations read; weight sync's step
+    checkpoints are read from the store, not cached). Before a download would pass it, the least recently
+    used complete checkpoints are removed, never one a process is reading. None = no bound. Default 200:
+    six Qwen3-14B checkpoints (29.5 GB each). Trade-off: lower saves node disk, but an evicted checkpoint
+    read again is downloaded again; it must exceed the largest checkpoint (a smaller one is refused when
+    that download starts)."""
 
 
 class TaskResources(_Section):
@@ -172,7 +180,16 @@ class ClusterConfig(_Section):
     fails at once with LayoutDoesNotFit, docs/cluster.md), and, once they exist,
     for its trainer shards and then its engine actors to be scheduled and constructed before raising
     ActorStartTimeout naming those still pending (also retryable). An engine's construction includes
-    loading its model (vLLM: and profiling memory), so raise this when engines load slowly."""
+    loading its model from the node's disk (vLLM: and profiling memory), so raise this when engines load
+    slowly; the download of a remote model to each node is bounded by `model_download_timeout_s` instead."""
+    model_download_timeout_s: float = Field(1800.0, gt=0)
+    """Seconds a runtime waits, once its placement groups exist and before it starts any actor, for every
+    node that runs trainer shards or engines to hold the remote policy checkpoint in its cache (one task per
+    node downloads it under the node's lock; a node that has it is done at once). Past it the runtime stops
+    and raises ModelDownloadTimeout (retryable) naming each late node and the bytes that arrived; the
+    retry downloads again from the start. Default 1800: 29.5 GB (Qwen3-14B) at ~16 MB/s per node.
+    Trade-off: longer rides out a slow store, but a stuck download holds the cluster's placement groups idle
+    that much longer."""
     node_death_wait_s: float = Field(60.0, ge=0)
     """When an actor call fails as a vanished node's would (the connection dropped), how long the runtime
     waits for Ray to declare the node dead before it names the failure: Ray's verdict comes after its health

@@ -6,24 +6,22 @@ extra files (trainer state, RNG) and a `_COMPLETE` marker written last (its JSON
 `runtime.checkpoint.publish_policy_checkpoint` (a runtime's trainer) both go through it.
 
 Invariant: readers ignore folders without the marker, so a crash mid-write leaves the previous
-checkpoint the latest complete one. Remote checkpoints are read once per machine into a cache (a lock
-the node's processes share). See docs/models-and-sft.md, "Checkpoints".
+checkpoint the latest complete one. Remote checkpoints are read once per machine into a bounded cache
+(node_cache.py). See docs/models-and-sft.md, "Checkpoints".
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import hashlib
-import os
 import re
-import shutil
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from rstar2_core import storage
+from rstar2_core.models.node_cache import cached_copy
 
 FROM_PRETRAINED_LOCK = threading.Lock()
 """Held around every `from_pretrained` in this process: transformers' loader is not thread-safe (it
@@ -42,11 +40,6 @@ def _resolve_dtype(dtype):
     return _DTYPES[dtype]
 
 
-def _cache_root() -> Path:
-    home = os.environ.get("RSTAR2_HOME") or str(Path(__file__).resolve().parents[2] / ".rstar2")
-    return Path(home) / "cache"
-
-
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".npz")
 """Files `load_tokenizer` never downloads (weights and trainer state, whatever their folder)."""
 
@@ -57,49 +50,25 @@ def _is_tokenizer_file(rel: str) -> bool:
 
 
 @contextlib.contextmanager
-def node_lock(path: Path):
-    """An exclusive lock on `path` shared by every process of this machine (`flock`): held while one
-    process fills a cache entry that the others wait for. The kernel drops it when its holder dies, so a
-    killed download leaves no stale lock (the next holder finds no complete entry and downloads again)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def _cached_copy(checkpoint_url: str, kind: str, select=None) -> Path:
-    """The local copy of a complete remote checkpoint under `$RSTAR2_HOME/cache/<kind>/<key>` (the key: its
-    URL and marker), filled once per machine: the processes of a node (engine actors, trainer ranks, the
-    driver) take `node_lock` in turn, the first downloads (only the files `select(relative path)` keeps,
-    when given) into a temporary folder renamed into place, the others find it complete."""
-    key = hashlib.sha256((checkpoint_url + storage.read_text(storage.join(checkpoint_url, storage.COMPLETE_MARKER)))
-                         .encode()).hexdigest()[:16]
-    dst = _cache_root() / kind / key
-    if (dst / storage.COMPLETE_MARKER).exists():
-        return dst
-    with node_lock(dst.parent / f".{key}.lock"):
-        if not (dst / storage.COMPLETE_MARKER).exists():
-            for stale in dst.parent.glob(f".{key}.*.tmp"):     # what a killed download left: no one owns it now
-                shutil.rmtree(stale, ignore_errors=True)
-            tmp = dst.parent / f".{key}.{os.getpid()}.tmp"
-            try:
-                storage.download_dir(checkpoint_url, tmp, select=select)
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
-            shutil.rmtree(dst, ignore_errors=True)     # a copy without its marker: an interrupted rename
-            os.replace(tmp, dst)
-    return dst
+def checkpoint_in_use(checkpoint_url: str) -> Iterator[Path]:
+    """The local folder of a complete checkpoint, held for the `with` block: a remote one is this machine's
+    cached copy (node_cache.py: downloaded once per machine), which the cache's bound never evicts while
+    a process holds it."""
+    _require_complete(checkpoint_url)
+    local = storage.to_local_path(checkpoint_url)
+    if local is not None:
+        yield local
+        return
+    with cached_copy(checkpoint_url, "checkpoints") as path:
+        yield path
 
 
 def local_checkpoint_dir(checkpoint_url: str) -> Path:
-    """Local folder holding a complete checkpoint (a remote one downloaded once per machine: `_cached_copy`)."""
-    _require_complete(checkpoint_url)
-    local = storage.to_local_path(checkpoint_url)
-    return local if local is not None else _cached_copy(checkpoint_url, "checkpoints")
+    """Local folder holding a complete checkpoint (a remote one downloaded once per machine), not held after
+    this returns: a cached copy may be evicted once another download needs its room (`checkpoint_in_use`
+    holds it)."""
+    with checkpoint_in_use(checkpoint_url) as path:
+        return path
 
 
 def _require_complete(checkpoint_url: str) -> None:
@@ -113,8 +82,7 @@ def load_model_and_tokenizer(checkpoint_url: str, dtype=None, device: str = "cpu
     """(model in eval mode on `device`, tokenizer) from a complete HF checkpoint URL or local folder."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = local_checkpoint_dir(checkpoint_url)
-    with FROM_PRETRAINED_LOCK:
+    with checkpoint_in_use(checkpoint_url) as path, FROM_PRETRAINED_LOCK:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=_resolve_dtype(dtype) or "auto")
         tok = AutoTokenizer.from_pretrained(str(path))
     model.to(device).eval()
@@ -128,8 +96,11 @@ def load_tokenizer(checkpoint_url: str):
     from transformers import AutoTokenizer
 
     _require_complete(checkpoint_url)
-    path = storage.to_local_path(checkpoint_url) or _cached_copy(checkpoint_url, "tokenizers", _is_tokenizer_file)
-    with FROM_PRETRAINED_LOCK:
+    local = storage.to_local_path(checkpoint_url)
+    if local is not None:
+        with FROM_PRETRAINED_LOCK:
+            return AutoTokenizer.from_pretrained(str(local))
+    with cached_copy(checkpoint_url, "tokenizers", _is_tokenizer_file) as path, FROM_PRETRAINED_LOCK:
         return AutoTokenizer.from_pretrained(str(path))
 
 

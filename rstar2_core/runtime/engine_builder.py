@@ -55,14 +55,16 @@ def build_engine(spec: EngineSpec):
                         max_seq_len=min(max_len, int(model.config.max_position_embeddings)),
                         kv_capacity_tokens=spec.kv_capacity_tokens)
     if spec.kind == "vllm":
-        from rstar2_core.models.io import local_checkpoint_dir
+        from rstar2_core.models.io import checkpoint_in_use
         from rstar2_core.rollout.vllm_engine import VLLMEngine
 
-        return VLLMEngine(str(local_checkpoint_dir(spec.checkpoint_url)), max_model_len=spec.max_model_len,
-                          max_num_seqs=spec.max_batch_size, tensor_parallel_size=spec.tensor_parallel_size,
-                          gpu_memory_utilization=spec.gpu_memory_utilization, dtype=spec.dtype, seed=spec.seed,
-                          kv_capacity_tokens=spec.kv_capacity_tokens, weight_transfer=spec.weight_transfer,
-                          sleep_mode=spec.sleep_mode, distributed_executor_backend=spec.distributed_executor_backend)
+        with checkpoint_in_use(spec.checkpoint_url) as path:     # vLLM reads it while it builds, not after
+            return VLLMEngine(str(path), max_model_len=spec.max_model_len,
+                              max_num_seqs=spec.max_batch_size, tensor_parallel_size=spec.tensor_parallel_size,
+                              gpu_memory_utilization=spec.gpu_memory_utilization, dtype=spec.dtype,
+                              seed=spec.seed, kv_capacity_tokens=spec.kv_capacity_tokens,
+                              weight_transfer=spec.weight_transfer, sleep_mode=spec.sleep_mode,
+                              distributed_executor_backend=spec.distributed_executor_backend)
     raise ValueError(f"unknown engine kind {spec.kind!r}; valid: ['hf', 'vllm']")
 
 

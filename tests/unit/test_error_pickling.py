@@ -37,6 +37,8 @@ SAMPLE_ARGS: dict[str, tuple] = {
     "rstar2_core.runtime.ray.errors.LayoutDoesNotFit": (
         ["placement group rstar2-node2 needs 8 GPU, 32 CPU on one node ...: node 5c3a9e1f (10.0.0.7) lacks 8 GPU"],
         ["node 5c3a9e1f (10.0.0.7): GPU 0 free of 0, CPU 16 free of 16"]),
+    "rstar2_core.runtime.ray.errors.ModelDownloadTimeout": (
+        "s3://rstar2-models/Qwen3-14B-Base", {"node 5c3a9e1f (10.0.0.7)": (1234, 29_500_000_000)}, 1800.0),
     "rstar2_core.data.sources.Reject": ("missing_field:answer",),
     "rstar2_core.errors.SFTNotConverged": ("SFT did not converge: ...", 0.23, 0.1, 1993, 0),
     "rstar2_core.errors.AttentionKernelMismatch": ("the attention kernels disagree ...",

@@ -3,8 +3,8 @@
 `ray_actor_deaths()` (an actor or its process gone) and `ray_infra_errors()` (those, plus lost objects,
 system errors, OOM kills and get timeouts: what tasks/retry.py retries) are the only lists of Ray's
 exception classes in the project; `ray_task_error_cause` unwraps a plain `RayTaskError`. `ActorFailure`,
-`NodeLost` and `LayoutDoesNotFit` are `InfraError`s, `PlacementTimeout` and `ActorStartTimeout`
-`TimeoutError`s (all retried), `ActorConfigError` a `ValueError` (not). Invariant: Ray is imported inside
+`NodeLost` and `LayoutDoesNotFit` are `InfraError`s, `PlacementTimeout`, `ActorStartTimeout` and
+`ModelDownloadTimeout` `TimeoutError`s (all retried), `ActorConfigError` a `ValueError` (not). Invariant: Ray is imported inside
 the functions only, so the retry rule imports this module without Ray.
 See docs/runtime.md, "Errors: what is retried, and how they travel".
 """
@@ -120,6 +120,18 @@ class ActorStartTimeout(PicklableError, TimeoutError):
 
 class PlacementTimeout(TimeoutError):
     """A placement group was not scheduled in time; the message lists what the cluster has free."""
+
+
+class ModelDownloadTimeout(PicklableError, TimeoutError):
+    """Nodes of the layout did not hold the remote model in their cache within
+    `cluster.model_download_timeout_s`; `nodes` maps each late node's label to (bytes arrived, bytes in all)."""
+
+    def __init__(self, url: str, nodes: dict[str, tuple[int, int]], timeout_s: float):
+        self.url, self.nodes, self.timeout_s = url, dict(nodes), timeout_s
+        late = "; ".join(f"{k}: {got:,} of {total:,} bytes" for k, (got, total) in self.nodes.items())
+        super().__init__(f"{url} did not reach every node within {timeout_s:.0f} s (cluster.model_download_timeout_s): "
+                         f"{late}. The downloads were stopped and the stage's placement groups removed; a retry "
+                         "downloads again from the start (raise the timeout for a slow store or link)")
 
 
 class ActorConfigError(PicklableError, ValueError):

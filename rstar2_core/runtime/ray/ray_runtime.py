@@ -1,11 +1,11 @@
 """`RayRuntime`: the `StageRuntime` (runtime/protocol.py) on a Ray cluster, built from a `RuntimeSpec`.
 
-Start order: Ray -> one placement group per node -> trainer shards (before the engines reserve KV-cache
-memory) -> inference engines -> on real GPUs, the device check (each actor's device by identity,
-runtime/ray/device_check.py) -> the sandbox pool on the layout's sandbox bundles -> the grader pool in
-this driver process. Invariant: whatever started is stopped on every failure path and on leaving the
-`async with` (each cleanup step runs even when one before it fails; a cleanup error never replaces the
-error being raised), and one runtime per process holds the cluster at a time (`_OPEN`).
+Start order: Ray -> one placement group per node -> the remote model into each node's cache (model_prefetch.py)
+-> trainer shards (before the engines reserve KV-cache memory) -> inference engines -> on real GPUs, the
+device check (runtime/ray/device_check.py) -> the sandbox pool on the layout's sandbox bundles -> the grader
+pool in this driver process. Invariant: whatever started is stopped on every failure path and on leaving the
+`async with` (each cleanup step runs even when one before it fails; a cleanup error never replaces the error
+being raised), and one runtime per process holds the cluster at a time (`_OPEN`).
 See docs/ray-runtime.md, "Start order and teardown".
 
     async with RayRuntime(spec) as rt:      # what open_runtime(cfg, ...) does for cluster.runtime = "ray"
@@ -30,6 +30,7 @@ from rstar2_core.runtime.protocol import OwnedGrader, RuntimeUsage, WeightSyncRe
 from rstar2_core.runtime.ray.connect import ensure_ray, holds_runtime_slot
 from rstar2_core.runtime.ray.device_check import check_runtime_devices
 from rstar2_core.runtime.ray.engine_actors import RemoteEngine, start_engines
+from rstar2_core.runtime.ray.model_prefetch import model_needs, prefetch_models
 from rstar2_core.runtime.ray.node_kill import kill_local_raylet
 from rstar2_core.runtime.ray.placement import (
     RUNTIME_GROUP_PREFIX,
@@ -110,6 +111,12 @@ class RayRuntime:
                             "cluster this runtime needs", len(stale), ", ".join(stale))
             self.group = ActorGroup(self.layout, timeout_s=timeout, prefix=prefix,
                                     node_death_wait_s=cluster.node_death_wait_s)
+            needs = model_needs(self.layout, spec.policy_url if spec.trainer is not None and model_factory is None
+                                else None, None if engine_factory else [e.checkpoint_url for e in spec.engines])
+            if needs:          # the download apart from placement: the actors then load from the node's disk
+                took = prefetch_models(self.group, needs, cluster.model_download_timeout_s)
+                log.info("the model is on %d node(s) in %.0f s (cluster.model_download_timeout_s = %.0f)",
+                         len(took), max(took.values(), default=0.0), cluster.model_download_timeout_s)
             threads = actor_threads(cluster)
             if spec.trainer is not None:
                 t = spec.trainer

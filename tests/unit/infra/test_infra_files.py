@@ -186,7 +186,7 @@ def test_dockerfiles(name, check):
 def test_readme_takes_the_operator_to_the_deployment_run():
     text = (INFRA / "README.md").read_text()
     assert "prefect deployment run rstar2/full-recipe --param profile=qwen3-14b-mi300x" in text
-    assert f"prefect work-pool create {WORK_POOL} --type process --base-job-template infra/prefect/base-job-template.json" in text
+    assert "infra/k8s/up.sh" in text and "-c prefect-worker -- rstar2 deploy" in text    # step 3: rstar2_cli/bringup.py
     assert "docker build -f infra/docker/Dockerfile.rocm -t ghcr.io/rstar2/rstar2-rocm:0.1.0 ." in text
     for ref in set(re.findall(r"(?<![\w./-])infra/[\w./-]+\.(?:yaml|json|rocm|cuda|example|gz|py|md)\b", text)):
         assert (ROOT / ref).exists(), f"infra/README.md names {ref}, which does not exist"
@@ -267,3 +267,21 @@ def test_rccl_gets_the_node_fabric_in_both_cluster_descriptions(prod, tmp_path, 
     problems = infra_problems(prod, infra=copy, prefect_yaml=INFRA.parent / "prefect.yaml")
     assert [p for p in problems if needle in p], problems
     assert not [p for p in infra_problems(prod) if "RCCL" in p or "rdma" in p or "NCCL" in p or "IPC_LOCK" in p]
+
+
+def test_the_workers_create_the_pool_with_our_template():
+    """A worker that starts before `rstar2 deploy` creates the pool on its first poll: both worker commands
+    hand it infra's template as the image holds it (relative paths from the container's working dir)."""
+    import shlex
+
+    rc = _docs("k8s/raycluster.yaml")[0]
+    side = next(c for c in rc["spec"]["headGroupSpec"]["template"]["spec"]["containers"] if c["name"] == "prefect-worker")
+    up = _docs("ray/cluster.yaml")[0]
+    up_cmd = shlex.split(next(c for c in up["head_start_ray_commands"] if "worker start" in c))
+    dockerfile = (INFRA / "docker" / "Dockerfile.rocm").read_text()
+    workdir = re.search(r"^WORKDIR\s+(\S+)", dockerfile, re.MULTILINE).group(1)
+    for name, cmd, cwd in (("raycluster.yaml", side["command"], side["workingDir"]),
+                           ("cluster.yaml", up_cmd, workdir)):
+        assert cmd[cmd.index("--pool") + 1] == WORK_POOL, name
+        path = Path(cwd) / cmd[cmd.index("--base-job-template") + 1]
+        assert path == Path(workdir) / "infra" / "prefect" / "base-job-template.json", (name, path)

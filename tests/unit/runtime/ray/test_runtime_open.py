@@ -1,7 +1,8 @@
 """RayRuntime's process-wide `_OPEN` lock and teardown: a constructor that fails after taking the lock
 releases it, so the Prefect retry of the task in the same process does not wait forever; a cleanup step
 that fails (a sandbox pool's close) neither skips the actors' shutdown nor the lock's release, nor
-replaces the error being raised; an engine that never answers its close does not hold the teardown.
+replaces the error being raised; an engine that never answers its close does not hold the teardown; the
+remote model reaches the nodes before any actor starts.
 No Ray needed: the failures happen before (or instead of) `ray.init`, or Ray's parts are stand-ins."""
 
 from __future__ import annotations
@@ -90,11 +91,13 @@ def offline(monkeypatch):
     monkeypatch.setattr(rtmod, "holds_runtime_slot", lambda: False)     # both ask a live Ray
     monkeypatch.setattr(rtmod, "remove_stale_runtime_groups", lambda prefix, holds_slot: [])
     monkeypatch.setattr(rtmod, "_refuse_node_local_storage", lambda: None)   # reads ray.nodes()
+    monkeypatch.setattr(rtmod, "prefetch_models", lambda group, needs, timeout_s: {})   # Ray tasks per node
     cfg = load_config("tiny", RAY)
 
     def open_(**kwargs):
         kwargs = {"engines": False, "grader": False, "tokenizer": object(), **kwargs}
-        builders = {k: kwargs.pop(k) for k in ("tokenizer", "sandbox_factory", "engine_factory") if k in kwargs}
+        builders = {k: kwargs.pop(k) for k in ("tokenizer", "sandbox_factory", "engine_factory", "model_factory")
+                    if k in kwargs}
         return rtmod.RayRuntime(RuntimeSpec.from_config(cfg, policy_url="s3://bucket/ckpt", **kwargs), **builders)
 
     assert not rtmod._OPEN.locked()
@@ -151,3 +154,25 @@ def test_an_engine_that_never_answers_its_close_does_not_hold_the_teardown(offli
     rt = open_(engines=True, engine_factory=object(), sandbox=False)
     asyncio.run(asyncio.wait_for(rt.aclose(), 10))       # 0.5 s for both engines at once, then the kill
     assert _Group.made[-1].shutdowns == 1 and not rtmod._OPEN.locked()
+
+
+def test_the_remote_model_reaches_the_nodes_before_any_actor_starts(offline, monkeypatch):
+    """The download is bounded by cluster.model_download_timeout_s, apart from the placement timeout that
+    the trainer shards and engines are then started under (they load from the node's cache)."""
+    from rstar2_core.runtime.protocol import TrainerSpec
+
+    rtmod, open_ = offline
+    calls = []
+    monkeypatch.setattr(rtmod, "prefetch_models", lambda group, needs, timeout_s: calls.append(
+        ("prefetch", {u for urls in needs.values() for u in urls}, timeout_s)) or {})
+    monkeypatch.setattr(rtmod, "TrainerGroup", lambda *a, **k: calls.append(("trainer", k["ready_timeout_s"])))
+    monkeypatch.setattr(rtmod, "start_engines", lambda *a, **k: calls.append(("engines",)) or [])
+    monkeypatch.setattr(rtmod, "make_weight_sync", lambda mode, rt: None)
+    cfg = load_config("tiny", RAY)
+    asyncio.run(open_(trainer=TrainerSpec("rl", 10, 0, "constant", None), sandbox=False).aclose())
+    assert calls[0] == ("prefetch", {"s3://bucket/ckpt"}, cfg.cluster.model_download_timeout_s)
+    assert calls[1] == ("trainer", cfg.cluster.placement_timeout_s)
+    calls.clear()
+    asyncio.run(open_(trainer=TrainerSpec("rl", 10, 0, "constant", None), sandbox=False,
+                      model_factory=object).aclose())
+    assert calls[0][0] == "trainer"                    # a model built in the actor: nothing to download
