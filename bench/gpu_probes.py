@@ -223,15 +223,23 @@ def rl_step(model, backend, batch: int, prompt_len: int, new_tokens: int, device
              for p, o in zip(prompts, outs)]
     adv = [1.0 if i % 2 else -1.0 for i in range(batch)]
     sync(device)
+    if device.type == "cuda":          # the update's own peak, for the memory plan (docs/first-cluster-run.md)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
     t = time.perf_counter()
     m = rl_update(backend, trajs, adv, pad_id=0, micro_batch_size=min(batch, 16))
     sync(device)
     upd_s = time.perf_counter() - t
+    mem = {}
+    if device.type == "cuda":
+        mem = {"update_mem_before_gib": base / 2**30, "update_peak_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+               "update_peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30,
+               "update_micro_batch_tokens": min(batch, 16) * (prompt_len + new_tokens)}
     gen_tokens = sum(len(o.token_ids) for o in outs)
     seq_tokens = sum(len(p) + len(o.token_ids) for p, o in zip(prompts, outs))
     return {"gen_s": gen_s, "gen_tokens_per_s": gen_tokens / gen_s, "update_s": upd_s,
             "update_tokens_per_s": seq_tokens / upd_s, "update_tokens": seq_tokens,
-            "grad_norm": m["actor/grad_norm"], "engine_logprob_gap": m["actor/engine_logprob_gap"]}
+            "grad_norm": m["actor/grad_norm"], "engine_logprob_gap": m["actor/engine_logprob_gap"], **mem}
 
 
 def decode_bench(model, batch: int, prompt_len: int, new_tokens: int, device: torch.device) -> dict:

@@ -260,11 +260,10 @@ def _runtime_slot_problems(cfg: Any, rc: dict, up: dict) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------- output
-def cluster_fit(cfg: Any, layout: Any, nodes: list, address: str | None = None) -> tuple[list[str], list[str]]:
+def cluster_fit(cfg: Any, layout: Any, nodes: list) -> tuple[list[str], list[str]]:
     """(lines, problems) of the layout against a live cluster's nodes: whether its placement groups fit the
     nodes' resources (and fit what is free now), and, for the Ray runtime, whether a node offers the
-    `rstar2_runtime` unit with the CPUs of the task that drives the RL stage; with the cluster's `address`,
-    the device check (runtime/ray/device_check.py: each GPU bundle binds its own device, by identity)."""
+    `rstar2_runtime` unit with the CPUs of the task that drives the RL stage."""
     from rstar2_core.runtime.layout import describe_nodes, fit_layout
     from rstar2_core.runtime.ray.connect import RUNTIME_RESOURCE
 
@@ -287,12 +286,6 @@ def cluster_fit(cfg: Any, layout: Any, nodes: list, address: str | None = None) 
         elif not any(n.total.get("CPU", 0) >= cpus for n in slot):
             problems.append(f"the node with {RUNTIME_RESOURCE} has fewer than the {cpus:g} CPUs of the RL task "
                             "(cluster.resources.rl.num_cpus)")
-    if address is not None:
-        from rstar2_core.runtime.ray.device_check import live_device_check
-
-        more_lines, more = live_device_check(address, layout, nodes)
-        lines += [f"  {x}" for x in more_lines]
-        problems += more
     return lines, problems
 
 
@@ -388,23 +381,61 @@ def build_plan(cfg: Any, nodes: list | None = None, read_model: bool = False, ad
         layout = compute_layout(cfg.cluster, cfg.rollout, cfg.sandbox)
     except LayoutError as e:
         raise ConfigError(f"actor layout of profile {cfg.profile}: {e}") from None
-    problems = driver_conflicts(layout, cfg.cluster.resources.get("rl")) if cfg.cluster.runtime == "ray" else []
+    checks: dict[str, list[str] | None] = {k: None for k in CHECKLIST}
+    reasons: dict[str, str] = {}
+    checks["layout"] = driver_conflicts(layout, cfg.cluster.resources.get("rl")) if cfg.cluster.runtime == "ray" else []
     if cfg.cluster.image:
-        problems += infra_problems(cfg)
+        checks["infra"] = infra_problems(cfg)
     live: list[str] = []
     hf, source = _model_config(cfg, read_model, model_config)
     push = weight_push(cfg, hf, source)
     gpu = gpu_plan(cfg, hf, source)
-    problems += gpu["problems"]
+    if "skipped" not in gpu["gpu_memory"]:
+        checks["gpu_memory"] = gpu["problems"]
+        checks["collectives"] = [] if gpu["collectives"]["update_seconds"] is not None else None
     if nodes is not None:
-        live, more = cluster_fit(cfg, layout, nodes, address)
-        problems += more + object_store_problems(push, nodes)
+        live, fit = cluster_fit(cfg, layout, nodes)
+        checks["live_cluster"] = fit + object_store_problems(push, nodes)
+    if address is not None:
+        from rstar2_core.runtime.ray.device_check import live_device_check
+
+        more_lines, checks["devices"] = live_device_check(address, layout, nodes or [])
+        live += [f"  {x}" for x in more_lines]
+        skipped = [x for x in more_lines if x.startswith("device check skipped")]
+        if skipped and not checks["devices"]:
+            checks["devices"], reasons["devices"] = None, skipped[0].split(": ", 1)[-1]
     return {"profile": cfg.profile, "image": cfg.cluster.image, "ray_address": cfg.cluster.ray_address,
             "tracking_uri": cfg.resolved_tracking_uri(), "storage_root": cfg.resolved_storage_root(),
             "dag": [asdict(t) for t in recipe_dag(cfg)], "layout": layout.to_json(),
             "layout_summary": layout.describe(), "live_cluster": live, "label_check": label_check_cost(cfg),
             "weight_push": push, "gpu_memory": gpu["gpu_memory"], "collectives": gpu["collectives"],
-            "problems": problems}
+            "checklist": checklist(checks, gpu, reasons), "problems": [p for v in checks.values() for p in v or []]}
+
+
+CHECKLIST = {
+    "layout": "the profile validates; the RL layout fits its cluster and the stage tasks' reservations",
+    "gpu_memory": "every GPU's rollout, update and SFT peak fits cluster.gpu_memory_gb",
+    "collectives": "each rank's collective traffic per RL update and SFT step is priced at the link speeds",
+    "infra": "infra/ describes the profile's cluster (image, counts, URLs, runtime slot, RCCL's fabric, pull step)",
+    "live_cluster": "the live Ray cluster holds the layout's placement groups (--address)",
+    "devices": "every GPU actor binds a distinct device by identity on every node (--address)",
+}
+"""The first cluster run's checklist as `rstar2 plan` checks it item by item (docs/first-cluster-run.md)."""
+
+
+def checklist(checks: dict[str, list[str] | None], gpu: dict, reasons: dict[str, str]) -> list[dict]:
+    """Each CHECKLIST item with its status: `ok`, `problem` (its problems listed) or `not checked` and why."""
+    why = {"gpu_memory": gpu["gpu_memory"].get("skipped"),
+           "collectives": gpu["collectives"].get("skipped") or "no cluster.inter_node_gb_per_s",
+           "infra": "the profile has no cluster.image (local processes)",
+           "live_cluster": "no --address", "devices": "no --address", **reasons}
+    out = []
+    for key, what in CHECKLIST.items():
+        found = checks[key]
+        status = "not checked" if found is None else "problem" if found else "ok"
+        out.append({"item": key, "what": what, "status": status, "problems": found or [],
+                    "why_not_checked": why.get(key) if found is None else None})
+    return out
 
 
 def _fmt_res(t: dict) -> str:
@@ -456,6 +487,11 @@ def render(plan: dict, cfg: Any) -> str:
                            "problems (data.label_check.max_problems): its cost grows with the sources")]
     if plan.get("live_cluster"):
         lines += [""] + plan["live_cluster"]
+    lines += ["", "first cluster run checklist (docs/first-cluster-run.md):"]
+    for i, c in enumerate(plan["checklist"], 1):
+        mark = {"ok": "ok", "problem": "PROBLEM", "not checked": "--"}[c["status"]]
+        lines.append(f"  [{mark:>7}] {i}. {c['what']}" + (f" (not checked: {c['why_not_checked']})"
+                                                          if c["why_not_checked"] else ""))
     lines.append("")
     if plan["problems"]:
         lines.append(f"problems ({len(plan['problems'])}):")

@@ -81,25 +81,29 @@ def segment_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
 
 def _segment_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments, t: int, scaling: float | None,
                  i: int) -> torch.Tensor:
-    """One packed row's attention output (1, H, T, D): the prefix causally, each span over [prefix, itself]."""
+    """One packed row's attention output (1, H, T, D): the prefix causally, each span over [prefix, itself].
+
+    q, k and v are split once into [prefix, spans..., padding] (`torch.split`): the backward of a split is one
+    concatenation of the pieces' gradients, where a slice per span would allocate a zero tensor of the whole
+    row for each span's gradient (at 16K tokens of short trajectories, gigabytes per layer)."""
     h, d = q.shape[1], q.shape[3]
     if seg.length != t:
         raise ValueError(f"row {i} is {t} tokens but its layout says {seg.length}")
     p = seg.prefix
+    end = seg.spans[-1][1] if seg.spans else p
+    sizes = [p] + [e - s for s, e in seg.spans] + [t - end]
+    qs, ks, vs = (x.split(sizes, 2) for x in (q, k, v))
     pieces = []
     if p:
-        pieces.append(F.scaled_dot_product_attention(q[:, :, :p], k[:, :, :p], v[:, :, :p], is_causal=True,
-                                                     scale=scaling))
-    for s, e in seg.spans:
+        pieces.append(F.scaled_dot_product_attention(qs[0], ks[0], vs[0], is_causal=True, scale=scaling))
+    for j, (s, e) in enumerate(seg.spans, 1):
         if p:
             n = e - s
             allowed = torch.ones(n, p + n, dtype=torch.bool, device=q.device).tril(p)
-            kk, vv = torch.cat([k[:, :, :p], k[:, :, s:e]], 2), torch.cat([v[:, :, :p], v[:, :, s:e]], 2)
-            pieces.append(F.scaled_dot_product_attention(q[:, :, s:e], kk, vv, attn_mask=allowed, scale=scaling))
+            kk, vv = torch.cat([ks[0], ks[j]], 2), torch.cat([vs[0], vs[j]], 2)
+            pieces.append(F.scaled_dot_product_attention(qs[j], kk, vv, attn_mask=allowed, scale=scaling))
         else:
-            pieces.append(F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e],
-                                                         is_causal=True, scale=scaling))
-    end = seg.spans[-1][1] if seg.spans else p
+            pieces.append(F.scaled_dot_product_attention(qs[j], ks[j], vs[j], is_causal=True, scale=scaling))
     if end < t:
         pieces.append(q.new_zeros(1, h, t - end, d))
     return torch.cat(pieces, 2)

@@ -169,6 +169,13 @@ def test_plan_gives_each_gpus_memory_and_the_collectives_and_refuses_what_does_n
     assert mem["device_gb"] == 192 and 0 < mem["rollout_peak_gb"] <= 192 and 0 < mem["update_peak_gb"] <= 192
     assert {k.split(".")[0] for k in mem["parts"]} == {"rollout", "update", "sft"}
     assert coll["update_bytes_per_rank"] > 0 and coll["update_seconds"] > 0
+    status = {c["item"]: c["status"] for c in plan["checklist"]}
+    assert status == {"layout": "ok", "gpu_memory": "ok", "collectives": "ok", "infra": "ok",
+                      "live_cluster": "not checked", "devices": "not checked"}
+    _, over = _plan_json(capsys, "--profile", "qwen3-14b-mi300x", "--model-config", QWEN3_CONFIG,
+                         "--set", "rollout.gpu_memory_utilization=0.99")
+    (mem_item,) = [c for c in over["checklist"] if c["item"] == "gpu_memory"]
+    assert mem_item["status"] == "problem" and mem_item["problems"] == over["problems"]
     assert main(["plan", "--profile", "qwen3-14b-mi300x", "--model-config", QWEN3_CONFIG, "--strict",
                  "--set", "rollout.gpu_memory_utilization=0.99"]) == 1
     out = capsys.readouterr().out

@@ -130,14 +130,15 @@ def _nodes(gpus: float, free: float) -> list[NodeResources]:
 ])
 def test_plan_skips_the_device_check_with_a_line_saying_why(profile, nodes, why):
     """Each of these returns before connecting (no Ray listens at the address given)."""
-    from rstar2_cli.plan import cluster_fit
+    from rstar2_cli.plan import build_plan
 
     cfg = load_config(profile)
-    lay = compute_layout(cfg.cluster, cfg.rollout, cfg.sandbox)
-    lines, _ = cluster_fit(cfg, lay, nodes, address="127.0.0.1:1")
-    (line,) = [x for x in lines if "device check" in x]
+    plan = build_plan(cfg, nodes, address="127.0.0.1:1")
+    (line,) = [x for x in plan["live_cluster"] if "device check" in x]
     assert "device check skipped" in line and why in line
-    assert not any("device check" in x for x in cluster_fit(cfg, lay, nodes)[0])
+    (item,) = [c for c in plan["checklist"] if c["item"] == "devices"]
+    assert item["status"] == "not checked" and why in item["why_not_checked"]
+    assert not any("device check" in x for x in build_plan(cfg, nodes)["live_cluster"])
 
 
 class _Reports:
