@@ -4,7 +4,8 @@
 
 Per model shape, `--ranks` gloo processes each build a `TrainerShardActor` (the Ray runtime's rank, called in
 process: ZeRO-3 under `zero.Init`, gradient checkpointing) and run two `rl_update`s over micro-batches of
-`--tokens` tokens. Measured: each rank's anonymous RSS at its highest above its level before the model was built.
+`--tokens` tokens. Measured: each rank's anonymous RSS at its highest above its level before the model was built
+(glibc's mmap threshold fixed, so that freed tensors leave RSS).
 Predicted: `runtime/gpu_memory.trainer_update` in float32 without the GPU-only parts. JSON (last line): per
 model `measured_gb`, `predicted_gb`, `ratio`; target |ratio - 1| <= 0.25. See docs/production.md, "Memory per GPU".
 """
@@ -107,8 +108,17 @@ def rank_main(rank: int, world: int, port: int, name: str, tokens: int, micro: i
              "micro_batches": m["actor/micro_batches"]})
 
 
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+"""glibc otherwise raises its mmap threshold as large blocks are freed and keeps later ones in the heap, where
+freed tensors stay resident: RSS would then measure CPU malloc's fragmentation (2-3x the live tensors of a
+checkpointed model here), not what a GPU's allocator holds. A fixed threshold maps every block >= 128 KiB on
+its own and returns it when freed. Set before the ranks start (glibc reads it at start-up)."""
+
+
 def measure(name: str, ranks: int, tokens: int, micro: int) -> list[dict]:
     import torch
+
+    os.environ.update(MALLOC_ENV)
 
     ctx = torch.multiprocessing.get_context("spawn")
     out = ctx.Queue()

@@ -43,10 +43,6 @@ LOGITS_CHUNK_ELEMENTS = 1 << 26
 ACTIVATION_ELEMENTS_PER_TOKEN = "5*hidden + 4*q + 4*kv + 4*intermediate"
 """A decoder layer's saved activations per token (norm outputs, q/k/v before and after norm and rotary,
 attention output, residuals, MLP gate/up/activation/product): the formula of `_layer_elements`."""
-CHECKPOINTED_PER_LAYER = 2
-"""Hidden-sized tensors a checkpointed layer keeps per token until its backward: its input and one more,
-measured (a layer sweep of transformers' non-reentrant checkpointing on the CPU: 2 to 16 layers at 8K tokens
-added 2.0 x hidden x 4 bytes per token per layer; docs/first-cluster-run.md, "Calibration")."""
 REDUCE_BUCKET_ELEMENTS = 50_000_000
 """models/deepspeed_backend.py's reduce and prefetch bucket (elements)."""
 MAX_LIVE_PARAMETERS = 1_000_000_000
@@ -102,7 +98,7 @@ def activations(s: ModelShape, tokens: int, *, checkpointing: bool, dtype_bytes:
     without, every layer keeps its activations."""
     per_layer = tokens * _layer_elements(s) * dtype_bytes
     if checkpointing:
-        return {"activations_checkpointed": CHECKPOINTED_PER_LAYER * s.layers * tokens * s.hidden * dtype_bytes,
+        return {"activations_checkpointed": s.layers * tokens * s.hidden * dtype_bytes,
                 "activations_recompute": 2 * per_layer}
     return {"activations": s.layers * per_layer + per_layer}
 

@@ -150,10 +150,14 @@ def test_plan_says_whether_the_layout_fits_the_live_cluster(cluster):
     fits = _plan(cluster)
     assert fits["problems"] == [], fits["problems"]
     assert any("the layout fits" in x for x in fits["live_cluster"])
+    status = {c["item"]: (c["status"], c["why_not_checked"]) for c in fits["checklist"]}
+    assert status["live_cluster"] == ("ok", None)
+    assert status["devices"][0] == "not checked" and "computes on the CPU" in status["devices"][1]
     big = _plan(cluster, "cluster.nodes=3")
     assert any("does NOT fit" in x for x in big["live_cluster"])
     (problem,) = big["problems"]
     assert "rstar2-node2" in problem and "lacks 1 GPU" in problem and "head" in problem
+    assert [c["status"] for c in big["checklist"] if c["item"] == "live_cluster"] == ["problem"]
 
 
 def test_a_layout_the_cluster_cannot_hold_fails_fast(cluster, s3, toy_s3):
