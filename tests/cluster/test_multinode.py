@@ -28,10 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import deepspeed  # noqa: F401  (the code under test imports it: a missing install fails, never skips)
 import pytest
-
-pytest.importorskip("deepspeed")
-
 from kept_logs import kept_if_a_test_fails
 from s3_server import AWS_TEST_CREDENTIALS, moto_s3
 from stage_compare import OVERRIDES, assert_same_steps
@@ -251,6 +249,13 @@ def test_the_cluster_command_starts_restarts_and_stops_a_local_cluster(tmp_path)
         assert p.returncode == 0, (args, p.stdout, p.stderr[-3000:])
         return p.stdout
 
+    def alive(pid: int, started: float) -> bool:
+        try:
+            p = psutil.Process(pid)
+            return p.create_time() == started and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
     up = run("up", "--set", "cluster.nodes=1")
     record = tmp_path / "home" / "cluster" / "cluster.json"
     try:
@@ -261,17 +266,11 @@ def test_the_cluster_command_starts_restarts_and_stops_a_local_cluster(tmp_path)
         assert "restarted worker node(s) [1]" in run("restart")
         assert "GPU 1 free of 1" in run("status")
         latest = json.loads(record.read_text())        # the restarted node's new PIDs
+        leaders = {n["pid"]: n["procs"][str(n["pid"])] for n in latest["nodes"]}
+        assert len(leaders) == 2 and all(alive(p, t) for p, t in leaders.items()), latest  # what `down` must end
     finally:
         down = run("down")
     assert "stopped" in down and not record.exists()
     procs = {int(p): t for rec in (state, latest) for n in rec["nodes"] for p, t in n["procs"].items()}
     assert len(procs) >= 6                              # ray start, raylet, ... of 2 nodes and a restart
-
-    def alive(pid: int, started: float) -> bool:
-        try:
-            p = psutil.Process(pid)
-            return p.create_time() == started and p.status() != psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return False
-
     assert not [p for p, t in procs.items() if alive(p, t)]

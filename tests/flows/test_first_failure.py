@@ -5,27 +5,31 @@ the run's message."""
 
 from __future__ import annotations
 
-import time
+import threading
 
 import pytest
 from prefect import flow, task
 
 from flows.full_recipe import _first_failure_or
 
+FIRST_FAILED = threading.Event()   # set by fails_first's failure hook: its Failed state exists by then
+
 
 @task(retries=0)
 def fails_later() -> None:
-    time.sleep(1.5)
+    assert FIRST_FAILED.wait(timeout=60), "fails_first's Failed state never came"
     raise LookupError("a consequence: the layout does not fit what is left")
 
 
-@task(retries=0)
+@task(retries=0, on_failure=[lambda task, run, state: FIRST_FAILED.set()])
 def fails_first() -> None:
     raise RuntimeError("the cause: a node was lost")
 
 
 @pytest.mark.slow
 def test_the_run_fails_with_the_error_that_came_first(prefect_harness):
+    FIRST_FAILED.clear()
+
     @flow
     def recipe() -> None:
         later = fails_later.submit()          # first in DAG order
@@ -33,4 +37,5 @@ def test_the_run_fails_with_the_error_that_came_first(prefect_harness):
         return _first_failure_or(later, [later, first])
 
     state = recipe(return_state=True)
+    assert FIRST_FAILED.is_set()
     assert state.is_failed() and "the cause: a node was lost" in state.message, state.message

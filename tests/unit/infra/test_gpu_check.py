@@ -64,7 +64,9 @@ def test_gpu_check_cpu_smoke():
     assert d["generate_tokens_per_s"] > 0 and d["engine_tokens_per_s"] > 0 and d["engine_decode_ms_per_step"] > 0
     assert d["engine_vs_generate"] == pytest.approx(d["engine_tokens_per_s"] / d["generate_tokens_per_s"])
     z = r["deepspeed_zero2"]
-    assert "skipped" in z or (z["tokens_per_s"] > 0 and z["vs_torch"] > 0)
+    # DeepSpeed imports pydantic, which the box imitated here lacks: the section can only say so (it trains in
+    # test_the_deepspeed_section_trains_where_deepspeed_imports)
+    assert z == {"skipped": "deepspeed not installed"}, z
     assert "not on a CUDA device" in out["head_kernel"]["skipped"] and r["head_kernel"] == "torch"
     tp = r["train_paths"]                       # issue 42's old/new paths: CPU keeps the per-segment kernel
     assert tp["old"]["kernel"] == tp["new"]["kernel"] == "segments" and "skipped" in out["flex_grads"]
@@ -122,6 +124,18 @@ def _load_gpu_check():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+@pytest.mark.slow
+def test_the_deepspeed_section_trains_where_deepspeed_imports(dist_env):
+    """The section the smoke test can only see skipped (no pydantic there), where DeepSpeed imports (the dev
+    extra): ZeRO-2 steps of the tiny shape on the CPU, timed."""
+    _load_gpu_check()                     # puts bench/ on sys.path
+    import gpu_probes
+
+    model = gpu_probes.build_model("tiny", torch.device("cpu"), torch.float32)
+    out = gpu_probes.deepspeed_step(model, 1e-5, 2, 32, 2, torch.device("cpu"))
+    assert "skipped" not in out and out["step_s"] > 0 and out["tokens_per_s"] > 0, out
 
 
 def test_peak_table_lookup():

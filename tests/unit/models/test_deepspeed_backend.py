@@ -5,13 +5,14 @@ behave like the torch backend's."""
 from __future__ import annotations
 
 import copy
+import os
 import socket
+import subprocess
+import sys
 
+import deepspeed  # noqa: F401  (the backend under test imports it: a missing install fails, never skips)
 import pytest
 import torch
-
-deepspeed = pytest.importorskip("deepspeed")
-
 from numerics import same_adam_update
 
 from rstar2_core.models.backend import TorchBackend
@@ -56,13 +57,32 @@ def _params(model) -> dict[str, torch.Tensor]:
 KW = {"lr": 1e-2, "total_steps": 10, "warmup_steps": 2, "schedule": "cosine", "weight_decay": 0.01, "grad_clip": 0.5}
 
 
-def test_missing_dist_env_names_the_variables(monkeypatch):
-    if torch.distributed.is_initialized():
-        pytest.skip("a process group already exists in this session")
-    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(k, raising=False)
-    with pytest.raises(RuntimeError, match="MASTER_ADDR"):
-        DeepSpeedBackend(_tiny_model(), zero_stage=0, **KW)
+_NO_DIST_ENV = f"""
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+from rstar2_core.models.deepspeed_backend import DeepSpeedBackend
+model = Qwen2ForCausalLM(Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+assert not torch.distributed.is_initialized()
+try:
+    DeepSpeedBackend(model, zero_stage=0, **{KW!r})
+except RuntimeError as e:
+    print("RuntimeError:", e)
+else:
+    print("no error")
+"""
+
+
+def test_missing_dist_env_names_the_variables():
+    """In a fresh interpreter: this session's process group (the `dist_env` fixture) would otherwise decide,
+    by test order, whether there is anything to check."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run([sys.executable, "-c", _NO_DIST_ENV], env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1].startswith("RuntimeError:") and "MASTER_ADDR" in proc.stdout, \
+        proc.stdout[-2000:]
 
 
 def _trained_weights(ds, stage: int, tmp_path) -> dict[str, torch.Tensor]:

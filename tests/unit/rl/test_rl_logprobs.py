@@ -155,7 +155,6 @@ def test_chunked_logprobs_train_the_same_under_deepspeed_zero(dist_env, stage, t
     """The backend's model is then a DeepSpeed engine (its `.config` is DeepSpeed's): the decoder, the
     attention switch and the LM head (gathered by ZeRO-3 inside each checkpointed chunk) still give the
     Torch backend's gradient norm and weights after a step."""
-    pytest.importorskip("deepspeed")
     from rstar2_core.models.backend import TorchBackend
     from rstar2_core.models.deepspeed_backend import DeepSpeedBackend
 
@@ -219,7 +218,6 @@ def test_gradient_checkpointing_gives_the_same_update_on_packed_micro_batches():
 def test_rl_update_over_several_micro_batches_matches_torch_under_deepspeed_zero(dist_env, stage):
     """Micro-batch gradients accumulate under ZeRO-2/3 as on the Torch backend (the forward goes through the
     DeepSpeed engine, whose bookkeeping decides whether a micro-batch's gradients add or replace)."""
-    pytest.importorskip("deepspeed")
     from rstar2_core.models.backend import TorchBackend
     from rstar2_core.models.deepspeed_backend import DeepSpeedBackend
 

@@ -5,7 +5,10 @@ actors. Local Ray, 2 CPUs (slow)."""
 from __future__ import annotations
 
 import asyncio
+import time
+import uuid
 
+import psutil
 import pytest
 
 from rstar2_core.config import SandboxConfig
@@ -46,10 +49,17 @@ def test_a_dead_actors_calls_run_again_on_its_replacement_and_answer_internal_on
     import ray
 
     async def killed_mid_call():
-        task = asyncio.ensure_future(pool.run(ExecutionRequest(code="import time; time.sleep(1.5); print('ran')",
-                                                               id="slow")))
-        await asyncio.sleep(0.7)
-        ray.kill(pool.slots[0].actor)
+        """Kill the actor running the call once the call's process exists (it names itself, seen from the
+        host as in test_confinement), so the kill lands mid-call, not before it or after it."""
+        name = "slow" + uuid.uuid4().hex[:8]
+        code = (f"import ctypes, time\nctypes.CDLL(None).prctl(15, b'{name}', 0, 0, 0)\n"  # PR_SET_NAME
+                "time.sleep(1.5)\nprint('ran')")
+        task = asyncio.ensure_future(pool.run(ExecutionRequest(code=code, id="slow")))
+        deadline = time.monotonic() + 30
+        while not any(p.info["name"] == name for p in psutil.process_iter(["name"])):
+            assert time.monotonic() < deadline and not task.done(), "the call's process never started"
+            await asyncio.sleep(0.02)
+        ray.kill(next(s for s in pool.slots if s.inflight).actor)
         return await task
 
     before = pool.replacements
