@@ -147,6 +147,14 @@ def _parse_env(items: list[str]) -> dict[str, str]:
     return env
 
 
+def _flow_run_id(text: str) -> UUID:
+    try:
+        return UUID(text)
+    except ValueError:
+        raise SystemExit(f"{text!r} is not a flow run id (a UUID, as printed by `python -m flows.client run` "
+                         "and shown in the Prefect UI)") from None
+
+
 def _parse_params(items: list[str], overrides: list[str]) -> dict:
     params: dict = {}
     for it in items:
@@ -202,17 +210,19 @@ def _main(argv: list[str] | None) -> int:
         total = expected_tasks(params) if a.deployment.endswith("full-recipe") else None
         state = asyncio.run(watch(fid, a.timeout, total=total))
     elif a.cmd == "retry":
-        fid = UUID(a.flow_run_id)
+        fid = _flow_run_id(a.flow_run_id)
         try:
             asyncio.run(retry_flow_run(fid, a.ui))
         except RetryRefused as e:
             raise SystemExit(str(e)) from None
         state = asyncio.run(watch(fid))
     else:
-        fid, state = UUID(a.flow_run_id), "Completed"
+        fid, state = _flow_run_id(a.flow_run_id), "Completed"
     md = asyncio.run(summary_markdown(fid))
     if md:
         print(md)
+    elif a.cmd == "summary":
+        raise SystemExit(f"flow run {fid} has no recipe summary: check the id (a finished rstar2/full-recipe run's)")
     return 0 if state == "Completed" else 1
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from rstar2_cli.common import add_override_args, read_overrides_file
@@ -34,10 +35,11 @@ def _record() -> Path:
 
 
 def _recorded() -> dict | None:
-    """The recorded cluster (`LocalCluster.to_json()`), or None after saying there is none."""
+    """The recorded cluster (`LocalCluster.to_json()`), or None after saying there is none (on stderr)."""
     record = _record()
     if not record.exists():
-        print("no local cluster recorded")
+        print(f"rstar2 cluster: no local cluster recorded ({record}); start one with `rstar2 cluster up`",
+              file=sys.stderr)
         return None
     return json.loads(record.read_text())
 

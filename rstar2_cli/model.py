@@ -11,17 +11,22 @@ from __future__ import annotations
 import argparse
 import json
 
-from rstar2_cli.common import add_profile_args, load
+from rstar2_cli.common import add_profile_args, fail, input_problem, load
 
 
 def _prepare(args: argparse.Namespace) -> int:
+    cfg = load(args)
+    if problem := input_problem(outputs={"--out": args.out}):
+        return fail("model prepare", problem)
     from rstar2_core.models import prepare_base_model
 
-    print(json.dumps({"checkpoint_url": prepare_base_model(load(args), args.out)}))
+    print(json.dumps({"checkpoint_url": prepare_base_model(cfg, args.out)}))
     return 0
 
 
 def _info(args: argparse.Namespace) -> int:
+    if problem := input_problem(checkpoints={"--checkpoint": args.checkpoint}):
+        return fail("model info", problem)
     from rstar2_core.models import load_model_and_tokenizer, read_meta
 
     model, tok = load_model_and_tokenizer(args.checkpoint)

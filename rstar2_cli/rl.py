@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from rstar2_cli.common import add_profile_args, load, step_logger
+from rstar2_cli.common import add_profile_args, fail, input_problem, load, step_logger
 
 
 def _stage_index(cfg, stage: int) -> int:
@@ -25,23 +25,36 @@ def _stage_index(cfg, stage: int) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    cfg = load(args)
+    stage_index = _stage_index(cfg, args.stage)
+    if problem := input_problem(checkpoints={"--init": args.init}, files={"--data": args.data},
+                                outputs={"--out": args.out}):
+        return fail("rl run", problem)
     from rstar2_core.rl.stage import run_rl_stage
 
-    cfg = load(args)
-
-    res = run_rl_stage(cfg, _stage_index(cfg, args.stage), init_checkpoint_url=args.init, data_url=args.data,
-                       out_url=args.out, log_metrics=step_logger(), resume=not args.no_resume,
-                       tracking_run_id=args.run_id)
+    try:
+        res = run_rl_stage(cfg, stage_index, init_checkpoint_url=args.init, data_url=args.data,
+                           out_url=args.out, log_metrics=step_logger(), resume=not args.no_resume,
+                           tracking_run_id=args.run_id)
+    except ValueError as e:  # --data has no usable problem (load_problems names the file and the rejections)
+        return fail("rl run", str(e))
     print(json.dumps({"result": res.to_json()}))
     return 0
 
 
 def _hard_subset(args: argparse.Namespace) -> int:
+    cfg = load(args)
+    stage_index = _stage_index(cfg, args.stage)
+    if problem := input_problem(checkpoints={"--checkpoint": args.checkpoint}, files={"--data": args.data},
+                                outputs={"--out": args.out}):
+        return fail("rl hard-subset", problem)
     from rstar2_core.rl.hard_subset import select_hard_subset
 
-    cfg = load(args)
-    ref = select_hard_subset(cfg, _stage_index(cfg, args.stage), checkpoint_url=args.checkpoint,
-                             data_url=args.data, out_url=args.out)
+    try:
+        ref = select_hard_subset(cfg, stage_index, checkpoint_url=args.checkpoint, data_url=args.data,
+                                 out_url=args.out)
+    except ValueError as e:  # no usable problem in --data, or an empty subset (the message names the fix)
+        return fail("rl hard-subset", str(e))
     print(json.dumps(ref.to_json()))
     return 0
 

@@ -13,25 +13,35 @@ from __future__ import annotations
 import argparse
 import json
 
-from rstar2_cli.common import add_profile_args, load, step_logger
+from rstar2_cli.common import add_profile_args, fail, input_problem, load, step_logger
 
 
 def _data(args: argparse.Namespace) -> int:
+    cfg = load(args)
+    if problem := input_problem(outputs={"--out": args.out}):
+        return fail("sft data", problem)
     from rstar2_core.sft.data import build_sft_dataset
 
-    print(json.dumps(build_sft_dataset(load(args), args.out).to_json()))
+    print(json.dumps(build_sft_dataset(cfg, args.out).to_json()))
     return 0
 
 
 def _train(args: argparse.Namespace) -> int:
+    cfg = load(args)
+    if problem := input_problem(checkpoints={"--base": args.base}, files={"--data": args.data},
+                                outputs={"--out": args.out}):
+        return fail("sft train", problem)
     from rstar2_core.sft.train import run_sft
 
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
-    res = run_sft(load(args), base_model_url=args.base, sft_data_url=args.data, out_url=args.out,
-                  log_metrics=step_logger(), resume=not args.no_resume)
+    try:
+        res = run_sft(cfg, base_model_url=args.base, sft_data_url=args.data, out_url=args.out,
+                      log_metrics=step_logger(), resume=not args.no_resume)
+    except ValueError as e:  # a bad row of --data (read_sft_rows names the file and line)
+        return fail("sft train", str(e))
     print(json.dumps({"result": res.to_json()}))
     return 0
 

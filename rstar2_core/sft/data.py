@@ -128,7 +128,10 @@ def read_sft_rows(url: str) -> list[dict]:
     for i, line in enumerate(storage.read_text(url).splitlines()):
         if not line.strip():
             continue
-        row = json.loads(line)
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{url} line {i + 1}: not valid JSON ({e.msg}); rebuild it with build_sft_dataset") from e
         reason = validate_messages(row) if "messages" in row else validate_row(row)
         if reason:
             raise ValueError(f"{url} line {i + 1}: bad SFT row ({reason}); rebuild it with build_sft_dataset")
