@@ -315,10 +315,10 @@ def render_gpu(mem: dict, coll: dict) -> list[str]:
     """The GPU memory and collectives part of the human-readable plan."""
     if "skipped" in mem:
         return ["", f"GPU memory and collectives: not checked: {mem['skipped']}"]
-    lines = ["", f"GPU memory per GPU (device {mem['device_gb']:g} GB; model from {mem['source']}):"]
+    lines = ["", f"GPU memory per GPU, GiB (device {mem['device_gb']:g} GiB; model from {mem['source']}):"]
     for phase in ("rollout", "update", "sft"):
         parts = {k.split(".", 1)[1]: v for k, v in mem["parts"].items() if k.startswith(phase + ".")}
-        lines.append(f"  {phase:<8} peak {mem[phase + '_peak_gb']:7.1f} GB  "
+        lines.append(f"  {phase:<8} peak {mem[phase + '_peak_gb']:7.1f}  "
                      + ", ".join(f"{k} {v:.1f}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]) if v >= 0.05))
     a = mem["assumptions"]
     lines.append(f"  ({a['trainer_world']} trainer ranks; {a['rl_tokens_per_micro_batch']:,} RL / "
@@ -333,7 +333,7 @@ def render_gpu(mem: dict, coll: dict) -> list[str]:
         lines.append(f"  {name:<5} (zero_hpz_partition_size {c['zero_hpz_partition_size']}): across nodes "
                      f"{c['inter_node_bytes'] / 1e12:.2f} TB, inside a node {c['intra_node_bytes'] / 1e12:.2f} TB"
                      + (f", {c['seconds']:,.0f} s" if c["seconds"] is not None else "")
-                     + (f"; +{c['extra_memory_gb']:.1f} GB per GPU" if c["extra_memory_gb"] else ""))
+                     + (f"; +{c['extra_memory_gb']:.1f} GiB per GPU" if c["extra_memory_gb"] else ""))
     return lines
 
 

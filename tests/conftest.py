@@ -36,7 +36,8 @@ _STATE.mkdir(parents=True, exist_ok=True)
 
 # The only reasons a test may skip: hardware this machine lacks (a GPU, CUDA) or its CPU architecture.
 # Case-sensitive, so that a package or path that merely contains "gpu" does not pass for one.
-HARDWARE_SKIP = re.compile(r"\b(GPU|CUDA|x86_64|x32|aarch64|arm64|architecture)\b")
+HARDWARE_SKIP = re.compile(r"\b(needs?|no|without|on) (a |an )?(GPU|CUDA)\b|\b(CPU|machine) architecture\b|"
+                           r"\b(x86_64|x32|aarch64|arm64)\b")
 
 
 def _skip_reason(longrepr) -> str:

@@ -153,8 +153,8 @@ class RLConfig(_Section):
     """DeepSpeed ZeRO stage for the actor (3 for 14B); with backend = "torch" only the default is accepted."""
     zero_hpz_partition_size: int = Field(1, ge=1)
     """DeepSpeed ZeRO++ hierarchical partitioning (hpZ, ZeRO-3 only): each rank also keeps the parameters
-    partitioned over this many ranks (one node's GPUs: cluster.gpus_per_node), so the backward's and the
-    recompute's gathers stay inside the node and only the forward's crosses the network. Costs
+    partitioned over this many ranks (one node's GPUs: cluster.gpus_per_node), so only the first gather of a
+    parameter after each optimizer step crosses the network and the later ones stay inside the node. Costs
     2/this of the model's bytes per GPU; 1 = off. `rstar2 plan` compares both (its `collectives`)."""
     seed: int = 0
     """Seed of prompt sampling, rollout sampling and resampling."""

@@ -81,6 +81,9 @@ def runtime_problems(cfg: Any) -> list[str]:
         elif hpz > 1 and cl.gpus_per_node and (cl.gpus_per_node % hpz or hpz > cl.gpus_per_node):
             p.append(f"{section}.zero_hpz_partition_size = {hpz} must divide cluster.gpus_per_node = "
                      f"{cl.gpus_per_node} (a secondary partition stays inside one node); set it to {cl.gpus_per_node}")
+        elif hpz > 1 and cl.layout == "separate" and cl.trainer_gpus % hpz:
+            p.append(f"{section}.zero_hpz_partition_size = {hpz} must divide the trainer ranks (cluster.trainer_gpus = "
+                     f"{cl.trainer_gpus}); set cluster.trainer_gpus to a multiple of it, or {section}.zero_hpz_partition_size = 1")
     if cfg.rl.max_staleness and ro.release_memory_during_training:
         p.append(f"rl.max_staleness = {cfg.rl.max_staleness} keeps the engines rolling out while the trainer steps, "
                  "so they cannot release their memory to it: set rollout.release_memory_during_training = false "
@@ -160,6 +163,9 @@ def _ray_problems(cfg: Any, ws: str) -> list[str]:
         p.append("model.attention_kernel = \"flex\" on a CPU-only cluster (cluster.gpus_per_node = 0 or "
                  "cluster.logical_gpus): torch's FlexAttention has no backward on the CPU; set "
                  "model.attention_kernel = \"auto\" or \"segments\"")
+    if computes_on_gpu(cl) and cfg.model.dtype == "float32":
+        p.append("model.dtype = \"float32\" on GPU nodes: the Ray runtime's ZeRO ranks train in bf16 there (what the "
+                 "memory plan sizes); set model.dtype = \"bfloat16\"")
     if not computes_on_gpu(cl) and cfg.model.dtype != "float32":
         p.append(f"model.dtype = \"{cfg.model.dtype}\" on a CPU-only cluster (cluster.gpus_per_node = 0 or "
                  "cluster.logical_gpus): DeepSpeed trains bf16/fp16 only on GPUs; set model.dtype = \"float32\"")

@@ -227,8 +227,8 @@ class SFTConfig(_Section):
     """DeepSpeed ZeRO stage (0/2 run on CPU with gloo; 3 for 14B); with backend = "torch" only the default is accepted."""
     zero_hpz_partition_size: int = Field(1, ge=1)
     """DeepSpeed ZeRO++ hierarchical partitioning (hpZ, ZeRO-3 only): each rank also keeps the parameters
-    partitioned over this many ranks (one node's GPUs: cluster.gpus_per_node), so the backward's and the
-    recompute's gathers stay inside the node and only the forward's crosses the network. Costs
+    partitioned over this many ranks (one node's GPUs: cluster.gpus_per_node), so only the first gather of a
+    parameter after each optimizer step crosses the network and the later ones stay inside the node. Costs
     2/this of the model's bytes per GPU; 1 = off. `rstar2 plan` compares both (its `collectives`)."""
     checkpoint_every: int = Field(0, ge=0)
     """Save a resumable checkpoint every N optimizer steps; 0 = only at the end."""

@@ -2,8 +2,8 @@
 what `rstar2 plan` prints (`collectives`). Pure arithmetic over config sections and a `ModelShape`.
 
 ZeRO-3 gathers the whole model for each pass (w·P·(N-1)/N bytes per rank on a ring): per micro-batch the
-old-log-prob forward, the forward, the recompute and the backward, plus one reduce-scatter of the gradients
-(reduced every backward). With ZeRO++ hpZ the first gather after a step crosses nodes and the later ones stay
+old-log-prob forward, the forward, and the recompute with the backward (one gather: the recompute's parameters
+are reused at once), plus one reduce-scatter of the gradients (reduced every backward). With ZeRO++ hpZ the first gather after a step crosses nodes and the later ones stay
 inside the node. Micro-batches assume every trajectory at its stage's longest response: an upper bound.
 See docs/production.md, "Collectives per step".
 """
@@ -80,8 +80,10 @@ def plan_collectives(s: ModelShape, *, cluster: Any, rl: Any, sft: Any, model: A
     `update_seconds` (None without `cluster.inter_node_gb_per_s`), per stage, SFT, and `hpz_compare`."""
     inter, intra = cluster.inter_node_gb_per_s, cluster.intra_node_gb_per_s
     gpn = max(1, cluster.gpus_per_node)
-    rl_passes = 1 + 1 + (1 if model.gradient_checkpointing else 0) + (1 if rl.old_logprobs == "recompute" else 0)
-    sft_passes = 2 + (1 if model.gradient_checkpointing else 0)
+    # a checkpointed layer's recompute and its backward share one gather (the recompute's parameters are reused
+    # at once, so ZeRO-3 keeps them: stage3_max_reuse_distance); the old-log-prob forward is one more
+    rl_passes = 2 + (1 if rl.old_logprobs == "recompute" else 0)
+    sft_passes = 2
     stages = []
     for st in rl.stages:
         tokens = rl.prompts_per_step * rl.grpo.group_size * (st.max_response_tokens + PROMPT_TOKENS)

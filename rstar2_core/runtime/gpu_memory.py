@@ -228,7 +228,7 @@ def plan_memory(s: ModelShape, *, device_gb: float, layout: Any, rollout: Any, r
 
 def _largest(gb: dict[str, float], phase: str) -> str:
     k = max((k for k in gb if k.startswith(phase + ".")), key=gb.__getitem__)
-    return f"{k} {gb[k]:.1f} GB"
+    return f"{k} {gb[k]:.1f} GiB"
 
 
 def _problems(gb: dict[str, float], peak: dict[str, float], device: float, rollout: Any, ro: TrainerSetting,
@@ -238,7 +238,7 @@ def _problems(gb: dict[str, float], peak: dict[str, float], device: float, rollo
     fix_ckpt = "" if model.gradient_checkpointing else ", or model.gradient_checkpointing = true"
     if peak["rollout"] > device:
         room = (device - (peak["rollout"] - engine)) / device
-        out.append(f"GPU memory: the rollout peak {peak['rollout']:.1f} GB passes the device's {device:g} GB "
+        out.append(f"GPU memory: the rollout peak {peak['rollout']:.1f} GiB passes the device's {device:g} GiB "
                    f"(largest: {_largest(gb, 'rollout')}); set rollout.gpu_memory_utilization <= {max(room, 0):.2f}")
     elif rollout.engine == "vllm" and kv_tokens < longest:
         out.append(f"GPU memory: an engine's KV cache holds {kv_tokens:,} tokens, fewer than the longest sequence "
@@ -251,9 +251,9 @@ def _problems(gb: dict[str, float], peak: dict[str, float], device: float, rollo
             fixes.insert(0, f"set rollout.gpu_memory_utilization <= {max(room, 0):.2f} (the engines stay awake beside "
                             "the trainer), or rollout.release_memory_during_training = true (vLLM sleep mode; "
                             "unreliable on ROCm)")
-        out.append(f"GPU memory: the update peak {peak['update']:.1f} GB passes the device's {device:g} GB (largest: "
-                   f"{_largest(gb, 'update')}; the trainer's part {trainer:.1f} GB); " + "; or ".join(fixes))
+        out.append(f"GPU memory: the update peak {peak['update']:.1f} GiB passes the device's {device:g} GiB (largest: "
+                   f"{_largest(gb, 'update')}; the trainer's part {trainer:.1f} GiB); " + "; or ".join(fixes))
     if peak["sft"] > device:
-        out.append(f"GPU memory: the SFT peak {peak['sft']:.1f} GB passes the device's {device:g} GB (largest: "
+        out.append(f"GPU memory: the SFT peak {peak['sft']:.1f} GiB passes the device's {device:g} GiB (largest: "
                    f"{_largest(gb, 'sft')}); lower {up.tokens_field}{fix_ckpt}, or sft.zero_stage = 3")
     return out

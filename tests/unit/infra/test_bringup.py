@@ -49,12 +49,15 @@ def test_a_missing_pool_is_created_with_our_template_and_a_rerun_changes_nothing
     assert asyncio.run(_pool("rstar2-cluster")).base_job_template == OURS
     for name in NAMES:
         assert asyncio.run(_deployment(name)).work_pool_name == "rstar2-cluster"
-    updated = {n: asyncio.run(_deployment(n)).updated for n in NAMES}
+    before = {n: asyncio.run(_deployment(n)) for n in NAMES}
 
     again = bring_up(pool="rstar2-cluster", log=lambda m: None)          # (c) the same command a second time
     assert again.pool_action == "unchanged" and again.deployments == NAMES
     assert asyncio.run(_pool("rstar2-cluster")).base_job_template == OURS
-    assert all(asyncio.run(_deployment(n)).updated >= updated[n] for n in NAMES)
+    for n in NAMES:                    # the same deployments (ids), on the same pool, with the same parameters
+        after = asyncio.run(_deployment(n))
+        assert (after.id, after.work_pool_name, after.parameters, after.entrypoint) == (
+            before[n].id, before[n].work_pool_name, before[n].parameters, before[n].entrypoint)
 
 
 def test_a_pool_a_worker_created_first_gets_our_template(api):

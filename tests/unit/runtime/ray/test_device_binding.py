@@ -230,6 +230,8 @@ def test_a_gpu_trainer_shard_joins_nccl_in_bf16_on_the_bound_device(on_gpu_5, mo
             seen["device"] = device
             raise Placed
     monkeypatch.setenv("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "1")
+    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):   # init sets them: restored after
+        monkeypatch.setenv(k, "")
     shard = trainer_shards.TrainerShardActor(0, 1, Model, {"zero_stage": 3, "grad_clip": 1.0}, None, device="cuda")
     with pytest.raises(Placed):
         shard.init("127.0.0.1", 1)
