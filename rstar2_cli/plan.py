@@ -186,6 +186,7 @@ def build_plan(cfg: Any, nodes: list | None = None, read_model: bool = False, ad
     from rstar2_core.config import ConfigError
     from rstar2_core.runtime.cluster_plan import gpu_plan
     from rstar2_core.runtime.layout import LayoutError, compute_layout, driver_conflicts
+    from rstar2_core.runtime.specs import gpu_plan_sections
 
     try:
         layout = compute_layout(cfg.cluster, cfg.rollout, cfg.sandbox)
@@ -199,7 +200,7 @@ def build_plan(cfg: Any, nodes: list | None = None, read_model: bool = False, ad
     live: list[str] = []
     hf, source = _model_config(cfg, read_model, model_config)
     push = weight_push(cfg, hf, source)
-    gpu = gpu_plan(cfg, hf, source)
+    gpu = gpu_plan(**gpu_plan_sections(cfg), hf=hf, source=source)
     if "skipped" not in gpu["gpu_memory"]:
         checks["gpu_memory"] = gpu["problems"]
         checks["collectives"] = [] if gpu["collectives"]["update_seconds"] is not None else None

@@ -88,8 +88,9 @@ def gpu_memory_problems(cfg: Config) -> list[str]:
     `cluster.gpu_memory_gb` (`rstar2 plan` says so); a model missing from the store is named by the input
     check, a config.json that cannot be read or sized is a problem here."""
     from rstar2_core.runtime.cluster_plan import gpu_plan, skip_reason
+    from rstar2_core.runtime.specs import gpu_plan_sections
 
-    if cfg.model.kind != "hf" or skip_reason(cfg, {}, "") is not None:
+    if cfg.model.kind != "hf" or skip_reason(cfg.cluster, {}, "") is not None:
         return []
     url = storage.join(cfg.model.name_or_path, "config.json")
     if not storage.exists(url):
@@ -98,7 +99,7 @@ def gpu_memory_problems(cfg: Config) -> list[str]:
         hf = storage.read_json(url)
     except ValueError as e:
         return [f"{url} is not a readable config.json ({e}); the GPU memory check needs it: fix model.name_or_path"]
-    plan = gpu_plan(cfg, hf, url)
+    plan = gpu_plan(**gpu_plan_sections(cfg), hf=hf, source=url)
     if "skipped" in plan["gpu_memory"]:
         return [(f"GPU memory cannot be checked: {plan['gpu_memory']['skipped']}; add the model's layout to "
                  "rstar2_core/models/param_count.py, or unset cluster.gpu_memory_gb to run unchecked")]

@@ -108,3 +108,11 @@ def local_device() -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def gpu_plan_sections(cfg: Config) -> dict:
+    """The sections `runtime.cluster_plan.gpu_plan` reads, by keyword, with the weight sync resolved: the one
+    place the root config is taken apart for the GPU plan (`rstar2 plan`, the recipe's preflight)."""
+    return {"cluster": cfg.cluster, "rollout": cfg.rollout, "sandbox": cfg.sandbox, "rl": cfg.rl, "sft": cfg.sft,
+            "model": cfg.model, "eval_": cfg.eval, "label_check": cfg.data.label_check,
+            "push": resolved_weight_sync(cfg)}

@@ -14,14 +14,19 @@ from rstar2_core.models.param_count import model_shape
 from rstar2_core.runtime.cluster_plan import gpu_plan
 from rstar2_core.runtime.collectives import step_traffic
 from rstar2_core.runtime.gpu_memory import GIB, TrainerSetting, activations, trainer_update, zero_states
+from rstar2_core.runtime.specs import gpu_plan_sections
 
 QWEN3_14B = json.loads((Path(__file__).resolve().parents[3] / "configs" / "models" /
                         "Qwen3-14B-Base.config.json").read_text())
 SHAPE = model_shape(QWEN3_14B)
 
 
+def _of(cfg, hf: dict | None, source: str = "test") -> dict:
+    return gpu_plan(**gpu_plan_sections(cfg), hf=hf, source=source)
+
+
 def _plan(*overrides: str) -> dict:
-    return gpu_plan(load_config("qwen3-14b-mi300x", list(overrides)), QWEN3_14B, "test")
+    return _of(load_config("qwen3-14b-mi300x", list(overrides)), QWEN3_14B)
 
 
 def test_the_production_profile_fits_and_every_part_is_there():
@@ -85,17 +90,17 @@ def test_zero_states_follow_the_stage():
 
 def test_what_cannot_be_checked_says_why():
     cfg = load_config("qwen3-14b-mi300x")
-    assert "read-model" in gpu_plan(cfg, None, "not read: `rstar2 plan --read-model` ...")["gpu_memory"]["skipped"]
+    assert "read-model" in _of(cfg, None, "not read: `rstar2 plan --read-model` ...")["gpu_memory"]["skipped"]
     cases = {"logical GPUs": ["cluster.logical_gpus=true", 'model.dtype="float32"', "rollout.tensor_parallel_size=1",
                               "rollout.gpu_memory_utilization=null", 'rollout.weight_sync="object_store"',
                               "rl.zero_hpz_partition_size=1"],
              "cluster.gpu_memory_gb is not set": ["cluster.gpu_memory_gb=null"]}
     for why, over in cases.items():
-        plan = gpu_plan(load_config("qwen3-14b-mi300x", over), QWEN3_14B, "test")
+        plan = _of(load_config("qwen3-14b-mi300x", over), QWEN3_14B)
         assert why in plan["gpu_memory"]["skipped"] and plan["problems"] == []
-    assert "no GPUs" in gpu_plan(load_config("tiny"), QWEN3_14B, "t")["gpu_memory"]["skipped"]
+    assert "no GPUs" in _of(load_config("tiny"), QWEN3_14B)["gpu_memory"]["skipped"]
     odd = {**QWEN3_14B, "model_type": "mistral"}
-    assert "cannot be sized" in gpu_plan(cfg, odd, "x")["gpu_memory"]["skipped"]
+    assert "cannot be sized" in _of(cfg, odd)["gpu_memory"]["skipped"]
 
 
 def test_hpz_keeps_all_but_one_gather_per_step_inside_the_node():

@@ -309,4 +309,4 @@ def test_production_backend_options_come_from_the_rl_config():
     assert kw == {"zero_stage": 3, "lr": 1e-6, "total_steps": 510, "warmup_steps": 20, "schedule": "constant",
                   "weight_decay": 0.0, "betas": (0.9, 0.999), "grad_clip": 1.0, "min_lr_ratio": 0.0,
                   "micro_batch_size": 1, "gradient_checkpointing": True, "head_kernel": "auto",  # by tokens: a counter only
-                  "attention_kernel": "auto"}
+                  "attention_kernel": "auto", "hpz_partition_size": 8}
