@@ -79,7 +79,7 @@ def test_separate_layout_splits_gpus():
     (["sandbox.ray_actors_per_node=500"], "at most 104"),
     (["cluster.cpus_per_gpu=1"], "set cluster.cpus_per_gpu >= 2"),   # trainer shard + engine actor per bundle
     (["cluster.layout=\"separate\"", "cluster.trainer_gpus=31", "rollout.num_engines=16",
-      "rollout.weight_sync=\"nccl\""], "multiple of"),
+      "rollout.weight_sync=\"nccl\"", "rl.zero_hpz_partition_size=1"], "multiple of"),
 ])
 def test_bad_layouts_name_the_fix(overrides, needle):
     with pytest.raises(LayoutError, match=needle.replace(".", r"\.")):
