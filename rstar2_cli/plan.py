@@ -178,6 +178,52 @@ def object_store_problems(push: dict, nodes: list) -> list[str]:
             "\"ipc\"" for n in small]
 
 
+def tool_service_plan(cfg: Any, nodes: list | None, address: str | None) -> tuple[dict, list[str] | None]:
+    """Where the sandbox runs and what it holds (`tool_service` of the plan), and the problems of its
+    checklist item (None: not checked). For `sandbox.backend = "service"`: replicas x CPUs on the nodes
+    declaring `node_resource`; with a live cluster (`nodes`), those nodes exist, hold no GPU and have the
+    CPUs; with `address`, the service answers its health check at `sandbox.service.url`."""
+    sb, sc = cfg.sandbox, cfg.sandbox.service
+    if sb.backend != "service":
+        return {"backend": sb.backend, "on_gpu_nodes": sb.backend == "ray" and cfg.cluster.gpus_per_node > 0}, None
+    workers = sb.workers or max(2, int(2 * sc.cpus_per_replica))
+    top = max(sc.replicas, sc.max_replicas)
+    out = {"backend": "service", "on_gpu_nodes": False, "app_name": sc.app_name, "url": sc.url,
+           "replicas": sc.replicas, "max_replicas": top, "cpus_per_replica": sc.cpus_per_replica,
+           "workers_per_replica": workers, "cpus": [sc.replicas * sc.cpus_per_replica, top * sc.cpus_per_replica],
+           "concurrent_calls": [sc.replicas * workers, top * workers], "node_resource": sc.node_resource or None}
+    if nodes is None:
+        return out, None
+    problems: list[str] = []
+    if sc.node_resource:
+        tools = [n for n in nodes if n.total.get(sc.node_resource, 0) >= 1]
+        gpu_tools = [n.label for n in tools if n.total.get("GPU", 0) > 0]
+        if not tools:
+            problems.append(f"no live node declares sandbox.service.node_resource = {sc.node_resource!r}: the tool "
+                            "service's replicas would stay pending; start the tool nodes with `ray start --resources "
+                            f"'{{\"{sc.node_resource}\": 100}}'` (infra/k8s/raycluster.yaml, group tools)")
+        if gpu_tools:
+            problems.append(f"GPU node(s) {', '.join(gpu_tools)} declare {sc.node_resource!r}: tool service replicas "
+                            "may land beside the GPUs; declare it on the CPU tool nodes only")
+    else:
+        tools = [n for n in nodes if n.total.get("GPU", 0) == 0] or list(nodes)
+    cpus = sum(n.total.get("CPU", 0) for n in tools)
+    if tools and cpus < sc.replicas * sc.cpus_per_replica:
+        problems.append(f"the tool nodes hold {cpus:g} CPUs but sandbox.service.replicas = {sc.replicas} x "
+                        f"cpus_per_replica = {sc.cpus_per_replica:g} need {sc.replicas * sc.cpus_per_replica:g}")
+    out["tool_nodes"] = [n.label for n in tools]
+    if address is not None and sc.url:      # its health over HTTP: no Ray connection of this process needed
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(sc.url.rstrip("/") + "/health", timeout=10) as r:
+                out["health"] = json.loads(r.read())
+        except (OSError, ValueError) as e:
+            problems.append(f"the tool service at sandbox.service.url = {sc.url} does not answer its health check "
+                            f"({e}); deploy it with `rstar2 tools deploy` (docs/sandbox.md) or fix the URL")
+    return out, problems
+
+
 def build_plan(cfg: Any, nodes: list | None = None, read_model: bool = False, address: str | None = None,
                model_config: str | None = None) -> dict:
     """Everything `rstar2 plan` prints, as a JSON-able dict; `nodes`: a live cluster's nodes to fit the
@@ -207,6 +253,12 @@ def build_plan(cfg: Any, nodes: list | None = None, read_model: bool = False, ad
     if nodes is not None:
         live, fit = cluster_fit(cfg, layout, nodes)
         checks["live_cluster"] = fit + object_store_problems(push, nodes)
+    tools, checks["tool_service"] = tool_service_plan(cfg, nodes, address)
+    if tools["on_gpu_nodes"]:
+        reasons["tool_service"] = ("sandbox.backend = \"ray\" runs the sandbox on the GPU nodes, whose pods then need "
+                                   "its security context (docs/sandbox.md, \"The tool service\")")
+    elif tools["backend"] != "service":
+        reasons["tool_service"] = f"sandbox.backend = \"{tools['backend']}\": no tool service"
     if address is not None:
         from rstar2_core.runtime.ray.device_check import live_device_check
 
@@ -219,7 +271,7 @@ def build_plan(cfg: Any, nodes: list | None = None, read_model: bool = False, ad
             "tracking_uri": cfg.resolved_tracking_uri(), "storage_root": cfg.resolved_storage_root(),
             "dag": [asdict(t) for t in recipe_dag(cfg)], "layout": layout.to_json(),
             "layout_summary": layout.describe(), "live_cluster": live, "label_check": label_check_cost(cfg),
-            "weight_push": push, "gpu_memory": gpu["gpu_memory"], "collectives": gpu["collectives"],
+            "weight_push": push, "tool_service": tools, "gpu_memory": gpu["gpu_memory"], "collectives": gpu["collectives"],
             "checklist": checklist(checks, gpu, reasons), "problems": [p for v in checks.values() for p in v or []]}
 
 
@@ -230,6 +282,7 @@ CHECKLIST = {
     "infra": "infra/ describes the profile's cluster (image, counts, URLs, runtime slot, RCCL's fabric, pull step)",
     "live_cluster": "the live Ray cluster holds the layout's placement groups (--address)",
     "devices": "every GPU actor binds a distinct device by identity on every node (--address)",
+    "tool_service": "the tool service's replicas fit CPU nodes of their own, off the GPU nodes (--address: and it answers)",
 }
 """The first cluster run's checklist as `rstar2 plan` checks it item by item (docs/first-cluster-run.md)."""
 
@@ -239,7 +292,7 @@ def checklist(checks: dict[str, list[str] | None], gpu: dict, reasons: dict[str,
     why = {"gpu_memory": gpu["gpu_memory"].get("skipped"),
            "collectives": gpu["collectives"].get("skipped") or "no cluster.inter_node_gb_per_s",
            "infra": "the profile has no cluster.image (local processes)",
-           "live_cluster": "no --address", "devices": "no --address", **reasons}
+           "live_cluster": "no --address", "devices": "no --address", "tool_service": "no --address", **reasons}
     out = []
     for key, what in CHECKLIST.items():
         found = checks[key]
@@ -283,6 +336,12 @@ def render(plan: dict, cfg: Any) -> str:
                          "not measured)")
     else:
         lines.append(f"  weight push ({push['weight_sync']}): size unknown: {push['source']}")
+    ts = plan["tool_service"]
+    if ts["backend"] == "service":
+        lines.append(f"  tool service: {ts['replicas']}" + (f"-{ts['max_replicas']}" if ts["max_replicas"] > ts["replicas"] else "")
+                     + f" replica(s) x {ts['cpus_per_replica']:g} CPU ({ts['workers_per_replica']} calls at once each) on "
+                     + (f"the nodes declaring {ts['node_resource']!r}" if ts["node_resource"] else "any node")
+                     + "; no sandbox CPUs on the GPU nodes" + (f"; HTTP {ts['url']}" if ts["url"] else ""))
     lines += render_gpu(plan["gpu_memory"], plan["collectives"])
     lc = plan.get("label_check")
     if lc:

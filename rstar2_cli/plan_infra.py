@@ -107,6 +107,7 @@ def infra_problems(cfg: Any, infra: Path = INFRA, prefect_yaml: Path = INFRA.par
         expect(f"infra/k8s/{fname} Service port", s["spec"]["ports"][0]["port"], port)
 
     p += rccl_problems(infra, groups, up)
+    p += sandbox_placement_problems(cfg, rc)
     if cl.runtime == "ray":
         p += _runtime_slot_problems(cfg, rc, up)
     p += pull_step_problems(infra, env, prefect_yaml)
@@ -117,6 +118,82 @@ def infra_problems(cfg: Any, infra: Path = INFRA, prefect_yaml: Path = INFRA.par
 
 RCCL_ENV = ("NCCL_SOCKET_IFNAME", "NCCL_IB_HCA")
 """The interface settings RCCL needs between nodes, operator inputs (ConfigMap rstar2-rccl, /etc/rstar2/env)."""
+
+
+SANDBOX_CONTEXT = {"appArmorProfile": "AppArmor (mount, pivot_root)", "seccompProfile": "seccomp (unshare, mount)"}
+
+
+def _ray_resources(group: dict) -> dict:
+    raw = group["rayStartParams"].get("resources")
+    if not raw:
+        return {}
+    raw = raw.strip()
+    return json.loads(json.loads(raw) if raw.startswith('"') else raw)   # KubeRay's quoted JSON
+
+
+def _sandbox_context_problems(where: str, c: dict) -> list[str]:
+    """What a container running the sandbox lacks: AppArmor and seccomp not the runtime's default, SYS_ADMIN."""
+    sc, p = c.get("securityContext") or {}, []
+    for key, what in SANDBOX_CONTEXT.items():
+        if (sc.get(key) or {}).get("type") not in ("Unconfined", "Localhost"):
+            p.append(f"{where} {c['name']} sets no securityContext.{key} (Unconfined or a Localhost profile): the "
+                     f"runtime's default {what} refuses the sandbox")
+    if "SYS_ADMIN" not in ((sc.get("capabilities") or {}).get("add") or []):
+        p.append(f"{where} {c['name']} lacks the SYS_ADMIN capability (the sandbox's namespaces and mounts)")
+    return p
+
+
+def sandbox_placement_problems(cfg: Any, rc: dict) -> list[str]:
+    """Where the KubeRay manifest puts the sandbox against the profile: with `sandbox.backend = "service"`, a
+    CPU worker group declaring `sandbox.service.node_resource`, with the sandbox's security context and room for
+    the replicas, no GPU group declaring it or keeping SYS_ADMIN, and the head exposing Serve's port; with
+    `"ray"` on GPU nodes, the GPU groups need the sandbox's security context themselves."""
+    sb, p = cfg.sandbox, []
+    groups = rc["spec"]["workerGroupSpecs"]
+    gpu = [g for g in groups if int(g["rayStartParams"].get("num-gpus", "0")) > 0]
+    if sb.backend == "ray" and cfg.cluster.gpus_per_node > 0:
+        for g in gpu:
+            for c in g["template"]["spec"]["containers"]:
+                p += _sandbox_context_problems(f"infra/k8s/raycluster.yaml {g['groupName']}", c)
+        return p
+    if sb.backend != "service":
+        return p
+    sc = sb.service
+    if not sc.node_resource:
+        return [(f"profile {cfg.profile}: sandbox.service.node_resource is empty, so tool service replicas may land "
+                 "on GPU nodes; set it to the resource the tools group declares (infra/k8s/raycluster.yaml)")]
+    tools = [g for g in groups if _ray_resources(g).get(sc.node_resource)]
+    if not tools:
+        return [(f"infra/k8s/raycluster.yaml has no worker group declaring {sc.node_resource!r} "
+                 "(rayStartParams.resources): the tool service's replicas would stay pending")]
+    slots = cpus = 0
+    for g in tools:
+        where = f"infra/k8s/raycluster.yaml {g['groupName']}"
+        if g in gpu:
+            p.append(f"{where} holds GPUs and declares {sc.node_resource!r}: tool service replicas would share the "
+                     "GPU nodes; declare it on a CPU group only")
+        n, per = int(g["replicas"]), int(g["rayStartParams"].get("num-cpus", "0"))
+        slots += n * min(int(_ray_resources(g)[sc.node_resource]), int(per // sc.cpus_per_replica))
+        cpus += n * per
+        for c in g["template"]["spec"]["containers"]:
+            p += _sandbox_context_problems(where, c)
+    top = max(sc.replicas, sc.max_replicas)
+    if slots < top:
+        p.append(f"the tools group(s) hold {slots} replica slot(s) ({sc.node_resource} per node, num-cpus / "
+                 f"sandbox.service.cpus_per_replica = {sc.cpus_per_replica:g}) but the profile scales to {top} "
+                 "(sandbox.service.replicas / max_replicas)")
+    for g in gpu:
+        for c in g["template"]["spec"]["containers"]:
+            if "SYS_ADMIN" in (((c.get("securityContext") or {}).get("capabilities") or {}).get("add") or []):
+                p.append(f"infra/k8s/raycluster.yaml {g['groupName']} {c['name']} keeps SYS_ADMIN, which only the "
+                         "sandbox needed: the tool service runs it on the tools group; drop it")
+    head = rc["spec"]["headGroupSpec"]["template"]["spec"]["containers"]
+    if sc.url:
+        port = _host_port(sc.url)[1]
+        if port not in {pt["containerPort"] for pt in head[0].get("ports", [])}:
+            p.append(f"sandbox.service.url {sc.url} uses port {port}, which the Ray head does not expose "
+                     "(headGroupSpec ports; Serve's HTTP proxy)")
+    return p
 
 
 def rccl_problems(infra: Path, gpu_groups: list[dict], up: dict) -> list[str]:

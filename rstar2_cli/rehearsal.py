@@ -42,6 +42,10 @@ ALLOWED: dict[str, str] = {
     "rollout.max_batch_size": "requests per engine on 2 cores",
     "rollout.weight_sync": "object_store: CUDA IPC needs GPUs",
     "sandbox.workers": "tool processes on 2 cores",
+    "sandbox.service.replicas": "two tool-service replicas on one tool node for 16-32 on eight",
+    "sandbox.service.max_replicas": "no autoscaling: the tool node holds the two",
+    "sandbox.service.cpus_per_replica": "a 2-core machine's share per replica",
+    "sandbox.service.url": "the local tool service's HTTP address (endpoint)",
     "data.label_check.k": "samples per problem",
     "data.label_check.min_agree": "agreement needed of k = 2",
     "data.label_check.max_problems": "problems checked",
@@ -101,6 +105,12 @@ def not_allowed(diffs: list[tuple[str, Any, Any]]) -> list[tuple[str, Any, Any]]
     return [d for d in diffs if not any(fnmatch.fnmatchcase(d[0], pat) for pat in ALLOWED)]
 
 
+def tool_service(cfg: Any) -> tuple[Any, list[str]] | None:
+    """What the stack deploys the tool service from (ServiceStack's `tool_service`): the rehearsed `sandbox`
+    section and the overlay, when the profile's sandbox is the tool service."""
+    return (cfg.sandbox, overlay_overrides()) if cfg.sandbox.backend == "service" else None
+
+
 def run_rehearsal(root: Path, timeout_s: float = 5400, log=print) -> dict:
     """The whole rehearsal: the production service stack (rehearsal_stack.py) started, `rehearse` on it,
     the stack stopped. Returns what `rehearse` returns, with the services' start-up seconds."""
@@ -111,7 +121,7 @@ def run_rehearsal(root: Path, timeout_s: float = 5400, log=print) -> dict:
 
     cfg = load_config("qwen3-14b-mi300x", overlay_overrides())
     t0 = time.monotonic()
-    with ServiceStack(root, cfg.cluster) as stack:
+    with ServiceStack(root, cfg.cluster, tool_service=tool_service(cfg)) as stack:
         up = time.monotonic() - t0
         log(f"[rehearsal] services up in {up:.0f} s: Prefect {stack.prefect_api} (PostgreSQL), "
             f"MLflow {stack.tracking_uri} (PostgreSQL, artifacts on S3), S3 {stack.s3_endpoint}, Ray "

@@ -1,11 +1,11 @@
 """The production service stack, started on this machine as infra/ describes it (the rehearsal's).
-
     with ServiceStack(root) as stack:         # every server on 127.0.0.1, stopped by PID on exit
         stack.prefect_api, stack.tracking_uri, stack.s3_endpoint, stack.cluster.address
 
 PostgreSQL (for Prefect and MLflow), a moto S3 server with the profile's buckets, the MLflow tracking
 server with S3 artifacts, the Prefect server, a worker started as infra/k8s/raycluster.yaml's `prefect-worker`
-container (`deploy()`: the pool and deployments by `rstar2 deploy`'s code), and a local multi-node Ray cluster.
+container (`deploy()`: the pool and deployments by `rstar2 deploy`'s code), a local multi-node Ray cluster and,
+for a profile whose sandbox is the tool service, a tool node with the service deployed by `rstar2 tools deploy`.
 Invariant: only the addresses (127.0.0.1 ports), the state folders (under `root`) and the S3 credentials
 (moto's test keys) differ from production; no RSTAR2_REPO of ours reaches the worker.
 See docs/rehearsal.md, "Rehearsing the production profile".
@@ -77,9 +77,14 @@ def wait_http(url: str, what: str, timeout_s: float, proc: subprocess.Popen | No
 class ServiceStack:
     """See the module docstring. `cluster_cfg`: the rehearsed config's `cluster` section (its shape)."""
 
-    def __init__(self, root: str | Path, cluster_cfg: Any):
+    def __init__(self, root: str | Path, cluster_cfg: Any, tool_service: tuple[Any, list[str]] | None = None):
+        """`tool_service`: (the rehearsed config's `sandbox` section, the overrides `rstar2 tools deploy` gets
+        over the production profile) when its sandbox is the tool service: the cluster then gets a tool node
+        declaring `sandbox.service.node_resource`, and the service is deployed on it as infra/ says."""
         self.root = Path(root)
         self.cluster_cfg = cluster_cfg
+        self.tool_service = tool_service
+        self.tools_port = 0
         self.procs: dict[str, subprocess.Popen] = {}
         self.logs = self.root / "logs"
         self.home = self.root / "home"
@@ -108,8 +113,15 @@ class ServiceStack:
 
     def endpoint_overrides(self) -> list[str]:
         """The config's endpoints pointed at this stack (the overlay's allowed endpoint keys)."""
-        return [f'tracking.tracking_uri="{self.tracking_uri}"', f'storage.s3_endpoint_url="{self.s3_endpoint}"',
-                f'storage.s3_region="{REGION}"', f'cluster.ray_address="{self.cluster.address}"']
+        out = [f'tracking.tracking_uri="{self.tracking_uri}"', f'storage.s3_endpoint_url="{self.s3_endpoint}"',
+               f'storage.s3_region="{REGION}"', f'cluster.ray_address="{self.cluster.address}"']
+        if self.tools_port:
+            out.append(f'sandbox.service.url="{self.tools_url}"')
+        return out
+
+    @property
+    def tools_url(self) -> str:
+        return f"http://127.0.0.1:{self.tools_port}{self.tool_service[0].service.route_prefix}"
 
     # ------------------------------------------------------------------ start / stop
     def _start(self, name: str, cmd: list[str], env: dict[str, str] | None = None,
@@ -132,6 +144,7 @@ class ServiceStack:
             self._mlflow()
             self._prefect()
             self._cluster()
+            self._tools()
             self._worker()
         except BaseException:
             self.stop()
@@ -193,8 +206,30 @@ class ServiceStack:
     def _cluster(self) -> None:
         from rstar2_core.runtime.ray.rehearsal.local_cluster import LocalCluster
 
+        tools = {}
+        if self.tool_service is not None:
+            sc = self.tool_service[0].service
+            top = max(sc.replicas, sc.max_replicas)
+            tools = {"tool_cpus": max(1, int(-(-top * sc.cpus_per_replica // 1))),
+                     "tool_resources": {sc.node_resource: top} if sc.node_resource else {}}
         self.cluster = LocalCluster.for_config(self.cluster_cfg, self.root / "ray",
-                                               env={**self.s3_env(), "RSTAR2_HOME": str(self.home)}).start()
+                                               env={**self.s3_env(), "RSTAR2_HOME": str(self.home)}, **tools).start()
+
+    def _tools(self) -> None:
+        """The tool service deployed on the tool node as infra/k8s/up.sh does (`rstar2 tools deploy`, a driver
+        process of its own that exits once every replica runs; Serve keeps the application)."""
+        if self.tool_service is None:
+            return
+        self.tools_port = free_port()
+        sets = [x for o in self.tool_service[1] for x in ("--set", o)]
+        cmd = [str(Path(sys.executable).with_name("rstar2")), "tools", "deploy", "--profile", "qwen3-14b-mi300x",
+               *sets, "--address", self.cluster.address, "--http-host", "127.0.0.1",
+               "--http-port", str(self.tools_port), "--timeout-s", "300"]
+        p = self._start("tools-deploy", cmd, env={"RAY_AUTH_MODE": "disabled"}, base_env=self.clean_env(), cwd=str(ROOT))
+        if p.wait(timeout=400) != 0:
+            raise RuntimeError(f"`rstar2 tools deploy` failed (exit {p.returncode}); its log: "
+                               f"{self.logs / 'tools-deploy.log'}")
+        wait_http(self.tools_url + "/health", "the tool service", 60)
 
     def local_values(self) -> dict[str, str]:
         """The production endpoints and paths of infra/ and their local stand-ins (nothing else differs)."""

@@ -87,6 +87,17 @@ class StoreUnavailable(InfraError):
                          "last complete checkpoint")
 
 
+class ToolServiceUnavailable(InfraError):
+    """The tool service (`sandbox.backend = "service"`) did not answer its health check within
+    `sandbox.service.ready_timeout_s` at a stage's start, or is not deployed: retryable, since a retry
+    finds it once it is back. The message names the address tried and how to deploy or check it."""
+
+
+class ToolServiceRefused(RuntimeError):
+    """The tool service's replicas cannot confine calls on their host (namespaces, mount or seccomp denied):
+    the message names the cause and the manifest setting that fixes it. Not retried: the host must change."""
+
+
 class CorruptCheckpoint(ValueError):
     """A checkpoint marked complete lacks what resuming from it needs (the RL or SFT trainer state, a
     rank's optimizer state). Deterministic: the message names the checkpoint and the fix (delete it, and

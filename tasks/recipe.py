@@ -131,8 +131,9 @@ def s3_endpoint_problem(cfg: Config) -> str | None:
 
 
 def endpoint_problems(cfg: Config) -> list[str]:
-    """The MLflow server (`tracking.tracking_uri` over HTTP: its /health) and the Ray head
-    (`cluster.ray_address` as host:port: a TCP connection) answer within `ENDPOINT_TIMEOUT_S`, or a line
+    """The MLflow server (`tracking.tracking_uri` over HTTP: its /health), the Ray head (`cluster.ray_address`
+    as host:port: a TCP connection) and the tool service (`sandbox.service.url`'s /health, with
+    `sandbox.backend = "service"`) answer within `ENDPOINT_TIMEOUT_S`, or a line
     naming the endpoint, the setting and what went wrong."""
     import socket
     import urllib.request
@@ -154,6 +155,14 @@ def endpoint_problems(cfg: Config) -> list[str]:
         except (OSError, ValueError) as e:
             out.append(f"cluster.ray_address = {addr!r}: no Ray head answers there ({e}); start the cluster "
                        "(`rstar2 cluster up`, infra/README.md) or fix the address")
+    svc = cfg.sandbox.service
+    if cfg.sandbox.backend == "service" and svc.url:     # without a URL each stage checks it through Ray at start
+        try:
+            with urllib.request.urlopen(svc.url.rstrip("/") + "/health", timeout=ENDPOINT_TIMEOUT_S) as r:
+                r.read()
+        except OSError as e:
+            out.append(f"sandbox.service.url = {svc.url!r}: the tool service does not answer its health check ({e}); "
+                       "deploy it (`rstar2 tools deploy`, docs/sandbox.md) or fix the URL")
     return out
 
 

@@ -33,7 +33,7 @@ from rstar2_core.config.pipeline_sections import (
     TrackingConfig,
 )
 from rstar2_core.config.rl import GRPOConfig, RLConfig, RLStageConfig
-from rstar2_core.config.rollout_sections import RolloutConfig, SandboxConfig
+from rstar2_core.config.rollout_sections import RolloutConfig, SandboxConfig, ToolServiceConfig
 from rstar2_core.config.root import Config, resolve_state_dir, resolve_storage_root
 from rstar2_core.config.sections import (
     DataConfig,
@@ -75,6 +75,7 @@ __all__ = [
     "SyntheticConfig",
     "TaskResources",
     "TinyModelConfig",
+    "ToolServiceConfig",
     "TrackingConfig",
     "apply_override",
     "available_profiles",

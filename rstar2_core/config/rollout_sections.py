@@ -22,9 +22,57 @@ _NO_NAMESPACE_LOSS = ("minimal_root", "private_tmp", "own_proc", "pid_namespace"
                       "private_abstract_sockets", "private_ipc")
 
 
+class ToolServiceConfig(_Section):
+    """The tool service (`sandbox.backend = "service"`): the sandbox served by Ray Serve on CPU nodes of its
+    own, reached in-cluster through a Serve handle and from elsewhere over HTTP (docs/sandbox.md, "The tool
+    service"). Everything else about a call (limits, isolation, workers) is the enclosing `[sandbox]`."""
+
+    url: str = ""
+    """HTTP address of the service's API, e.g. `http://rstar2-tools.rstar2.svc:8000/sandbox`, for callers
+    not connected to its Ray cluster. Empty: callers must reach it through the Ray cluster (`connect`)."""
+    app_name: str = "rstar2-tools"
+    """The Ray Serve application's name: `rstar2 tools deploy` creates it, the in-cluster handle looks it up."""
+    route_prefix: str = "/sandbox"
+    """The HTTP path under which `rstar2 tools deploy` serves the API (`url` ends with it)."""
+    connect: Literal["auto", "handle", "http"] = "auto"
+    """`handle`: Ray Serve's in-cluster handle (Ray's own transport, no HTTP; the caller must be connected
+    to the service's Ray cluster). `http`: `url`. `auto`: the handle when this process is connected to a Ray
+    cluster that runs the application, else `url`."""
+    replicas: int = Field(2, ge=1)
+    """Replicas at deploy (the minimum when `max_replicas` autoscales)."""
+    max_replicas: int = Field(0, ge=0)
+    """Autoscaling ceiling: Ray Serve adds replicas while requests queued and running per replica exceed
+    `target_ongoing_requests`. 0 = a fixed `replicas`."""
+    target_ongoing_requests: float = Field(2.0, gt=0)
+    """Requests (a batch counts once) per replica that autoscaling aims at."""
+    max_ongoing_requests: int = Field(64, ge=1)
+    """Requests one replica takes at once; more wait in Serve's router (the queue autoscaling reads)."""
+    cpus_per_replica: float = Field(4.0, gt=0)
+    """CPUs each replica reserves in Ray; its sandbox runs `sandbox.workers` calls at once (0 = two per
+    reserved CPU, at least 2)."""
+    node_resource: str = ""
+    """A custom Ray resource each replica needs one unit of, declared only by the tool nodes' `ray start
+    --resources` (infra/k8s/raycluster.yaml declares `rstar2_tools`): keeps replicas off the GPU nodes.
+    Empty: any node with free CPUs."""
+    max_code_chars: int = Field(100_000, ge=1)
+    """Longest `code` (and `stdin`) the API accepts; longer is refused with HTTP 413 before a sandbox sees it."""
+    max_batch: int = Field(1024, ge=1)
+    """Most calls in one `run_batch` request; more is refused with HTTP 413. Clients split larger batches."""
+    ready_timeout_s: float = Field(10.0, gt=0)
+    """How long a stage waits at its start for the service's health answer before failing with a named,
+    retryable error."""
+    call_retries: int = Field(2, ge=0)
+    """A batch lost with a replica (dead actor, HTTP 5xx, a dropped connection) is sent again up to this
+    many times; calls that still fail answer status `internal`, the service's fault, never the program's."""
+    request_timeout_s: float = Field(300.0, gt=0)
+    """Client-side limit for one request (a batch waits in the service's queue, then runs)."""
+
+
 class SandboxConfig(_Section):
-    backend: Literal["local", "ray"] = "local"
-    """`local`: forked workers on this host. `ray`: an actor pool over every node's CPUs."""
+    backend: Literal["local", "ray", "service"] = "local"
+    """`local`: forked workers on this host. `ray`: an actor pool over every node's CPUs (on the GPU
+    nodes' placement groups under the Ray runtime). `service`: the tool service on CPU nodes of its own
+    (`sandbox.service`), deployed once with `rstar2 tools deploy`."""
     workers: int = Field(0, ge=0)
     """Concurrent executions per host; 0 = two per CPU core (a call waits on pipes and forks between
     its CPU bursts, so one per core leaves cores idle)."""
@@ -74,6 +122,19 @@ class SandboxConfig(_Section):
     `["per_call_uid", "own_proc"]` when not root; the service then starts and logs a WARNING with the
     missing ones. `network = "host"` needs no_network and private_abstract_sockets here, `namespaces =
     false` also minimal_root, private_tmp, own_proc, pid_namespace and private_ipc."""
+
+    service: ToolServiceConfig = Field(default_factory=ToolServiceConfig)
+    """The tool service's deployment and how callers reach it (`backend = "service"`)."""
+
+    @model_validator(mode="after")
+    def _service_settings_need_the_service(self) -> SandboxConfig:
+        if self.backend != "service" and self.service != ToolServiceConfig():
+            raise ValueError(f"sandbox.service is set but sandbox.backend = \"{self.backend}\" does not use it: set "
+                             "sandbox.backend = \"service\" or remove the sandbox.service settings")
+        if self.backend == "service" and self.service.connect == "http" and not self.service.url:
+            raise ValueError("sandbox.service.connect = \"http\" needs sandbox.service.url (the API's address, e.g. "
+                             "http://rstar2-tools:8000/sandbox)")
+        return self
 
     @model_validator(mode="after")
     def _weakening_settings_are_allowed(self) -> SandboxConfig:

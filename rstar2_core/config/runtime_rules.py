@@ -151,9 +151,12 @@ def _ray_problems(cfg: Any, ws: str) -> list[str]:
     if ws == "nccl" and cl.layout == "colocated":
         p.append("rollout.weight_sync = \"nccl\" cannot broadcast between a trainer rank and an engine worker on the "
                  "same GPU (one NCCL rank per device): use \"ipc\" with cluster.layout = \"colocated\"")
-    if cfg.sandbox.backend != "ray":
-        p.append("sandbox.backend = \"local\": the Ray runtime runs the sandbox as actors on the layout's CPU bundles; "
-                 "set sandbox.backend = \"ray\"")
+    if cfg.sandbox.ray_actors_per_node and cfg.sandbox.backend != "ray":
+        p.append(f"sandbox.ray_actors_per_node applies to sandbox.backend = \"ray\" (the actor pool), not "
+                 f"\"{cfg.sandbox.backend}\"; remove it or set the backend")
+    if cfg.sandbox.backend == "local":
+        p.append("sandbox.backend = \"local\": the Ray runtime runs the sandbox as actors on the layout's CPU bundles "
+                 "(\"ray\") or calls the tool service on CPU nodes of its own (\"service\"); set one of them")
     if ro.release_memory_during_training and (ro.engine != "vllm" or cl.layout != "colocated"):
         p.append("rollout.release_memory_during_training needs vLLM engines in cluster.layout = \"colocated\"")
     if ro.release_memory_during_training and not computes_on_gpu(cl):

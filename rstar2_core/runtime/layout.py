@@ -1,7 +1,6 @@
 """Actor layout of an RL stage on the cluster: which GPUs/CPUs each engine, trainer shard and sandbox
-actor gets, as Ray placement-group bundles (one STRICT_PACK group per node).
-
-Pure logic (no Ray import) over the config's `cluster`, `rollout` and `sandbox` sections: `rstar2 plan`
+actor gets, as Ray placement-group bundles (one STRICT_PACK group per node). Pure logic (no Ray import) over the config's `cluster`, `rollout` and `sandbox` sections (no sandbox
+bundles with `sandbox.backend = "service"`: the tool service has nodes of its own): `rstar2 plan`
 prints it without a cluster, runtime/ray/placement.py turns it into placement groups, and `fit_layout`
 places it on paper on a live cluster's nodes. Invariant: a layout that would leave an actor pending
 forever (too few CPUs in a GPU bundle, an engine across nodes) raises `LayoutError` naming the field.
@@ -129,15 +128,16 @@ class ClusterLayout:
         lines = [(f"layout {self.mode}: {self.nodes} node(s) x {self.gpus_per_node}{logical} GPU, {self.cpus_per_node} CPU "
                   f"= {self.total_gpus} GPUs; {len(self.engines)} engine(s) x TP {self.engines[0].tp} "
                   f"({self.engine_gpus} GPUs), {len(self.trainer_shards)} trainer shard(s) "
-                  f"({self.trainer_gpus} GPUs), {len(self.sandbox_actors)} sandbox actor(s) "
-                  f"({self.sandbox_cpus} CPUs)")]
+                  f"({self.trainer_gpus} GPUs), "
+                  + (f"{len(self.sandbox_actors)} sandbox actor(s) ({self.sandbox_cpus} CPUs)" if self.sandbox_actors
+                     else "no sandbox actors (the tool service's own nodes)"))]
         for pg in self.placement_groups:
             eng = [e.index for e in self.engines if e.node == pg.node]
             tr = [t.rank for t in self.trainer_shards if t.node == pg.node]
             sb = [s for s in self.sandbox_actors if s.node == pg.node]
             lines.append(f"  node {pg.node} pg {pg.name} {pg.strategy}: {len(pg.bundles)} bundles "
-                         f"({pg.gpus} GPU, {pg.cpus} CPU); engines {_ranges(eng)}; trainer ranks {_ranges(tr)}; "
-                         f"sandbox {len(sb)} x {sb[0].cpus if sb else 0} CPU")
+                         f"({pg.gpus} GPU, {pg.cpus} CPU); engines {_ranges(eng)}; trainer ranks {_ranges(tr)}"
+                         + (f"; sandbox {len(sb)} x {sb[0].cpus} CPU" if sb else ""))
         return lines
 
 
@@ -158,11 +158,20 @@ def compute_layout(cluster: ClusterConfig, rollout: RolloutConfig, sandbox: Sand
     The RL driver task's CPUs (`cluster.resources.rl.num_cpus`, default 1: Ray's default for a task) are
     kept free on every node, since the driver may land on any of them."""
     cl, ro = cluster, rollout
-    gpn, tp = cl.gpus_per_node, ro.tensor_parallel_size
+    gpn = cl.gpus_per_node
     driver = _driver(cl)
     driver_cpus = int(-(-float(driver.num_cpus) // 1)) if driver is not None else 1
     reserved = gpn * cl.cpus_per_gpu + driver_cpus
     free = cl.cpus_per_node - reserved
+    if sandbox.backend == "service":
+        if free < 0:
+            raise LayoutError(f"cluster.cpus_per_node = {cl.cpus_per_node} is below the {reserved} CPUs of {gpn} GPUs "
+                              f"x cluster.cpus_per_gpu = {cl.cpus_per_gpu} and {driver_cpus} for the RL driver task; "
+                              "lower those or raise cluster.cpus_per_node")
+        n_sb, sb_cpus = 0, 0      # the tool service runs on CPU nodes of its own: no sandbox bundles here
+        if gpn == 0:
+            return _cpu_layout(cl, ro, sb_cpus, n_sb)
+        return _gpu_layout(cl, ro, sb_cpus, n_sb)
     if free < 1:
         raise LayoutError(f"cluster.cpus_per_node = {cl.cpus_per_node} leaves no CPU for the sandbox after "
                           f"{gpn} GPUs x cluster.cpus_per_gpu = {cl.cpus_per_gpu} and {driver_cpus} for the RL "
@@ -174,6 +183,12 @@ def compute_layout(cluster: ClusterConfig, rollout: RolloutConfig, sandbox: Sand
     sb_cpus = free // n_sb
     if gpn == 0:
         return _cpu_layout(cl, ro, sb_cpus, n_sb)
+    return _gpu_layout(cl, ro, sb_cpus, n_sb)
+
+
+def _gpu_layout(cl: ClusterConfig, ro: RolloutConfig, sb_cpus: int, n_sb: int) -> ClusterLayout:
+    """Engines and trainer shards on GPU bundles, `n_sb` sandbox bundles of `sb_cpus` per node."""
+    gpn, tp = cl.gpus_per_node, ro.tensor_parallel_size
     if gpn % tp:
         raise LayoutError(f"rollout.tensor_parallel_size = {tp} must divide cluster.gpus_per_node = {gpn} "
                           "(an engine's TP ranks stay on one node)")
@@ -232,7 +247,7 @@ def _cpu_layout(cl: ClusterConfig, ro: RolloutConfig, sb_cpus: int, n_sb: int) -
     if ro.tensor_parallel_size != 1:
         raise LayoutError("rollout.tensor_parallel_size > 1 needs GPUs; set it to 1 or cluster.gpus_per_node > 0")
     pgs = tuple(PlacementGroupSpec(f"rstar2-node{n}", n, (Bundle(0, sb_cpus, "sandbox"),) * n_sb)
-                for n in range(cl.nodes))
+                for n in range(cl.nodes) if n_sb)
     engines = tuple(EngineSlot(i, 0, (), 1, 0.0) for i in range(ro.num_engines))
     sandbox = tuple(SandboxSlot(n, j, sb_cpus) for n in range(cl.nodes) for j in range(n_sb))
     shards = tuple(TrainerShard(r, 0, -1, 0.0) for r in range(max(1, cl.trainer_ranks)))

@@ -1,4 +1,5 @@
-"""The sandbox a runtime opens: the local service in this process, or the Ray actor pool over a cluster.
+"""The sandbox a runtime opens: the local service in this process, the Ray actor pool over a cluster, or
+a client of the tool service (`sandbox.backend = "service"`).
 
 `sandbox.backend = "ray"` gives the local runtime the same actor pool the Ray runtime places on its
 layout's sandbox bundles; this module is where a runtime reaches it, so the local backend (runtime/local/)
@@ -9,6 +10,7 @@ See docs/runtime.md, "The runtime seam".
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -33,3 +35,27 @@ def ray_sandbox_pool(cfg: SandboxConfig, *, cluster: ClusterConfig | None = None
     if cluster is not None:
         ensure_ray(cluster)
     return RaySandboxPool(cfg, placements=placements)
+
+
+def service_sandbox(cfg: SandboxConfig, *, cluster: ClusterConfig | None = None) -> Any:
+    """A client of the tool service, not yet entered (entering checks its health: `ToolServiceUnavailable`
+    within `sandbox.service.ready_timeout_s`). `connect = "http"`, or `"auto"` with a `url` while this
+    process has no Ray connection: `HttpToolService` (no Ray import). Otherwise Serve's in-cluster handle,
+    connecting to `cluster`'s Ray first when given and not yet connected; under `"auto"` a Ray cluster that
+    does not run the application falls back to the `url` when there is one."""
+    sc = cfg.service
+    ray_up = "ray" in sys.modules and sys.modules["ray"].is_initialized()
+    if sc.connect == "http" or (sc.connect == "auto" and sc.url and not ray_up and cluster is None):
+        from rstar2_core.sandbox.remote import HttpToolService
+
+        return HttpToolService(cfg)
+    from rstar2_core.runtime.ray.connect import ensure_ray
+    from rstar2_core.runtime.ray.tool_service import ToolServiceHandle, tool_service_status
+
+    if not ray_up and cluster is not None:
+        ensure_ray(cluster)
+    if sc.connect == "auto" and sc.url and tool_service_status(sc.app_name)["status"] == "NOT_DEPLOYED":
+        from rstar2_core.sandbox.remote import HttpToolService
+
+        return HttpToolService(cfg)
+    return ToolServiceHandle(cfg)

@@ -46,7 +46,6 @@ class RuntimeSpec:
     engines: tuple[EngineSpec, ...]
     trainer: TrainerSetup | None
     sandbox: SandboxConfig | None
-    sandbox_on_ray: bool                     # the local runtime's sandbox is the Ray actor pool
     grader_timeout_s: float | None
     weight_sync: str
     release_memory_during_training: bool
@@ -80,7 +79,7 @@ class RuntimeSpec:
         if trainer is not None:
             setup = TrainerSetup(trainer, getattr(cfg, trainer.section), cfg.model)
         return cls(kind, policy_url, engine_specs, setup, cfg.sandbox if sandbox else None,
-                   cfg.sandbox.backend == "ray", cfg.eval.grader_timeout_s if grader else None,
+                   cfg.eval.grader_timeout_s if grader else None,
                    resolved_weight_sync(cfg), cfg.rollout.release_memory_during_training,
                    cfg.rollout.tensor_parallel_size, cfg.cluster, layout,
                    not is_node_local(cfg.resolved_storage_root()) or cfg.storage.shared_filesystem)

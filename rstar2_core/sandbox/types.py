@@ -53,3 +53,17 @@ class ExecutionResult:
         d = asdict(self)
         d["status"] = self.status.value
         return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> ExecutionResult:
+        """The result `to_json` wrote (the tool service's wire format)."""
+        return cls(id=d["id"], status=Status(d["status"]), stdout=d["stdout"], stderr=d["stderr"],
+                   exit_code=d["exit_code"], duration_s=d["duration_s"], truncated=d.get("truncated", False),
+                   cpu_s=d.get("cpu_s"))
+
+
+def internal_results(reqs: list[ExecutionRequest], why: str) -> list[ExecutionResult]:
+    """Status `internal` for each of `reqs`: the service failed them, not the programs."""
+    return [ExecutionResult(id=r.id, status=Status.INTERNAL, stdout="", stderr=why, exit_code=None, duration_s=0.0)
+            for r in reqs]
+

@@ -32,7 +32,8 @@ def test_preflight_names_every_missing_input_and_every_dead_endpoint():
         cfg = load_config("qwen3-14b-mi300x", [
             f'storage.s3_endpoint_url="{s3}"', f'storage.s3_region="{REGION}"',
             f'tracking.tracking_uri="http://127.0.0.1:{_closed_port()}"',
-            f'cluster.ray_address="127.0.0.1:{_closed_port()}"'])
+            f'cluster.ray_address="127.0.0.1:{_closed_port()}"',
+            f'sandbox.service.url="http://127.0.0.1:{_closed_port()}/sandbox"'])
         t0 = time.monotonic()
         with pytest.raises(ConfigError) as e:
             preflight(cfg)
@@ -48,6 +49,7 @@ def test_preflight_names_every_missing_input_and_every_dead_endpoint():
     assert "model.name_or_path = 's3://rstar2-models/Qwen3-14B-Base' is not a complete checkpoint" in msg
     assert "tracking.tracking_uri" in msg and "MLflow server does not answer" in msg
     assert "cluster.ray_address" in msg and "no Ray head answers" in msg
+    assert "sandbox.service.url" in msg and "the tool service does not answer its health check" in msg
     assert "storage root" not in msg                     # the artifacts bucket exists: writable
     assert took < 120, took                              # a bound that only catches a hang on a dead endpoint
 

@@ -22,14 +22,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.rehearsal]
 
 @pytest.fixture(scope="module")
 def stack():
-    from rstar2_cli.rehearsal import overlay_overrides
+    from rstar2_cli.rehearsal import overlay_overrides, tool_service
     from rstar2_cli.rehearsal_stack import ServiceStack
     from rstar2_core.config import load_config
 
     root = tempfile.mkdtemp(prefix="rstar2-reh-", dir="/tmp")      # Ray's socket paths must stay short
     cfg = load_config("qwen3-14b-mi300x", overlay_overrides())
     try:
-        with ServiceStack(root, cfg.cluster) as st:
+        with ServiceStack(root, cfg.cluster, tool_service=tool_service(cfg)) as st:
             st.deploy()
             yield st
     finally:
@@ -71,6 +71,7 @@ def test_a_flow_run_through_the_production_worker_reaches_preflight(stack):
                     "model.name_or_path = 's3://rstar2-models/SmolLM2-135M-Instruct-recipe-format' is not a complete checkpoint"):
         assert missing in log, missing
     assert "MLflow server does not answer" not in log and "no Ray head answers" not in log
+    assert "the tool service does not answer" not in log
     # the servers keep their state in PostgreSQL: the flow run is a row there
     rows = subprocess.run([pg_bin("psql"), "-h", "127.0.0.1", "-p",
                            str(stack.pg_port), "-U", "rstar2", "-d", "prefect", "-tAc",
@@ -81,6 +82,19 @@ def test_a_flow_run_through_the_production_worker_reaches_preflight(stack):
                              "mlflow", "-tAc", "select count(*) from experiments"], capture_output=True, text=True,
                             check=True)
     assert int(tables.stdout.strip()) >= 1                           # the MLflow server's tables, on PostgreSQL
+
+
+def test_the_tool_service_runs_on_its_own_node(stack):
+    """The production profile's sandbox is the tool service: deployed by `rstar2 tools deploy` on the tool
+    node (the only one declaring sandbox.service.node_resource), answering over HTTP, none of its replicas
+    on a GPU node."""
+    import httpx
+
+    tool_node = stack.cluster.node_id(len(stack.cluster.nodes) - 1)
+    seen = {httpx.get(stack.tools_url + "/health", timeout=30).json()["replica"] for _ in range(12)}
+    assert seen and {r.split("/")[0] for r in seen} == {tool_node[:12]}, (seen, tool_node)
+    one = httpx.post(stack.tools_url + "/run", json={"code": "print(2 ** 10)"}, timeout=60).json()
+    assert (one["status"], one["stdout"]) == ("ok", "1024\n"), one
 
 
 @pytest.mark.rehearsal_run          # ~35 min on 2 cores: make test-all (make test's CI has 90 min in all)

@@ -181,7 +181,11 @@ RAY_CPU = ['cluster.runtime="ray"', 'rl.backend="deepspeed"', 'sft.backend="deep
     ("qwen3-14b-mi300x", ['cluster.layout="separate"', "cluster.trainer_gpus=32", "rollout.num_engines=16"],
      "needs cluster.layout = \"colocated\""),
     ("qwen3-14b-mi300x", ["cluster.trainer_ranks=8"], "set cluster.trainer_ranks = 0"),
-    ("qwen3-14b-mi300x", ['sandbox.backend="local"'], 'set sandbox.backend = "ray"'),
+    ("qwen3-14b-mi300x", ['sandbox.backend="local"', "sandbox.service={}"],
+     'or calls the tool service on CPU nodes of its own'),
+    ("qwen3-14b-mi300x", ['sandbox.backend="local"'], 'set sandbox.backend = \"service\" or remove the sandbox.service'),
+    ("qwen3-14b-mi300x", ["sandbox.ray_actors_per_node=2"], 'applies to sandbox.backend = "ray" (the actor pool)'),
+    ("tiny", ['sandbox.backend="service"', 'sandbox.service.connect="http"'], "needs sandbox.service.url"),
 ])
 def test_settings_the_runtime_would_not_honour_are_refused(profile, overrides, needle):
     with pytest.raises(ConfigError) as e:

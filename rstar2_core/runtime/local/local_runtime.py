@@ -17,7 +17,7 @@ from typing import Any, Self
 
 from rstar2_core.runtime.engine_builder import FailingEngine, build_engine, engine_busy_seconds
 from rstar2_core.runtime.protocol import OwnedGrader, RuntimeUsage, WeightSyncReport
-from rstar2_core.runtime.sandboxes import local_sandbox, ray_sandbox_pool
+from rstar2_core.runtime.sandboxes import local_sandbox, ray_sandbox_pool, service_sandbox
 from rstar2_core.runtime.specs import RuntimeSpec, local_device
 
 
@@ -40,7 +40,8 @@ class LocalRuntime:
         self.sandbox = None
         self.grader = None
         self._grader = OwnedGrader()
-        self._sandbox_factory = _ray_sandbox if spec.sandbox_on_ray else _local_sandbox
+        backend = spec.sandbox.backend if spec.sandbox is not None else "local"
+        self._sandbox_factory = {"ray": _ray_sandbox, "service": _service_sandbox}.get(backend, _local_sandbox)
         try:
             if spec.trainer is not None:
                 from rstar2_core.runtime.local.trainer import LocalTrainer
@@ -133,6 +134,11 @@ class LocalRuntime:
 
 def _local_sandbox(spec: RuntimeSpec):
     return local_sandbox(spec.sandbox)
+
+
+def _service_sandbox(spec: RuntimeSpec):
+    """The tool service (`sandbox.backend = "service"`): its handle through `cluster`'s Ray, or its URL."""
+    return service_sandbox(spec.sandbox, cluster=spec.cluster)
 
 
 def _ray_sandbox(spec: RuntimeSpec):

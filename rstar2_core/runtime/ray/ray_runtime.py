@@ -41,7 +41,7 @@ from rstar2_core.runtime.ray.placement import (
 )
 from rstar2_core.runtime.ray.trainer_shards import TrainerGroup
 from rstar2_core.runtime.ray.weight_sync import make_weight_sync
-from rstar2_core.runtime.sandboxes import ray_sandbox_pool
+from rstar2_core.runtime.sandboxes import ray_sandbox_pool, service_sandbox
 from rstar2_core.runtime.specs import RuntimeSpec
 
 _OPEN = threading.Lock()
@@ -132,7 +132,9 @@ class RayRuntime:
                 reports = check_runtime_devices(self.group, self.trainer, self.engines)   # DeviceConflict
                 log.info("devices by identity: %s", "; ".join(f"{r.actor} {r.node} Ray GPU {r.ray_gpu} = {r.device}"
                                                                for r in reports))
-            if spec.sandbox is not None:
+            if spec.sandbox is not None and spec.sandbox.backend == "service":
+                self.sandbox = service_sandbox(spec.sandbox)     # its own CPU nodes; entered in __aenter__
+            elif spec.sandbox is not None:
                 placements = [(self.group.pg(s.node), s.bundle_index, s.cpus) for s in self.layout.sandbox_actors]
                 self.sandbox = (sandbox_factory or _ray_sandbox)(spec.sandbox, placements)
             self.weight_sync = (make_weight_sync(self.weight_sync_mode, self)

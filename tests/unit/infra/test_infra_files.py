@@ -269,6 +269,41 @@ def test_rccl_gets_the_node_fabric_in_both_cluster_descriptions(prod, tmp_path, 
     assert not [p for p in infra_problems(prod) if "RCCL" in p or "rdma" in p or "NCCL" in p or "IPC_LOCK" in p]
 
 
+@pytest.mark.parametrize("old, new, needle", [
+    ("                appArmorProfile: {type: Unconfined}\n", "", "sets no securityContext.appArmorProfile"),
+    ("                seccompProfile: {type: Unconfined}\n", "", "sets no securityContext.seccompProfile"),
+    ('                capabilities: {add: ["SYS_ADMIN"]}\n', "", "lacks the SYS_ADMIN capability"),
+    ('resources: \'"{\\"rstar2_tools\\": 4}"\'', 'resources: \'"{\\"rstar2_tools\\": 2}"\'', "replica slot(s)"),
+    ('resources: \'"{\\"rstar2_tools\\": 4}"\'', 'resources: \'"{\\"other\\": 4}"\'', "no worker group declaring"),
+    ('capabilities: {add: ["SYS_PTRACE", "IPC_LOCK"]}', 'capabilities: {add: ["SYS_PTRACE", "SYS_ADMIN", "IPC_LOCK"]}',
+     "keeps SYS_ADMIN, which only the sandbox needed"),
+    ("              - containerPort: 8000\n", "              - containerPort: 8001\n", "which the Ray head does not expose"),
+])
+def test_the_tool_service_runs_off_the_gpu_nodes_with_the_sandboxs_security_context(prod, tmp_path, old, new, needle):
+    """The production profile's tool service (sandbox.backend = "service"): a CPU worker group declaring
+    sandbox.service.node_resource with AppArmor and seccomp unconfined and SYS_ADMIN, room for max_replicas,
+    GPU pods without SYS_ADMIN, Serve's port on the head. Each broken in a copy of infra/ is a problem naming
+    it; infra/ as committed has none."""
+    import shutil
+
+    copy = tmp_path / "infra"
+    shutil.copytree(INFRA, copy)
+    f = copy / "k8s" / "raycluster.yaml"
+    assert old in f.read_text(), old
+    f.write_text(f.read_text().replace(old, new))
+    problems = infra_problems(prod, infra=copy, prefect_yaml=INFRA.parent / "prefect.yaml")
+    assert [p for p in problems if needle in p], problems
+    assert infra_problems(prod) == []
+
+
+def test_the_sandbox_pool_on_gpu_nodes_needs_their_pods_to_carry_its_security_context():
+    """sandbox.backend = "ray" on GPU nodes: the GPU pods (which no longer carry it) are named."""
+    cfg = load_config("qwen3-14b-mi300x", ['sandbox.backend="ray"', "sandbox.service={}"])
+    problems = infra_problems(cfg)
+    assert any("mi300x ray-worker sets no securityContext.appArmorProfile" in p for p in problems), problems
+    assert any("mi300x ray-worker lacks the SYS_ADMIN capability" in p for p in problems), problems
+
+
 def test_the_workers_create_the_pool_with_our_template():
     """A worker that starts before `rstar2 deploy` creates the pool on its first poll: both worker commands
     hand it infra's template as the image holds it (relative paths from the container's working dir)."""

@@ -171,7 +171,7 @@ def test_plan_gives_each_gpus_memory_and_the_collectives_and_refuses_what_does_n
     assert coll["update_bytes_per_rank"] > 0 and coll["update_seconds"] > 0
     status = {c["item"]: c["status"] for c in plan["checklist"]}
     assert status == {"layout": "ok", "gpu_memory": "ok", "collectives": "ok", "infra": "ok",
-                      "live_cluster": "not checked", "devices": "not checked"}
+                      "live_cluster": "not checked", "devices": "not checked", "tool_service": "not checked"}
     _, over = _plan_json(capsys, "--profile", "qwen3-14b-mi300x", "--model-config", QWEN3_CONFIG,
                          "--set", "rollout.gpu_memory_utilization=0.99")
     (mem_item,) = [c for c in over["checklist"] if c["item"] == "gpu_memory"]
@@ -183,3 +183,35 @@ def test_plan_gives_each_gpus_memory_and_the_collectives_and_refuses_what_does_n
     assert main(["plan", "--profile", "qwen3-14b-mi300x"]) == 0
     out = capsys.readouterr().out
     assert "GPU memory and collectives: not checked" in out and "--model-config" in out
+
+
+def test_plan_places_the_tool_service_on_its_own_nodes(capsys):
+    """The production profile's sandbox is the tool service: the plan says where and how big it is, puts no
+    sandbox CPUs on the GPU nodes, and on a live cluster's nodes refuses a cluster without tool nodes, a GPU
+    node declaring the tools' resource, or tool nodes too small for the replicas."""
+    from rstar2_cli.plan import tool_service_plan
+    from rstar2_core.runtime.layout import NodeResources
+
+    rc, plan = _plan_json(capsys, "--profile", "qwen3-14b-mi300x")
+    ts = plan["tool_service"]
+    assert (ts["backend"], ts["on_gpu_nodes"], ts["node_resource"]) == ("service", False, "rstar2_tools")
+    assert (ts["replicas"], ts["max_replicas"], ts["cpus"], ts["concurrent_calls"]) == (16, 32, [240, 480], [480, 960])
+    assert plan["layout"]["sandbox_actors"] == []
+
+    cfg = load_config("qwen3-14b-mi300x")
+
+    def node(i, gpus, cpus, tools=0):
+        total = {"GPU": gpus, "CPU": cpus, **({"rstar2_tools": tools} if tools else {})}
+        return NodeResources(f"{i:016x}", f"10.0.0.{i}", total, dict(total))
+
+    gpu = [node(i, 8, 128) for i in range(8)]
+    tools = [node(10 + i, 0, 64, 4) for i in range(8)]
+    assert tool_service_plan(cfg, gpu + tools, None)[1] == []
+    assert "no live node declares" in tool_service_plan(cfg, gpu, None)[1][0]
+    assert any("declare 'rstar2_tools'" in p for p in tool_service_plan(cfg, [node(0, 8, 128, 4)] + tools, None)[1])
+    assert "need 240" in tool_service_plan(cfg, gpu + tools[:2], None)[1][0]
+    # the actor pool on the GPU nodes is reported as such, with why the item is not checked
+    _, pool = _plan_json(capsys, "--profile", "qwen3-14b-mi300x", "--set", 'sandbox.backend="ray"',
+                         "--set", "sandbox.service={}")
+    (item,) = [c for c in pool["checklist"] if c["item"] == "tool_service"]
+    assert pool["tool_service"]["on_gpu_nodes"] and "runs the sandbox on the GPU nodes" in item["why_not_checked"]

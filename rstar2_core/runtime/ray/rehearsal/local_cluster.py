@@ -48,9 +48,10 @@ def _ray_bin() -> str:
 
 
 def node_command(role: str, *, port: int, num_cpus: int, num_gpus: int = 0, temp_dir: str,
-                 object_store_bytes: int = OBJECT_STORE_BYTES) -> list[str]:
-    """The `ray start --block` command of a head (`role="head"`, GCS on `port`) or a worker node joining
-    127.0.0.1:`port` (see the module docstring)."""
+                 object_store_bytes: int = OBJECT_STORE_BYTES, resources: dict[str, float] | None = None) -> list[str]:
+    """The `ray start --block` command of a head (`role="head"`, GCS on `port`), a worker node joining
+    127.0.0.1:`port`, or a tool node (`role="tools"`: a worker declaring `resources`, where the tool service's
+    replicas go; see the module docstring)."""
     cmd = [_ray_bin(), "start", "--block", "--disable-usage-stats", f"--num-cpus={num_cpus}",
            f"--num-gpus={num_gpus}", f"--temp-dir={temp_dir}", f"--object-store-memory={object_store_bytes}"]
     if role == "head":
@@ -58,8 +59,10 @@ def node_command(role: str, *, port: int, num_cpus: int, num_gpus: int = 0, temp
                 f"--resources={json.dumps({RUNTIME_RESOURCE: 1})}", f"--system-config={json.dumps(HEALTH_CHECK)}"]
     elif role == "worker":
         cmd += [f"--address=127.0.0.1:{port}"]
+    elif role == "tools":
+        cmd += [f"--address=127.0.0.1:{port}", f"--resources={json.dumps(resources or {})}"]
     else:
-        raise ValueError(f"role must be 'head' or 'worker', not {role!r}")
+        raise ValueError(f"role must be 'head', 'worker' or 'tools', not {role!r}")
     return cmd
 
 
@@ -79,10 +82,14 @@ class LocalCluster:
     nodes' logs and Ray's session folder go (Ray's socket paths must stay short: keep it under /tmp)."""
 
     def __init__(self, workers: int, cpus_per_node: int, gpus_per_node: int, root: str | Path, *,
-                 head_cpus: int = 2, port: int | None = None, env: dict[str, str] | None = None):
+                 head_cpus: int = 2, port: int | None = None, env: dict[str, str] | None = None,
+                 tool_cpus: int = 0, tool_resources: dict[str, float] | None = None):
+        """`tool_cpus` > 0: one more node after the workers, a tool node of that many CPUs and no GPU declaring
+        `tool_resources` (the tool service's own node)."""
         if workers < 1:
             raise ValueError("a local cluster needs at least one worker node")
         self.workers, self.cpus, self.gpus, self.head_cpus = workers, cpus_per_node, gpus_per_node, head_cpus
+        self.tool_cpus, self.tool_resources = tool_cpus, dict(tool_resources or {})
         self.root = Path(root)
         self.port = port or _free_port()
         self.temp_dir = str(self.root / "ray")
@@ -104,8 +111,9 @@ class LocalCluster:
         return f"127.0.0.1:{self.port}"
 
     def _spec(self, role: str, index: int) -> Node:
-        cpus, gpus = (self.head_cpus, 0) if role == "head" else (self.cpus, self.gpus)
-        cmd = node_command(role, port=self.port, num_cpus=cpus, num_gpus=gpus, temp_dir=self.temp_dir)
+        cpus, gpus = {"head": (self.head_cpus, 0), "tools": (self.tool_cpus, 0)}.get(role, (self.cpus, self.gpus))
+        cmd = node_command(role, port=self.port, num_cpus=cpus, num_gpus=gpus, temp_dir=self.temp_dir,
+                           resources=self.tool_resources if role == "tools" else None)
         return Node(role, index, cmd, self.root / f"{role}-{index}.log")
 
     def _launch(self, node: Node) -> Node:
@@ -136,6 +144,8 @@ class LocalCluster:
             self.nodes = [self._launch(self._spec("head", 0))]
             for i in range(1, self.workers + 1):
                 self.nodes.append(self._launch(self._spec("worker", i)))
+            if self.tool_cpus:
+                self.nodes.append(self._launch(self._spec("tools", self.workers + 1)))
         except BaseException:
             self.stop()
             raise
@@ -217,7 +227,7 @@ class LocalCluster:
     def to_json(self) -> dict:
         return {"address": self.address, "root": str(self.root), "temp_dir": self.temp_dir, "port": self.port,
                 "workers": self.workers, "cpus_per_node": self.cpus, "gpus_per_node": self.gpus,
-                "head_cpus": self.head_cpus,
+                "head_cpus": self.head_cpus, "tool_cpus": self.tool_cpus, "tool_resources": self.tool_resources,
                 "nodes": [{"role": n.role, "index": n.index, "pid": n.pid, "procs": n.procs, "log": str(n.log),
                            "command": n.command} for n in self.nodes]}
 
@@ -226,7 +236,8 @@ class LocalCluster:
         """The cluster a `to_json()` record describes, its nodes as recorded (to restart the dead ones
         from another process: `rstar2 cluster restart`)."""
         c = cls(state["workers"], state["cpus_per_node"], state["gpus_per_node"], state["root"],
-                head_cpus=state["head_cpus"], port=state["port"])
+                head_cpus=state["head_cpus"], port=state["port"], tool_cpus=state.get("tool_cpus", 0),
+                tool_resources=state.get("tool_resources"))
         c.nodes = [Node(n["role"], n["index"], list(n["command"]), Path(n["log"]), n["pid"],
                         {int(p): t for p, t in n["procs"].items()}) for n in state["nodes"]]
         return c

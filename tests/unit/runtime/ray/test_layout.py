@@ -16,6 +16,8 @@ from rstar2_core.runtime.layout import (
 )
 from rstar2_core.runtime.specs import layout_for
 
+RAY_POOL = ['sandbox.backend="ray"', "sandbox.service={}"]   # the actor pool on the GPU nodes, not the tool service
+
 
 def test_production_layout_uses_64_gpus_colocated():
     cfg = load_config("qwen3-14b-mi300x")
@@ -36,14 +38,24 @@ def test_production_layout_uses_64_gpus_colocated():
     for e in lay.engines:
         assert list(e.bundle_indices) == list(range(e.bundle_indices[0], e.bundle_indices[0] + 2))
         assert e.bundle_indices[-1] < 8
-    # sandbox: one actor per node on the CPUs left after 8 GPUs x 2 CPUs and the RL driver's 8 CPUs
+    # the sandbox is the tool service on its own nodes: the GPU nodes' groups hold GPU bundles only
+    assert lay.sandbox_actors == ()
+    for pg in lay.placement_groups:
+        assert [b.role for b in pg.bundles] == ["gpu"] * 8 and pg.cpus == 16
+        assert pg.bundles[0].resources() == {"CPU": 2.0, "GPU": 1.0}
+    text = "\n".join(lay.describe())
+    assert "64 GPUs" in text and "32 engine(s) x TP 2" in text and "node 7" in text
+    assert "no sandbox actors" in text
+
+
+def test_the_ray_sandbox_pool_takes_the_gpu_nodes_free_cpus():
+    """sandbox.backend = "ray" (the pool on the GPU nodes): one actor per node on the CPUs left after 8 GPUs
+    x 2 CPUs and the RL driver's 8 CPUs."""
+    lay = layout_for(load_config("qwen3-14b-mi300x", RAY_POOL))
     assert len(lay.sandbox_actors) == 8 and {s.cpus for s in lay.sandbox_actors} == {128 - 16 - 8}
     for pg in lay.placement_groups:
         assert pg.cpus + 8 <= 128
         assert pg.bundles[-1].role == "sandbox" and pg.bundles[-1].resources() == {"CPU": 104.0}
-        assert pg.bundles[0].resources() == {"CPU": 2.0, "GPU": 1.0}
-    text = "\n".join(lay.describe())
-    assert "64 GPUs" in text and "32 engine(s) x TP 2" in text and "node 7" in text
 
 
 def test_production_profile_driver_holds_no_gpu_and_a_reservation_is_refused():
@@ -62,7 +74,7 @@ def test_production_profile_driver_holds_no_gpu_and_a_reservation_is_refused():
 def test_separate_layout_splits_gpus():
     cfg = load_config("qwen3-14b-mi300x", ["cluster.layout=\"separate\"", "cluster.trainer_gpus=32",
                                            "rollout.weight_sync=\"nccl\"",
-                                           "rollout.num_engines=16", "sandbox.ray_actors_per_node=4"])
+                                           "rollout.num_engines=16", *RAY_POOL, "sandbox.ray_actors_per_node=4"])
     lay = layout_for(cfg)
     trainer = {(t.node, t.bundle_index) for t in lay.trainer_shards}
     engine = {(e.node, b) for e in lay.engines for b in e.bundle_indices}
@@ -76,7 +88,7 @@ def test_separate_layout_splits_gpus():
     (["rollout.num_engines=33"], "set rollout.num_engines = 32"),
     (["rollout.tensor_parallel_size=3", "rollout.num_engines=2"], "must divide cluster.gpus_per_node"),
     (["cluster.cpus_per_node=20"], "cluster.cpus_per_gpu"),
-    (["sandbox.ray_actors_per_node=500"], "at most 104"),
+    ([*RAY_POOL, "sandbox.ray_actors_per_node=500"], "at most 104"),
     (["cluster.cpus_per_gpu=1"], "set cluster.cpus_per_gpu >= 2"),   # trainer shard + engine actor per bundle
     (["cluster.layout=\"separate\"", "cluster.trainer_gpus=31", "rollout.num_engines=16",
       "rollout.weight_sync=\"nccl\"", "rl.zero_hpz_partition_size=1"], "multiple of"),
