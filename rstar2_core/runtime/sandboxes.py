@@ -40,22 +40,21 @@ def ray_sandbox_pool(cfg: SandboxConfig, *, cluster: ClusterConfig | None = None
 def service_sandbox(cfg: SandboxConfig, *, cluster: ClusterConfig | None = None) -> Any:
     """A client of the tool service, not yet entered (entering checks its health: `ToolServiceUnavailable`
     within `sandbox.service.ready_timeout_s`). `connect = "http"`, or `"auto"` with a `url` while this
-    process has no Ray connection: `HttpToolService` (no Ray import). Otherwise Serve's in-cluster handle,
-    connecting to `cluster`'s Ray first when given and not yet connected; under `"auto"` a Ray cluster that
-    does not run the application falls back to the `url` when there is one."""
+    process has no Ray connection and `cluster` names no Ray address: `HttpToolService` (no Ray import).
+    Otherwise Serve's in-cluster handle, connecting to `cluster`'s Ray first when given and not yet
+    connected; under `"auto"` a Ray cluster that does not run the application falls back to the `url`."""
+    from rstar2_core.sandbox.remote import HttpToolService
+
     sc = cfg.service
     ray_up = "ray" in sys.modules and sys.modules["ray"].is_initialized()
-    if sc.connect == "http" or (sc.connect == "auto" and sc.url and not ray_up and cluster is None):
-        from rstar2_core.sandbox.remote import HttpToolService
-
-        return HttpToolService(cfg)
+    remote_ray = cluster is not None and bool(cluster.ray_address)
+    if sc.connect == "http" or (sc.connect == "auto" and sc.url and not ray_up and not remote_ray):
+        return HttpToolService(cfg)          # never a local Ray started only to look for the service
     from rstar2_core.runtime.ray.connect import ensure_ray
     from rstar2_core.runtime.ray.tool_service import ToolServiceHandle, tool_service_status
 
     if not ray_up and cluster is not None:
         ensure_ray(cluster)
     if sc.connect == "auto" and sc.url and tool_service_status(sc.app_name)["status"] == "NOT_DEPLOYED":
-        from rstar2_core.sandbox.remote import HttpToolService
-
         return HttpToolService(cfg)
     return ToolServiceHandle(cfg)

@@ -13,7 +13,7 @@ import time
 from uuid import UUID
 
 import pytest
-from deployment_services import E2E_OVERRIDES
+from deployment_services import E2E_OVERRIDES, attempt_process_exited
 
 pytestmark = pytest.mark.slow
 
@@ -80,7 +80,8 @@ def _stop_the_next_flow_run_process(stack, fid: UUID, known: set[int], timeout_s
     return new[0]
 
 
-def _wait_gone(pids, timeout_s: float = 300) -> None:
+def _wait_gone(pids, fid: UUID, timeout_s: float = 300) -> None:
+    """Return once `pids` have ended and the worker has reported the run's (first) attempt's process exit."""
     import psutil
 
     def alive(pid: int) -> bool:
@@ -93,7 +94,7 @@ def _wait_gone(pids, timeout_s: float = 300) -> None:
     while any(alive(p) for p in pids):
         assert time.monotonic() < deadline, f"the processes {pids} did not end"
         time.sleep(0.1)
-    time.sleep(2)                        # the worker notices the exit (polls every 0.1 s) and cleans up
+    asyncio.run(attempt_process_exited(fid, timeout_s=timeout_s))    # the worker has seen it and cleaned up
 
 
 def _retry_while_the_failed_attempts_process_ends(stack, overrides: list[str]) -> UUID:
@@ -121,7 +122,7 @@ def _retry_while_the_failed_attempts_process_ends(stack, overrides: list[str]) -
         for pid in pids:
             os.kill(pid, signal.SIGCONT)
     try:
-        _wait_gone(pids)
+        _wait_gone(pids, fid)
     finally:
         os.kill(retry_pid, signal.SIGCONT)
     return fid
@@ -180,7 +181,7 @@ def test_a_cancel_reaches_a_retry_whose_process_the_worker_lost(stack):
             return await c.set_flow_run_state(fid, Cancelling(message="Cancel from the UI"))
 
     assert asyncio.run(cancel()).status.value == "ACCEPT"
-    _wait_gone(pids, timeout_s=CANCEL_GRACE_S + 120)
+    _wait_gone(pids, fid, timeout_s=CANCEL_GRACE_S + 120)
     history = asyncio.run(_states(fid))
     assert history[-1] == "CANCELLED:Cancelled", history
     assert not [s for s in history if s.startswith("CRASHED")], history

@@ -188,6 +188,11 @@ class RayRuntime:
             log.warning("fault kill-node: SIGKILLed the raylet (pid %d) and the workers of node %s, which holds %s",
                         pid, node[:8], ", ".join(sorted(a for a, n in self.group.nodes.items() if n == node)))
             wait_node_dead(node)     # as kill-engine waits for the death to be visible: the step goes on after
+        elif kind == "kill-sandbox" and getattr(self.sandbox, "transport", None) == "handle":
+            from rstar2_core.runtime.ray.tool_service import kill_one_replica
+
+            name = kill_one_replica(self.sandbox.sc.app_name)    # Serve replaces it; lost batches are sent again
+            log.warning("fault kill-sandbox: killed tool service replica %s", name)
         elif kind == "kill-sandbox":
             slots = getattr(self.sandbox, "slots", None)
             if not slots:

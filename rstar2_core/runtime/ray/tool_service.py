@@ -227,6 +227,22 @@ def delete_tool_service(app_name: str) -> None:
     serve.delete(app_name)
 
 
+def replica_actors(app_name: str) -> list[dict]:
+    """The application's live replica actors (`name`, `namespace`), as Ray lists them."""
+    return [a for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith(f"SERVE_REPLICA::{app_name}#{DEPLOYMENT}#")]
+
+
+def kill_one_replica(app_name: str) -> str:
+    """SIGKILL one replica of the application (a lost tool node, for fault tests); returns its actor name.
+    Serve starts a replacement; calls it held fail on the caller's side and are sent again."""
+    live = replica_actors(app_name)
+    if not live:
+        raise ValueError(f"kill-sandbox: the tool service {app_name!r} has no live replica to kill")
+    ray.kill(ray.get_actor(live[0]["name"], namespace=live[0]["namespace"]), no_restart=True)
+    return live[0]["name"]
+
+
 def shutdown_tool_services() -> None:
     """Stop Serve on the connected cluster: every application, the controller and the proxy."""
     serve.shutdown()
@@ -274,4 +290,4 @@ class ToolServiceHandle(ServiceCalls):
 
 
 __all__ = ["ToolService", "ToolServiceHandle", "api", "delete_tool_service", "deploy_tool_service",
-           "refusal_with_fix", "shutdown_tool_services", "tool_service_app", "tool_service_status"]
+           "kill_one_replica", "refusal_with_fix", "replica_actors", "shutdown_tool_services", "tool_service_app", "tool_service_status"]

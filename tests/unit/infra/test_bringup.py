@@ -50,6 +50,10 @@ def test_a_missing_pool_is_created_with_our_template_and_a_rerun_changes_nothing
     for name in NAMES:
         assert asyncio.run(_deployment(name)).work_pool_name == "rstar2-cluster"
     before = {n: asyncio.run(_deployment(n)) for n in NAMES}
+    # the nightly evaluation's schedule, read back from the server as prefect.yaml writes it (the others have none)
+    (nightly,) = before["nightly-eval"].schedules
+    assert (nightly.schedule.cron, nightly.schedule.timezone, nightly.active) == ("0 3 * * *", "UTC", True)
+    assert not before["full-recipe"].schedules and not before["evaluate"].schedules
 
     again = bring_up(pool="rstar2-cluster", log=lambda m: None)          # (c) the same command a second time
     assert again.pool_action == "unchanged" and again.deployments == NAMES

@@ -192,7 +192,7 @@ def test_plan_places_the_tool_service_on_its_own_nodes(capsys):
     from rstar2_cli.plan import tool_service_plan
     from rstar2_core.runtime.layout import NodeResources
 
-    rc, plan = _plan_json(capsys, "--profile", "qwen3-14b-mi300x")
+    _, plan = _plan_json(capsys, "--profile", "qwen3-14b-mi300x")
     ts = plan["tool_service"]
     assert (ts["backend"], ts["on_gpu_nodes"], ts["node_resource"]) == ("service", False, "rstar2_tools")
     assert (ts["replicas"], ts["max_replicas"], ts["cpus"], ts["concurrent_calls"]) == (16, 32, [240, 480], [480, 960])

@@ -23,11 +23,15 @@ import sys, time
 from rstar2_core import storage
 from rstar2_core.models import io
 storage.configure_s3(endpoint_url=sys.argv[1], region=sys.argv[2])
+with open(sys.argv[4] + ".started", "a") as f:
+    f.write("started\\n")
 real = storage.download_dir
 def counting(url, local_dir, select=None):
     with open(sys.argv[4], "a") as f:
         f.write("download\\n")
-    time.sleep(1.0)                     # a long download: the others arrive meanwhile
+    deadline = time.monotonic() + 60    # the download lasts until all three started: the others wait on its lock
+    while open(sys.argv[4] + ".started").read().count("started") < int(sys.argv[5]) and time.monotonic() < deadline:
+        time.sleep(0.05)
     return real(url, local_dir, select=select)
 storage.download_dir = counting
 print(io.local_checkpoint_dir(sys.argv[3]))
@@ -48,7 +52,7 @@ def test_the_processes_of_a_node_download_a_checkpoint_once(s3, tmp_path):
     storage.write_json_atomic(storage.join(url, storage.COMPLETE_MARKER), {"step": 1})
     log = tmp_path / "downloads.log"
     env = {**os.environ, "RSTAR2_HOME": str(tmp_path / "home")}
-    procs = [subprocess.Popen([sys.executable, "-c", CHILD, s3, REGION, url, str(log)], cwd=ROOT, env=env,
+    procs = [subprocess.Popen([sys.executable, "-c", CHILD, s3, REGION, url, str(log), "3"], cwd=ROOT, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
     outs = [p.communicate(timeout=120) for p in procs]
     assert all(p.returncode == 0 for p in procs), [e[-2000:] for _, e in outs]

@@ -111,28 +111,27 @@ def test_malformed_http_requests_get_a_4xx_with_the_reason_and_never_reach_a_san
 def test_a_replica_killed_mid_batch_costs_no_call(service, transport):
     """Half a batch is running on each replica when one is killed: its calls are sent again and answered by
     the other replica (or the replacement), never graded as the program's error."""
-    import ray
-
-    from rstar2_core.runtime.ray.tool_service import ToolServiceHandle, tool_service_status
+    from rstar2_core.runtime.ray.tool_service import (
+        ToolServiceHandle,
+        kill_one_replica,
+        replica_actors,
+        tool_service_status,
+    )
     from rstar2_core.sandbox.remote import HttpToolService
 
     client = ToolServiceHandle(service) if transport == "handle" else HttpToolService(service)
     reqs = [ExecutionRequest(code=f"import time; time.sleep(1.0); print({i})", id=str(i)) for i in range(8)]
     deadline = time.monotonic() + 60     # a replica replaced by an earlier test may still be registering
-    while True:
-        replicas = [a for a in ray.util.list_named_actors(all_namespaces=True)
-                    if "SERVE_REPLICA" in a["name"] and "ToolService" in a["name"]]
-        if len(replicas) == 2 or time.monotonic() > deadline:
-            break
+    while len(replica_actors(service.service.app_name)) != 2:
+        assert time.monotonic() < deadline, replica_actors(service.service.app_name)
         time.sleep(1)
-    assert len(replicas) == 2, replicas
 
     async def go():
         async with client as c:
             # eight requests of one call: at most 4 on a replica (max_ongoing_requests), so both hold 4; one dies
             task = asyncio.gather(*(c.run_batch([r]) for r in reqs))
             await asyncio.sleep(0.6)
-            ray.kill(ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"]), no_restart=True)
+            kill_one_replica(service.service.app_name)
             parts = await task
             return [r for part in parts for r in part], c.stats()
 
