@@ -47,6 +47,7 @@ def test_up_applies_in_the_readme_order_with_waits_then_deploys(tmp_path):
         "-n rstar2 wait raycluster/rstar2 --for=jsonpath={.status.readyWorkerReplicas}=8 --timeout=5s",
         "-n rstar2 get pod -l ray.io/cluster=rstar2,ray.io/node-type=head -o name",
         "-n rstar2 wait pod/rstar2-head-x --for=condition=Ready --timeout=5s",
+        "-n rstar2 exec pod/rstar2-head-x -c prefect-worker -- rstar2 tools deploy --profile qwen3-14b-mi300x",
         "-n rstar2 exec pod/rstar2-head-x -c prefect-worker -- rstar2 deploy",
     ]
     readme = (ROOT / "infra" / "README.md").read_text()

@@ -6,14 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from rstar2_core.config import ClusterConfig, SandboxConfig
+from rstar2_core.config import SandboxConfig
 from rstar2_core.errors import ToolServiceUnavailable
 from rstar2_core.sandbox import ExecutionRequest, Status
+
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _closed_url() -> str:
@@ -27,13 +31,21 @@ def cfg(**service) -> SandboxConfig:
                                                      "max_code_chars": 100, **service})
 
 
-def test_a_stage_without_a_ray_address_gets_the_http_client_and_starts_no_ray():
-    from rstar2_core.runtime.sandboxes import service_sandbox
-    from rstar2_core.sandbox.remote import HttpToolService
+_HTTP_CHOICE = """
+import sys
+from rstar2_core.config import ClusterConfig, SandboxConfig
+from rstar2_core.runtime.sandboxes import service_sandbox
+cfg = SandboxConfig(backend="service", service={"url": "http://127.0.0.1:9/sandbox"})
+c = service_sandbox(cfg, cluster=ClusterConfig())
+print(type(c).__name__, "ray" in sys.modules and sys.modules["ray"].is_initialized())
+"""
 
-    c = service_sandbox(cfg(), cluster=ClusterConfig())
-    assert isinstance(c, HttpToolService)
-    assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
+
+def test_a_stage_without_a_ray_address_gets_the_http_client_and_starts_no_ray():
+    """In a fresh process (this one may be connected to an earlier test's Ray)."""
+    out = subprocess.run([sys.executable, "-c", _HTTP_CHOICE], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split()
+    assert out[-2:] == ["HttpToolService", "False"], out
 
 
 def test_a_service_that_does_not_answer_is_named_at_start_and_its_lost_calls_are_internal():
