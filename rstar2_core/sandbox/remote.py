@@ -19,7 +19,7 @@ from typing import Self
 from rstar2_core.config import SandboxConfig
 from rstar2_core.errors import ToolServiceUnavailable
 from rstar2_core.sandbox.service import validate
-from rstar2_core.sandbox.types import ExecutionRequest, ExecutionResult, Status, internal_results
+from rstar2_core.sandbox.types import ExecutionRequest, ExecutionResult, internal_results, invalid_result
 
 log = logging.getLogger("rstar2.sandbox")
 RETRY_PAUSE_S = 0.5   # before sending a lost batch again (times the attempt): a replacement replica starts
@@ -100,9 +100,7 @@ class ServiceCalls:
             if why is None:
                 todo.append(i)
             else:
-                rid = getattr(r, "id", "")
-                results[i] = ExecutionResult(id=rid if isinstance(rid, str) else "", status=Status.INVALID_REQUEST,
-                                             stdout="", stderr=why, exit_code=None, duration_s=0.0)
+                results[i] = invalid_result(r, why)
                 self.counts["refused_calls"] += 1
         size = self.sc.max_batch
         parts = [todo[i:i + size] for i in range(0, len(todo), size)]
@@ -130,8 +128,7 @@ class ServiceCalls:
                 continue
             except BadRequest as e:
                 self.counts["refused_calls"] += len(reqs)
-                return [ExecutionResult(id=r.id, status=Status.INVALID_REQUEST, stdout="", stderr=str(e),
-                                        exit_code=None, duration_s=0.0) for r in reqs]
+                return [invalid_result(r, str(e)) for r in reqs]
             if len(out) != len(reqs):
                 why = f"the service answered {len(out)} results for {len(reqs)} calls"
                 continue
@@ -202,8 +199,7 @@ class HttpToolService(ServiceCalls):
         """One call per request (POST `/run`), with the same checks and retries as `run_batch`."""
         why = self._refusal(req)
         if why is not None:
-            return ExecutionResult(id=req.id, status=Status.INVALID_REQUEST, stdout="", stderr=why, exit_code=None,
-                                   duration_s=0.0)
+            return invalid_result(req, why)
         for attempt in range(self.sc.call_retries + 1):
             if attempt:
                 await asyncio.sleep(RETRY_PAUSE_S * attempt)
@@ -213,8 +209,7 @@ class HttpToolService(ServiceCalls):
             except LostBatch as e:
                 why = str(e)
             except BadRequest as e:
-                return ExecutionResult(id=req.id, status=Status.INVALID_REQUEST, stdout="", stderr=str(e),
-                                       exit_code=None, duration_s=0.0)
+                return invalid_result(req, str(e))
         return internal_results([req], f"tool service at {self.url} lost the call: {why}")[0]
 
     async def _health(self) -> dict:

@@ -62,6 +62,13 @@ class ExecutionResult:
                    cpu_s=d.get("cpu_s"))
 
 
+def invalid_result(req: object, why: str) -> ExecutionResult:
+    """Status `invalid_request` for `req` (its `id` echoed when it is a string): the request, not the program."""
+    rid = getattr(req, "id", "")
+    return ExecutionResult(id=rid if isinstance(rid, str) else "", status=Status.INVALID_REQUEST, stdout="",
+                           stderr=why, exit_code=None, duration_s=0.0)
+
+
 def internal_results(reqs: list[ExecutionRequest], why: str) -> list[ExecutionResult]:
     """Status `internal` for each of `reqs`: the service failed them, not the programs."""
     return [ExecutionResult(id=r.id, status=Status.INTERNAL, stdout="", stderr=why, exit_code=None, duration_s=0.0)

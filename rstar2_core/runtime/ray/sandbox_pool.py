@@ -23,7 +23,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from rstar2_core.config import SandboxConfig
 from rstar2_core.sandbox.service import validate
-from rstar2_core.sandbox.types import ExecutionRequest, ExecutionResult, Status
+from rstar2_core.sandbox.types import ExecutionRequest, ExecutionResult, Status, invalid_result
 
 _WAIT_S = 0.002   # how often a caller held back by backpressure looks for room again
 
@@ -197,9 +197,7 @@ class RaySandboxPool:
             if why is None:
                 todo.append(i)
             else:
-                results[i] = ExecutionResult(id=getattr(r, "id", "") if isinstance(getattr(r, "id", ""), str) else "",
-                                             status=Status.INVALID_REQUEST, stdout="", stderr=why, exit_code=None,
-                                             duration_s=0.0, truncated=False)
+                results[i] = invalid_result(r, why)
         size = max(1, min(self.chunk, math.ceil(len(todo) / max(1, len(self.slots)))))
         parts = [todo[i:i + size] for i in range(0, len(todo), size)]
         answers = await asyncio.gather(*(self._run_chunk([reqs[i] for i in p]) for p in parts))

@@ -8,7 +8,6 @@ import asyncio
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -52,10 +51,8 @@ def test_a_service_that_does_not_answer_is_named_at_start_and_its_lost_calls_are
     from rstar2_core.sandbox.remote import HttpToolService
 
     c = HttpToolService(cfg())
-    t0 = time.monotonic()
     with pytest.raises(ToolServiceUnavailable, match=r"cannot be reached.*rstar2 tools deploy"):
         asyncio.run(c.__aenter__())
-    assert time.monotonic() - t0 < 5
     reqs = [ExecutionRequest(code="print(1)", id="a"), ExecutionRequest(code="x" * 101, id="long"),
             ExecutionRequest(code=7, id="bad")]                                   # type: ignore[arg-type]
     res = asyncio.run(c.run_batch(reqs))
