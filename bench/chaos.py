@@ -1,14 +1,14 @@
 """Benchmark: the quick recipe on the Ray runtime through a seeded schedule of faults, to the end.
 
-    .venv/bin/python bench/chaos.py [--quick] [--json] [--seed 0] [--out DIR]
+    .venv/bin/python bench/chaos.py [--quick] [--json] [--seed 0] [--out DIR] [--sandbox ray|service]
 
-The recipe (`flows.full_recipe` in this process; the quick demo's sizes, `rl.checkpoint_every=1`,
-`pipeline.task_retries=3`) runs on a local Ray (engine actors, DeepSpeed trainer shard, sandbox actors)
-against real services this script starts (rstar2_cli/local_services.py): a Prefect server, a moto S3 behind
-an endpoint it can close and an `mlflow server` on SQLite. Faults (placed by `--seed`): an engine actor, a trainer shard and a sandbox
-actor killed at RL steps (`RSTAR2_FAULT_INJECT`), the MLflow server stopped and started again, S3 closed for
-`--s3-outage-s` (30 s; 10 with --quick), each when a chosen stage has finished. JSON keys and what they
-show: docs/benchmarks.md, "bench/chaos.py".
+The recipe (`flows.full_recipe` here; the quick demo's sizes, checkpoints every step, 3 task retries) runs on
+a local Ray (engine actor, DeepSpeed trainer shard, sandbox actors) against real services it starts
+(rstar2_cli/local_services.py: Prefect, moto S3 behind a closable endpoint, `mlflow server`). Faults (placed
+by `--seed`): an engine actor, a trainer shard and a sandbox killed at RL steps (`RSTAR2_FAULT_INJECT`),
+MLflow stopped and started, S3 closed for `--s3-outage-s` (30 s; 10 with --quick), after chosen stages.
+`--sandbox service`: the tool service on a tool node of a local Ray cluster (as in production); `kill-sandbox`
+kills a replica, and the run passes only if Serve replaced it. JSON keys and meanings: docs/faults.md.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,6 +33,12 @@ REGION, BUCKET = "eu-west-1", "rstar2-chaos"
 RAY = ['cluster.runtime="ray"', "cluster.use_ray=true", 'rl.backend="deepspeed"', 'sft.backend="deepspeed"',
        'sandbox.backend="ray"', "rl.zero_stage=2", "sft.zero_stage=2", "cluster.trainer_ranks=1",
        f"cluster.cpus_per_node={max(2, os.cpu_count() or 2)}"]
+SERVICE = ['sandbox.backend="service"', 'sandbox.service.connect="handle"', "sandbox.service.replicas=2",
+           "sandbox.service.max_replicas=0", "sandbox.service.cpus_per_replica=1",
+           'sandbox.service.node_resource="rstar2_tools"', "cluster.nodes=1", "cluster.gpus_per_node=1",
+           "cluster.logical_gpus=true", "cluster.cpus_per_node=3", "cluster.cpus_per_gpu=2"]
+"""`--sandbox service`: the tool service (2 replicas) on a tool node of its own, and the engine and the trainer
+shard on a worker node's logical GPU (so that nothing of the layout lands on the tool node)."""
 KILLS = ("kill-engine", "kill-trainer", "kill-sandbox")
 SITES = [("rl-stage-1", 1), ("rl-stage-1", 2), ("rl-stage-1", 3), ("rl-stage-2", 1), ("rl-stage-3", 1)]
 TRIGGERS = ["sft-data", "sft", "rl-stage-1", "rl-stage-2"]   # a service fault starts once this stage has finished
@@ -103,6 +110,39 @@ class Chaos(threading.Thread):
                         self._fault(name, self.mlflow.stop, self.mlflow.start, self.mlflow_down_s)
 
 
+@contextmanager
+def service_cluster(cfg, overrides: list[str], root: Path):
+    """For `--sandbox service`: a local Ray cluster (a head, one worker node, a tool node declaring
+    `sandbox.service.node_resource`) with the tool service deployed by `rstar2 tools deploy`, as
+    infra/k8s/up.sh does; yields (its address, a function returning `rstar2 tools status --json`)."""
+    import subprocess
+
+    from rstar2_cli.tools import tools_command
+    from rstar2_core.runtime.ray.rehearsal.local_cluster import LocalCluster
+
+    sc = cfg.sandbox.service
+    with LocalCluster.for_config(cfg.cluster, root, tool_cpus=sc.replicas,     # this process's environment
+                                 tool_resources={sc.node_resource: sc.replicas}) as cluster:
+        def tools(action: str, *extra: str) -> dict:
+            p = subprocess.run(tools_command(action, "tiny", overrides, cluster.address, *extra), cwd=str(ROOT),
+                               capture_output=True, text=True, timeout=600, check=False)
+            if action == "deploy" and p.returncode != 0:
+                raise RuntimeError(f"rstar2 tools deploy failed (exit {p.returncode}): {p.stderr[-3000:]}")
+            return json.loads(p.stdout.strip().splitlines()[-1])
+
+        st = tools("deploy", "--http-host", "127.0.0.1", "--http-port", str(_free_port()), "--timeout-s", "300")
+        print(f"[chaos] tool service {st['status']} on {cluster.address}: {st['replica_actors']}", flush=True)
+        yield cluster.address, lambda: tools("status", "--json")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 async def _task_runs(flow_run_id):
     from prefect.client.orchestration import get_client
 
@@ -142,6 +182,9 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--s3-outage-s", type=float, default=None)
     ap.add_argument("--out", default=None, help="folder for the run's state and logs (default: a new one in /tmp)")
+    ap.add_argument("--sandbox", choices=("ray", "service"), default="ray",
+                    help="ray: sandbox actors in the runtime's placement (default); service: the tool service on "
+                         "a tool node of a local Ray cluster, one of its replicas killed")
     a = ap.parse_args()
     outage_s = a.s3_outage_s if a.s3_outage_s is not None else (10.0 if a.quick else 30.0)
     mlflow_down_s = 3.0 if a.quick else 10.0
@@ -168,31 +211,39 @@ def main() -> int:
         endpoint = FlakyEndpoint("127.0.0.1", int(moto_url.rsplit(":", 1)[1]))
         mlflow = MlflowServer(out)
         mlflow.start()
+        service = a.sandbox == "service"
+        overrides = [*quick_overrides(), *RAY, *(SERVICE if service else []), "pipeline.eval_stages=rl",
+                     "pipeline.task_retries=3", "rl.checkpoint_every=1", f'storage.root="s3://{BUCKET}/chaos"',
+                     f'storage.s3_endpoint_url="{endpoint.url}"', f'storage.s3_region="{REGION}"',
+                     f'tracking.tracking_uri="{mlflow.uri}"']
+        ray_root = Path(tempfile.mkdtemp(prefix="rstar2-chaos-ray-", dir="/tmp"))   # Ray's socket paths stay short
+        cluster = service_cluster(load_config("tiny", overrides), overrides, ray_root) if service else nullcontext((None, None))
         try:
-            overrides = [*quick_overrides(), *RAY, "pipeline.eval_stages=rl", "pipeline.task_retries=3",
-                         "rl.checkpoint_every=1", f'storage.root="s3://{BUCKET}/chaos"',
-                         f'storage.s3_endpoint_url="{endpoint.url}"', f'storage.s3_region="{REGION}"',
-                         f'tracking.tracking_uri="{mlflow.uri}"']
-            cfg = load_config("tiny", overrides)
-            stages = ["curate", "sft-data", "base-model", "sft", *[s.name for s in cfg.rl.stages]]
-            chaos = Chaos(moto_url, f"chaos/runs/{run_id}", plan, endpoint, mlflow, outage_s, mlflow_down_s, stages)
-            chaos.start()
-            print(f"[chaos] the recipe ({expected_tasks({'profile': 'tiny', 'overrides': overrides})} tasks) "
-                  f"starts; run id {run_id}", flush=True)
-            state = full_recipe(profile="tiny", overrides=overrides, run_id=run_id, return_state=True)
-            chaos.stop.set()
-            chaos.join(timeout=120)
-            wall = time.monotonic() - t0
-            endpoint.up()
-            store = RunStore.for_run(cfg.resolved_storage_root(), run_id)
-            fired = [o["Key"].rsplit("/", 1)[1] for o in chaos.s3.list_objects_v2(
-                Bucket=BUCKET, Prefix=f"chaos/runs/{run_id}/").get("Contents", []) if "/faults/" in o["Key"]]
-            tasks = asyncio.run(_task_runs(state.state_details.flow_run_id))
-            retries = sum(max(0, (t.run_count or 1) - 1) for t in tasks)
-            once, lost, steps = rl_metrics(cfg, store)
-            versions = [v for v in tracking.client(cfg).search_model_versions(
-                f"name='{cfg.tracking.registered_model}'") if v.tags.get("rstar2.recipe_run_id") in (
-                run_id, str(state.state_details.flow_run_id))]
+            with cluster as (address, tools):
+                if address:
+                    overrides.append(f'cluster.ray_address="{address}"')
+                before = tools() if tools else None
+                cfg = load_config("tiny", overrides)
+                stages = ["curate", "sft-data", "base-model", "sft", *[s.name for s in cfg.rl.stages]]
+                chaos = Chaos(moto_url, f"chaos/runs/{run_id}", plan, endpoint, mlflow, outage_s, mlflow_down_s, stages)
+                chaos.start()
+                print(f"[chaos] the recipe ({expected_tasks({'profile': 'tiny', 'overrides': overrides})} tasks) "
+                      f"starts; run id {run_id}", flush=True)
+                state = full_recipe(profile="tiny", overrides=overrides, run_id=run_id, return_state=True)
+                chaos.stop.set()
+                chaos.join(timeout=120)
+                wall = time.monotonic() - t0
+                endpoint.up()
+                store = RunStore.for_run(cfg.resolved_storage_root(), run_id)
+                fired = [o["Key"].rsplit("/", 1)[1] for o in chaos.s3.list_objects_v2(
+                    Bucket=BUCKET, Prefix=f"chaos/runs/{run_id}/").get("Contents", []) if "/faults/" in o["Key"]]
+                tasks = asyncio.run(_task_runs(state.state_details.flow_run_id))
+                retries = sum(max(0, (t.run_count or 1) - 1) for t in tasks)
+                once, lost, steps = rl_metrics(cfg, store)
+                versions = [v for v in tracking.client(cfg).search_model_versions(
+                    f"name='{cfg.tracking.registered_model}'") if v.tags.get("rstar2.recipe_run_id") in (
+                    run_id, str(state.state_details.flow_run_id))]
+                after = tools() if tools else None
         finally:
             mlflow.stop()
             endpoint.close()
@@ -205,14 +256,22 @@ def main() -> int:
          "retried_tasks": sorted(t.name for t in tasks if (t.run_count or 1) > 1),
          "steps_trained_once": once, "rl_steps": steps, "versions_registered": len(versions),
          "lost_metrics": lost, "stage_done_s": {k: round(v, 1) for k, v in chaos.done.items()},
-         "wall_s": round(wall, 1), "load_1min": round(os.getloadavg()[0], 2), "out": str(out)}
+         "sandbox": a.sandbox, "wall_s": round(wall, 1), "load_1min": round(os.getloadavg()[0], 2), "out": str(out)}
+    replaced = True
+    if service:    # the killed replica was replaced: as many live replicas as before, one with a new name
+        r["tool_service"] = {"replicas_before": before["replica_actors"], "replicas_after": after["replica_actors"],
+                             "status_after": after["status"]}
+        replaced = (after["status"] == "RUNNING" and len(after["replica_actors"]) == len(before["replica_actors"])
+                    and len(set(after["replica_actors"]) - set(before["replica_actors"])) == 1)
     shutil.rmtree(os.environ["RSTAR2_RAY_TMP"], ignore_errors=True)
+    shutil.rmtree(ray_root, ignore_errors=True)
     if not a.json:
         print(f"[chaos] {'completed' if completed else 'FAILED'} in {wall:.0f} s: {injected} faults, "
               f"{r['faults_survived']} survived, {retries} task retries, steps trained once: {once}, "
               f"{len(versions)} version(s) registered, {lost} metric points lost")
     print(json.dumps(r))
-    return 0 if completed and r["faults_survived"] == injected and once and lost == 0 and len(versions) == 1 else 1
+    return 0 if (completed and r["faults_survived"] == injected and once and lost == 0 and len(versions) == 1
+                 and replaced) else 1
 
 
 if __name__ == "__main__":

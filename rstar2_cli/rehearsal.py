@@ -105,6 +105,12 @@ def not_allowed(diffs: list[tuple[str, Any, Any]]) -> list[tuple[str, Any, Any]]
     return [d for d in diffs if not any(fnmatch.fnmatchcase(d[0], pat) for pat in ALLOWED)]
 
 
+REPLICA_KILL = "rl-stage-2:step=1:kill-sandbox"
+"""The fault a rehearsal of a profile whose sandbox is the tool service injects (`RSTAR2_FAULT_INJECT` of
+the flow run): one service replica SIGKILLed as RL stage 2's first step begins. Serve starts a replacement;
+the calls the replica held are sent again (sandbox/remote.py), so the stage goes on and the run completes."""
+
+
 def tool_service(cfg: Any) -> tuple[Any, list[str]] | None:
     """What the stack deploys the tool service from (ServiceStack's `tool_service`): the rehearsed `sandbox`
     section and the overlay, when the profile's sandbox is the tool service."""
@@ -134,10 +140,11 @@ def run_rehearsal(root: Path, timeout_s: float = 5400, log=print) -> dict:
 def rehearse(stack: Any, timeout_s: float = 5400, log=print, deploy: bool = True) -> dict:
     """On a running `ServiceStack`: fill the stores (rehearsal_data.py), create the deployments on the
     `rstar2-cluster` pool (unless `deploy=False`: done already), run `rstar2/full-recipe` with profile
-    qwen3-14b-mi300x, this overlay and the stack's endpoints, and watch it to its end. Returns the flow
-    run's id, state and message, seconds per phase and per task run, the registered versions, the count of
-    artifacts the MLflow server wrote to S3, the eval settings and the recipe's summary (the eval table),
-    also written to `$RSTAR2_HOME/rehearsal/<flow run id>.json`."""
+    qwen3-14b-mi300x, this overlay and the stack's endpoints, and watch it to its end; with the tool service,
+    the run loses one replica (`REPLICA_KILL`). Returns the flow run's id, state and message, seconds per
+    phase and per task run, the registered versions, the count of artifacts the MLflow server wrote to S3,
+    the fault markers that fired, the tool service's replica actors before and after, the eval settings and
+    the recipe's summary (the eval table), also written to `$RSTAR2_HOME/rehearsal/<flow run id>.json`."""
     import asyncio
     import time
 
@@ -161,15 +168,24 @@ def rehearse(stack: Any, timeout_s: float = 5400, log=print, deploy: bool = True
     deployed = stack.deploy() if deploy else []
     times["deploy"] = time.monotonic() - t
     log(f"[rehearsal] stores filled ({times['fill']:.0f} s), deployed {deployed} on the rstar2-cluster pool")
+    service = stack.tool_service is not None
+    before = stack.tools_status() if service else None
+    env = {"RSTAR2_FAULT_INJECT": REPLICA_KILL} if service else None
     with temporary_settings({PREFECT_API_URL: stack.prefect_api}):
         t = time.monotonic()
-        fid = asyncio.run(start_run("rstar2/full-recipe", {"profile": "qwen3-14b-mi300x", "overrides": overrides}))
+        fid = asyncio.run(start_run("rstar2/full-recipe", {"profile": "qwen3-14b-mi300x", "overrides": overrides},
+                                    env=env))
         log(f"[rehearsal] flow run {fid}: prefect deployment run rstar2/full-recipe -p profile=qwen3-14b-mi300x "
-            f"(+ {len(overrides)} overrides); the UI is at {stack.prefect_api[:-4]}")
+            f"(+ {len(overrides)} overrides{'; fault ' + REPLICA_KILL if env else ''}); the UI is at "
+            f"{stack.prefect_api[:-4]}")
         state = asyncio.run(watch(fid, timeout_s=timeout_s))
         times["flow_run"] = time.monotonic() - t
         message, tasks = asyncio.run(_flow_run(fid))
     out = {"flow_run_id": str(fid), "state": state, "seconds": times, "task_seconds": tasks, "message": message}
+    if service:
+        after = stack.tools_status()
+        out["tool_service"] = {"fault": REPLICA_KILL, "replicas_before": before.get("replica_actors", []),
+                               "replicas_after": after.get("replica_actors", []), "status_after": after["status"]}
     with patch.dict(os.environ, stack.s3_env()):   # the stores' credentials, restored after
         out.update(_results(run_cfg, str(fid), stack))
     storage.configure_s3()
@@ -201,6 +217,7 @@ def _results(cfg: Any, fid: str, stack: Any) -> dict:
     import boto3
     from mlflow import MlflowClient
 
+    from rstar2_core import storage
     from tasks.context import apply_storage_settings
     from tasks.run_store import RunStore
 
@@ -214,7 +231,9 @@ def _results(cfg: Any, fid: str, stack: Any) -> dict:
     apply_storage_settings(cfg)
     store = RunStore.for_run(cfg.resolved_storage_root(), fid)
     summary = store.load("summary")
+    fs, path = storage.fs_for(store.root)
     return {"model_versions": [v.version for v in versions], "mlflow_artifacts_on_s3": listed.get("KeyCount", 0),
+            "faults_fired": sorted(p.rsplit("/", 1)[1] for p in fs.glob(f"{path}/**/faults/*.fired")),
             "eval": {"benchmarks": {b.name: b.limit for b in cfg.eval.benchmarks}, "k": cfg.eval.k,
                      "temperature": cfg.eval.temperature, "top_p": cfg.eval.top_p},
             "summary": (summary or {}).get("markdown")}

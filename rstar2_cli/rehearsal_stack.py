@@ -221,15 +221,28 @@ class ServiceStack:
         if self.tool_service is None:
             return
         self.tools_port = free_port()
-        sets = [x for o in self.tool_service[1] for x in ("--set", o)]
-        cmd = [str(Path(sys.executable).with_name("rstar2")), "tools", "deploy", "--profile", "qwen3-14b-mi300x",
-               *sets, "--address", self.cluster.address, "--http-host", "127.0.0.1",
-               "--http-port", str(self.tools_port), "--timeout-s", "300"]
+        from rstar2_cli.tools import tools_command
+
+        cmd = tools_command("deploy", "qwen3-14b-mi300x", self.tool_service[1], self.cluster.address,
+                            "--http-host", "127.0.0.1", "--http-port", str(self.tools_port), "--timeout-s", "300")
         p = self._start("tools-deploy", cmd, env={"RAY_AUTH_MODE": "disabled"}, base_env=self.clean_env(), cwd=str(ROOT))
         if p.wait(timeout=400) != 0:
             raise RuntimeError(f"`rstar2 tools deploy` failed (exit {p.returncode}); its log: "
                                f"{self.logs / 'tools-deploy.log'}")
         wait_http(self.tools_url + "/health", "the tool service", 60)
+
+    def tools_status(self) -> dict:
+        """`rstar2 tools status --json` on this stack's cluster (a driver process of its own, as an operator
+        runs it): the service's state, replicas by state and live replica actors."""
+        from rstar2_cli.tools import tools_command
+
+        cmd = tools_command("status", "qwen3-14b-mi300x", self.tool_service[1], self.cluster.address, "--json")
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=180, check=False, cwd=str(ROOT),
+                           env={**self.clean_env(), "RAY_AUTH_MODE": "disabled"})
+        try:
+            return json.loads(p.stdout.strip().splitlines()[-1])
+        except (IndexError, json.JSONDecodeError):
+            raise RuntimeError(f"`rstar2 tools status` gave no JSON (exit {p.returncode}): {p.stderr[-2000:]}") from None
 
     def local_values(self) -> dict[str, str]:
         """The production endpoints and paths of infra/ and their local stand-ins (nothing else differs)."""

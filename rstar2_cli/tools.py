@@ -14,8 +14,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from rstar2_cli.common import add_profile_args, load
+
+
+def tools_command(action: str, profile: str, overrides: list[str], address: str, *extra: str) -> list[str]:
+    """The `rstar2 tools <action>` command line for `profile` + `overrides` on the Ray cluster at `address`
+    (what infra/k8s/up.sh runs, and the rehearsal and the chaos bench on their local clusters)."""
+    sets = [x for o in overrides for x in ("--set", o)]
+    return [str(Path(sys.executable).with_name("rstar2")), "tools", action, "--profile", profile, *sets,
+            "--address", address, *extra]
 
 
 def _connect(args: argparse.Namespace):

@@ -71,6 +71,27 @@ def pytest_make_collect_report(collector):
     _no_silent_skip(outcome.get_result())
 
 
+_FOLDER_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    """Sum each phase's seconds (set-up, call, tear-down) by the test file's folder."""
+    folder = report.nodeid.split("::", 1)[0].rsplit("/", 1)[0]
+    _FOLDER_SECONDS[folder] = _FOLDER_SECONDS.get(folder, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The suite's seconds by folder, slowest first (docs/measurements.md compares them across runs). A
+    session-scoped fixture's set-up counts in the folder of the first test that asked for it."""
+    if not _FOLDER_SECONDS:
+        return
+    total = sum(_FOLDER_SECONDS.values())
+    terminalreporter.section("seconds by folder")
+    for folder, sec in sorted(_FOLDER_SECONDS.items(), key=lambda kv: -kv[1]):
+        terminalreporter.write_line(f"{sec:8.1f} s  {100 * sec / total:5.1f}%  {folder}")
+    terminalreporter.write_line(f"{total:8.1f} s  total of the tests' phases")
+
+
 def _children() -> set[int]:
     """This process's descendants, less multiprocessing's resource tracker: one per interpreter, started by
     the first spawned process (vLLM's engine) and ending with the interpreter, not a leak."""

@@ -67,6 +67,14 @@ class ToolServiceConfig(_Section):
     request_timeout_s: float = Field(300.0, gt=0)
     """Client-side limit for one request (a batch waits in the service's queue, then runs)."""
 
+    @model_validator(mode="after")
+    def _autoscaling_range(self) -> ToolServiceConfig:
+        if 0 < self.max_replicas < self.replicas:
+            raise ValueError(f"sandbox.service.max_replicas = {self.max_replicas} is below sandbox.service.replicas = "
+                             f"{self.replicas} (the autoscaling floor): set max_replicas >= replicas to autoscale "
+                             "between the two, or max_replicas = 0 for a fixed count")
+        return self
+
 
 class SandboxConfig(_Section):
     backend: Literal["local", "ray", "service"] = "local"

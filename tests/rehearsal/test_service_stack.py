@@ -103,7 +103,9 @@ def test_the_production_profile_runs_to_a_registered_model(stack):
     """`make rehearsal` on the shared stack: the stores filled as an operator would (rehearsal_data.py, the
     base model included), then `rstar2/full-recipe` with the production profile and the overlay through
     the production worker, to its end: every stage ran, a model version is registered in MLflow (PostgreSQL)
-    with its artifacts on S3, and the eval table has every benchmark the profile lists."""
+    with its artifacts on S3, and the eval table has every benchmark the profile lists. The tool service lost
+    one replica as RL stage 2 began (`REPLICA_KILL`): Serve replaced it (same count, one new actor) and the
+    run went on to its end."""
     from rstar2_cli.rehearsal import rehearse
 
     res = rehearse(stack, timeout_s=2400, log=print, deploy=False)
@@ -115,6 +117,10 @@ def test_the_production_profile_runs_to_a_registered_model(stack):
     assert sum(n.startswith("rl-stage-") and "turns" in n for n in names) == 3, names
     assert sum(n.startswith("eval ") for n in names) >= 4, names             # every checkpoint evaluated
     assert res["model_versions"] and res["mlflow_artifacts_on_s3"] > 0, res
+    assert res["faults_fired"] == ["rl-stage-2-step1-kill-sandbox.fired"], res["faults_fired"]
+    ts = res["tool_service"]
+    assert ts["status_after"] == "RUNNING" and len(ts["replicas_after"]) == len(ts["replicas_before"]) == 2, ts
+    assert len(set(ts["replicas_after"]) - set(ts["replicas_before"])) == 1, ts      # one replica replaced
     table = res["summary"]
     for bench in res["eval"]["benchmarks"]:
         assert f"{bench} pass@1" in table.splitlines()[0], (bench, table)

@@ -4,7 +4,7 @@ malformed JSONL line, an unknown profile or `--set` key. Bad input exits non-zer
 that names the input (no traceback) and writes nothing under the output URL.
 
 Good input: config profiles|show, sandbox doctor, grade, plan, model prepare|info, sft data, sft train (one
-step). Bad input only: rl run|hard-subset (a tiny RL step takes minutes on 2 shared cores), data curate|show,
+step), rl run (one step) then rl hard-subset. Bad input only: data curate|show,
 eval, eval-compare, config show --run, deploy, cluster status|restart|down with no cluster and
 `python -m flows.client summary` (its good run needs a finished recipe: tests/integration/test_deployment_e2e.py).
 A config error (unknown profile key, bad value) is a headline and one line per bad field, by design.
@@ -187,6 +187,34 @@ def test_rl_bad_inputs_write_nothing(env, base, tmp_path):
     p = run(env, "rl", "run", "--stage", "9", "--init", str(base), "--data", str(good), "--out", str(out))
     error_line(p, "--stage 9", "1..3")
     assert not out.exists()
+
+
+SMALL_RL = [x for o in ("rl.stages.0.steps=1", "rl.prompts_per_step=1", "rl.grpo.group_size=2", "rl.grpo.oversample=1",
+                        "rl.stages.0.max_response_tokens=16", "rl.stages.0.max_turns=1", "rl.require_update=false",
+                        "rl.stages.2.hard_subset_k=2", "rl.stages.2.max_response_tokens=16", "rl.stages.2.max_turns=1",
+                        "sandbox.workers=2") for x in ("--set", o)]
+
+
+@pytest.mark.slow  # one RL step and a hard-subset selection of 2 problems on the tiny model: ~1 min
+def test_rl_run_then_hard_subset_good(env, base, tmp_path):
+    """`rl run` trains one step of stage 1 from the base and writes its final checkpoint; `rl hard-subset`
+    samples that checkpoint on the problems and keeps those it fails (the untrained tiny model solves none)."""
+    problems = tmp_path / "problems.jsonl"
+    problems.write_text("".join(json.dumps({"id": f"p{i}", "problem": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n"
+                                for i in (3, 4)))
+    out, hard = tmp_path / "rl", tmp_path / "hard"
+    p = run(env, "rl", "run", "--stage", "1", "--profile", "tiny", *SMALL_RL, "--init", str(base),
+            "--data", str(problems), "--out", str(out))
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(p.stdout.strip().splitlines()[-1])["result"]
+    assert res["steps"] == 1 and res["checkpoint_url"] == str(out / "final"), res
+    assert (out / "final" / "_COMPLETE").exists()
+    p = run(env, "rl", "hard-subset", "--stage", "3", "--profile", "tiny", *SMALL_RL, "--checkpoint",
+            str(out / "final"), "--data", str(problems), "--out", str(hard))
+    assert p.returncode == 0, p.stderr[-3000:]
+    ref = json.loads(p.stdout.strip().splitlines()[-1])
+    assert ref["n_rows"] == 2 and ref["url"].startswith(str(hard)) and Path(ref["url"]).exists(), ref
+    assert Path(ref["manifest_url"]).exists(), ref
 
 
 def test_cluster_commands_with_no_cluster(env):

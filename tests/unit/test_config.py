@@ -186,6 +186,7 @@ RAY_CPU = ['cluster.runtime="ray"', 'rl.backend="deepspeed"', 'sft.backend="deep
     ("qwen3-14b-mi300x", ['sandbox.backend="local"'], 'set sandbox.backend = \"service\" or remove the sandbox.service'),
     ("qwen3-14b-mi300x", ["sandbox.ray_actors_per_node=2"], 'applies to sandbox.backend = "ray" (the actor pool)'),
     ("tiny", ['sandbox.backend="service"', 'sandbox.service.connect="http"'], "needs sandbox.service.url"),
+    ("qwen3-14b-mi300x", ["sandbox.service.max_replicas=8"], "max_replicas = 8 is below sandbox.service.replicas = 16"),
 ])
 def test_settings_the_runtime_would_not_honour_are_refused(profile, overrides, needle):
     with pytest.raises(ConfigError) as e:

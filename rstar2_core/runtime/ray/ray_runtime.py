@@ -228,6 +228,11 @@ class RayRuntime:
         for e, r in zip(engines, results):
             if isinstance(r, BaseException):
                 log.warning("%s did not close (%s: %s); its actor is killed", e.name, type(r).__name__, r)
+        if self.sandbox is not None and hasattr(self.sandbox, "aclose"):   # a tool service client: its connections
+            try:
+                await self.sandbox.aclose()
+            except Exception as e:  # noqa: BLE001 - a client that fails to close must not keep the actors alive
+                log.warning("the tool service client did not close (%s: %s)", type(e).__name__, e)
         self._shutdown(error)
 
     def _shutdown(self, error: BaseException | None = None) -> None:

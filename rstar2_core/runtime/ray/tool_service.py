@@ -166,7 +166,7 @@ def tool_service_app(cfg: SandboxConfig):
     opts: dict = {"ray_actor_options": actor, "max_ongoing_requests": sc.max_ongoing_requests,
                   "health_check_period_s": 5, "graceful_shutdown_timeout_s": 5}
     if sc.max_replicas:
-        opts["autoscaling_config"] = {"min_replicas": sc.replicas, "max_replicas": max(sc.replicas, sc.max_replicas),
+        opts["autoscaling_config"] = {"min_replicas": sc.replicas, "max_replicas": sc.max_replicas,
                                       "target_ongoing_requests": sc.target_ongoing_requests,
                                       "upscale_delay_s": 5, "downscale_delay_s": 60}
     else:
@@ -209,7 +209,8 @@ def deploy_tool_service(cfg: SandboxConfig, *, http_host: str = "0.0.0.0", http_
 
 def tool_service_status(app_name: str) -> dict:
     """Serve's view of the application: status (`NOT_DEPLOYED`, `DEPLOYING`, `RUNNING`, `DEPLOY_FAILED`,
-    ...), its message and the replicas by state."""
+    ...), its message, the replicas by state and the live replica actors' names (`replica_actors`: a
+    replica Serve replaced after a loss has a new name)."""
     apps = serve.status().applications
     if app_name not in apps:
         return {"status": "NOT_DEPLOYED", "message": f"no Serve application {app_name!r} on this Ray cluster"}
@@ -219,6 +220,7 @@ def tool_service_status(app_name: str) -> dict:
     if dep is not None:
         out["replicas"] = {str(getattr(k, "value", k)): v for k, v in dep.replica_states.items()}
         out["message"] = (out["message"] + "\n" + (dep.message or "")).strip()
+    out["replica_actors"] = sorted(a["name"] for a in replica_actors(app_name))
     return out
 
 

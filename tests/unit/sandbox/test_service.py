@@ -38,18 +38,33 @@ def _alive(pids) -> set[int]:
     return out
 
 
+def _children(pid: int) -> int:
+    try:
+        return len(psutil.Process(pid).children())
+    except psutil.NoSuchProcess:
+        return 0
+
+
 def _kill_template_when_busy(box, times: int) -> threading.Thread:
+    """SIGKILL a template `times` times, each once a call runs in it: the template has the request
+    (`inflight`) and one child more than an idle template (the call's, beside its zygote and helpers).
+    Call before any request: the box's templates are idle then."""
+    idle = {_children(t.proc.pid) for t in box._d.templates["light"]}
+    assert len(idle) == 1 and idle != {0}, idle        # every idle template has the same children
+    idle_children = idle.pop()
+    killed: set[int] = set()
+
     def killer():
         for _ in range(times):
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline:
-                busy = [t for t in box._d.templates["light"] if t.inflight and t.hello and not t.dead]
-                if busy:
-                    time.sleep(0.2)
-                    os.kill(busy[0].proc.pid, signal.SIGKILL)
+                running = [t for t in box._d.templates["light"] if t.inflight and t.hello and not t.dead
+                           and t.proc.pid not in killed and _children(t.proc.pid) > idle_children]
+                if running:
+                    killed.add(running[0].proc.pid)
+                    os.kill(running[0].proc.pid, signal.SIGKILL)
                     break
                 time.sleep(0.01)
-            time.sleep(0.1)
 
     th = threading.Thread(target=killer)
     th.start()
