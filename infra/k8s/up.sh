@@ -5,19 +5,28 @@
 # there may already have created the pool: `rstar2 deploy` gives it our template either way).
 # Safe to rerun: `kubectl apply` and `rstar2 deploy` change only what differs.
 #
-#   infra/k8s/up.sh              # edit the two Secrets of namespace.yaml first (infra/README.md step 2)
+#   infra/k8s/up.sh              # fill namespace.yaml's "<...>" values first (infra/README.md step 2)
 #
-# KUBECTL (default kubectl) and RSTAR2_UP_TIMEOUT (each wait, default 1800s: pulling the image on 9 nodes)
-# can be set; it needs kubectl >= 1.23 (`wait --for=jsonpath`).
+# KUBECTL (default kubectl), RSTAR2_UP_TIMEOUT (each wait, default 1800s: pulling the image on 9 nodes) and
+# RSTAR2_NAMESPACE_YAML (the filled namespace.yaml, default the one here) can be set; it needs kubectl >= 1.23
+# (`wait --for=jsonpath`). It refuses to start while namespace.yaml still holds a "<...>" placeholder.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 k="${KUBECTL:-kubectl}"
 t="${RSTAR2_UP_TIMEOUT:-1800s}"
+nsyaml="${RSTAR2_NAMESPACE_YAML:-$here/namespace.yaml}"
 ns=rstar2
 say() { echo "[up] $*" >&2; }
 
+left="$(grep -nE '^[[:space:]]*[A-Z_]+: "<[^"]*>"' "$nsyaml" || true)"
+if [ -n "$left" ]; then
+  say "$nsyaml still has placeholders (the S3 keys, the DB password, RCCL's interface and RDMA devices):"
+  echo "$left" >&2
+  say "fill them for this cluster (infra/README.md step 2), then run up.sh again; nothing was applied"
+  exit 2
+fi
 say "1/6 namespace and secrets"
-$k apply -f "$here/namespace.yaml"
+$k apply -f "$nsyaml"
 say "2/6 PostgreSQL"
 $k apply -f "$here/postgres.yaml"
 $k -n "$ns" rollout status statefulset/postgres --timeout="$t"
