@@ -8,7 +8,7 @@ a local Ray (engine actor, DeepSpeed trainer shard, sandbox actors) against real
 by `--seed`): an engine actor, a trainer shard and a sandbox killed at RL steps (`RSTAR2_FAULT_INJECT`),
 MLflow stopped and started, S3 closed for `--s3-outage-s` (30 s; 10 with --quick), after chosen stages.
 `--sandbox service`: the tool service on a tool node of a local Ray cluster (as in production); `kill-sandbox`
-kills a replica, and the run passes only if Serve replaced it. JSON keys and meanings: docs/faults.md.
+kills a replica, and the run passes only if Serve replaced it. JSON keys: docs/benchmarks-training.md.
 """
 
 from __future__ import annotations
@@ -117,30 +117,21 @@ def service_cluster(cfg, overrides: list[str], root: Path):
     infra/k8s/up.sh does; yields (its address, a function returning `rstar2 tools status --json`)."""
     import subprocess
 
-    from rstar2_cli.tools import tools_command
+    from rstar2_cli.rehearsal_stack import free_port
+    from rstar2_cli.tools import last_json, tool_node, tools_command
     from rstar2_core.runtime.ray.rehearsal.local_cluster import LocalCluster
 
-    sc = cfg.sandbox.service
-    with LocalCluster.for_config(cfg.cluster, root, tool_cpus=sc.replicas,     # this process's environment
-                                 tool_resources={sc.node_resource: sc.replicas}) as cluster:
+    with LocalCluster.for_config(cfg.cluster, root, **tool_node(cfg.sandbox.service)) as cluster:   # this env
         def tools(action: str, *extra: str) -> dict:
             p = subprocess.run(tools_command(action, "tiny", overrides, cluster.address, *extra), cwd=str(ROOT),
                                capture_output=True, text=True, timeout=600, check=False)
             if action == "deploy" and p.returncode != 0:
                 raise RuntimeError(f"rstar2 tools deploy failed (exit {p.returncode}): {p.stderr[-3000:]}")
-            return json.loads(p.stdout.strip().splitlines()[-1])
+            return last_json(p, f"rstar2 tools {action}")
 
-        st = tools("deploy", "--http-host", "127.0.0.1", "--http-port", str(_free_port()), "--timeout-s", "300")
+        st = tools("deploy", "--http-host", "127.0.0.1", "--http-port", str(free_port()), "--timeout-s", "300")
         print(f"[chaos] tool service {st['status']} on {cluster.address}: {st['replica_actors']}", flush=True)
         yield cluster.address, lambda: tools("status", "--json")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def _task_runs(flow_run_id):
@@ -247,6 +238,7 @@ def main() -> int:
         finally:
             mlflow.stop()
             endpoint.close()
+            shutil.rmtree(ray_root, ignore_errors=True)
     injected = len(fired) + len(chaos.events)
     completed = state.is_completed()
     r = {"bench": "chaos", "quick": a.quick, "seed": a.seed, "schedule": plan, "completed": completed,
@@ -263,8 +255,8 @@ def main() -> int:
                              "status_after": after["status"]}
         replaced = (after["status"] == "RUNNING" and len(after["replica_actors"]) == len(before["replica_actors"])
                     and len(set(after["replica_actors"]) - set(before["replica_actors"])) == 1)
+        r["tool_service"]["replica_replaced"] = replaced
     shutil.rmtree(os.environ["RSTAR2_RAY_TMP"], ignore_errors=True)
-    shutil.rmtree(ray_root, ignore_errors=True)
     if not a.json:
         print(f"[chaos] {'completed' if completed else 'FAILED'} in {wall:.0f} s: {injected} faults, "
               f"{r['faults_survived']} survived, {retries} task retries, steps trained once: {once}, "

@@ -262,7 +262,8 @@ def build_plan(cfg: Any, nodes: list | None = None, read_model: bool = False, ad
     if address is not None:
         from rstar2_core.runtime.ray.device_check import live_device_check
 
-        more_lines, checks["devices"] = live_device_check(address, layout, nodes or [])
+        more_lines, checks["devices"] = live_device_check(address, layout, nodes or [],
+                                                          planned_gib=cfg.cluster.gpu_memory_gb)
         live += [f"  {x}" for x in more_lines]
         skipped = [x for x in more_lines if x.startswith("device check skipped")]
         if skipped and not checks["devices"]:

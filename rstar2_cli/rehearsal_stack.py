@@ -204,14 +204,10 @@ class ServiceStack:
         wait_http(f"{self.prefect_api}/health", "Prefect server", 300, p, self.logs / "prefect-server.log")
 
     def _cluster(self) -> None:
+        from rstar2_cli.tools import tool_node
         from rstar2_core.runtime.ray.rehearsal.local_cluster import LocalCluster
 
-        tools = {}
-        if self.tool_service is not None:
-            sc = self.tool_service[0].service
-            top = max(sc.replicas, sc.max_replicas)
-            tools = {"tool_cpus": max(1, int(-(-top * sc.cpus_per_replica // 1))),
-                     "tool_resources": {sc.node_resource: top} if sc.node_resource else {}}
+        tools = tool_node(self.tool_service[0].service) if self.tool_service is not None else {}
         self.cluster = LocalCluster.for_config(self.cluster_cfg, self.root / "ray",
                                                env={**self.s3_env(), "RSTAR2_HOME": str(self.home)}, **tools).start()
 
@@ -234,15 +230,12 @@ class ServiceStack:
     def tools_status(self) -> dict:
         """`rstar2 tools status --json` on this stack's cluster (a driver process of its own, as an operator
         runs it): the service's state, replicas by state and live replica actors."""
-        from rstar2_cli.tools import tools_command
+        from rstar2_cli.tools import last_json, tools_command
 
         cmd = tools_command("status", "qwen3-14b-mi300x", self.tool_service[1], self.cluster.address, "--json")
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=180, check=False, cwd=str(ROOT),
                            env={**self.clean_env(), "RAY_AUTH_MODE": "disabled"})
-        try:
-            return json.loads(p.stdout.strip().splitlines()[-1])
-        except (IndexError, json.JSONDecodeError):
-            raise RuntimeError(f"`rstar2 tools status` gave no JSON (exit {p.returncode}): {p.stderr[-2000:]}") from None
+        return last_json(p, "`rstar2 tools status`")
 
     def local_values(self) -> dict[str, str]:
         """The production endpoints and paths of infra/ and their local stand-ins (nothing else differs)."""

@@ -13,10 +13,29 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
 from rstar2_cli.common import add_profile_args, load
+
+
+def tool_node(sc) -> dict:
+    """A local cluster's tool node for `sc` (`sandbox.service`): CPUs for every replica it may run
+    (`max(replicas, max_replicas)` x `cpus_per_replica`) and that many units of `node_resource`; the
+    `LocalCluster` keywords (`tool_cpus`, `tool_resources`)."""
+    top = max(sc.replicas, sc.max_replicas)
+    return {"tool_cpus": max(1, math.ceil(top * sc.cpus_per_replica)),
+            "tool_resources": {sc.node_resource: top} if sc.node_resource else {}}
+
+
+def last_json(p, what: str) -> dict:
+    """The JSON object on the last stdout line of the finished command `p` (a `subprocess.CompletedProcess`
+    of `rstar2 tools ...`), or a RuntimeError naming `what`, its exit code and stderr's end."""
+    try:
+        return json.loads(p.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        raise RuntimeError(f"{what} gave no JSON (exit {p.returncode}): {p.stderr[-2000:]}") from None
 
 
 def tools_command(action: str, profile: str, overrides: list[str], address: str, *extra: str) -> list[str]:

@@ -104,8 +104,8 @@ class WeightSyncExtension:
 
     def rstar2_device(self) -> dict:
         """This worker's GPU as plain properties (the runtime turns them into an identity and checks them:
-        runtime/devices.py): `uuid` and the PCI address of the device it computes on (`self.device`, which
-        vLLM set; not the calling thread's current device), and `ray_gpu`, the GPU vLLM took for this
+        runtime/devices.py): `uuid`, the PCI address and `total_memory` (bytes) of the device it computes on
+        (`self.device`, which vLLM set; not the calling thread's current device), and `ray_gpu`, the GPU vLLM took for this
         worker from its Ray executor's assignment (None outside vLLM's Ray executor)."""
         import torch
 
@@ -116,7 +116,7 @@ class WeightSyncExtension:
         out = {k: getattr(props, k, None) for k in ("pci_domain_id", "pci_bus_id", "pci_device_id")}
         ids = self.vllm_config.parallel_config.assigned_physical_gpu_ids
         rank = getattr(self, "local_rank", 0)
-        out.update(uuid=str(getattr(props, "uuid", "") or ""), name=props.name,
+        out.update(uuid=str(getattr(props, "uuid", "") or ""), name=props.name, total_memory=props.total_memory,
                    ray_gpu=str(ids[rank]) if ids is not None and rank < len(ids) else None)
         return out
 

@@ -188,6 +188,8 @@ class DeviceReport:
     node: str
     ray_gpu: str
     device: str
+    memory_gib: float | None = None
+    """The device's total memory (torch's `total_memory`) in GiB; None where it was not read."""
 
 
 def device_conflicts(reports: Iterable[DeviceReport]) -> list[str]:
@@ -217,9 +219,29 @@ def device_conflicts(reports: Iterable[DeviceReport]) -> list[str]:
     return problems
 
 
-def check_devices(reports: Sequence[DeviceReport]) -> None:
-    """Raise `DeviceConflict` listing `device_conflicts(reports)`, if any."""
-    problems = device_conflicts(reports)
+MEMORY_TOLERANCE = 0.01
+"""How far `cluster.gpu_memory_gb` may exceed a device's reported total (drivers round it) before it is refused."""
+
+
+def memory_shortfalls(reports: Iterable[DeviceReport], planned_gib: float | None) -> list[str]:
+    """Devices with less memory than the plan assumed (`cluster.gpu_memory_gb`, which `rstar2 plan` and the
+    engines' KV budget are computed from), one line per distinct device size; [] when nothing was planned."""
+    if planned_gib is None:
+        return []
+    short: dict[float, list[DeviceReport]] = {}
+    for r in reports:
+        if r.memory_gib is not None and planned_gib > r.memory_gib * (1 + MEMORY_TOLERANCE):
+            short.setdefault(round(r.memory_gib, 1), []).append(r)
+    return [f"cluster.gpu_memory_gb = {planned_gib:g} but {', '.join(f'{r.actor} ({r.node})' for r in rs[:4])}"
+            f"{f' and {len(rs) - 4} more' if len(rs) > 4 else ''} compute on devices of {gib:g} GiB: the memory "
+            f"plan assumed more than they hold; set cluster.gpu_memory_gb = {gib:g} and run `rstar2 plan` again"
+            for gib, rs in sorted(short.items())]
+
+
+def check_devices(reports: Sequence[DeviceReport], planned_gib: float | None = None) -> None:
+    """Raise `DeviceConflict` listing `device_conflicts(reports)` and `memory_shortfalls(reports,
+    planned_gib)`, if any."""
+    problems = device_conflicts(reports) + memory_shortfalls(reports, planned_gib)
     if problems:
-        raise DeviceConflict(f"{len(problems)} device conflict(s) among the stage's {len(reports)} GPU actors, refused "
+        raise DeviceConflict(f"{len(problems)} device problem(s) among the stage's {len(reports)} GPU actors, refused "
                              "before training: " + " | ".join(problems))

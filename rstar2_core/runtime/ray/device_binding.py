@@ -74,7 +74,12 @@ def local_report(actor: str, index: int, ray_gpu: str | None = None) -> DeviceRe
 
     ids = ray_gpu_ids()
     gpu = ray_gpu if ray_gpu is not None else (ids[0] if ids else "none")
-    return DeviceReport(actor, node_label(), gpu, device_identity(torch.cuda.get_device_properties(index)))
+    props = torch.cuda.get_device_properties(index)
+    return DeviceReport(actor, node_label(), gpu, device_identity(props), _gib(props.total_memory))
+
+
+def _gib(total_memory: int | None) -> float | None:
+    return total_memory / 2**30 if total_memory else None
 
 
 def engine_reports(actor: str, engine: Any) -> list[DeviceReport]:
@@ -91,6 +96,7 @@ def engine_reports(actor: str, engine: Any) -> list[DeviceReport]:
     found = workers()
     ids, node = ray_gpu_ids(), node_label()
     if len(found) == 1:
-        return [DeviceReport(actor, node, ids[0] if ids else "none", device_identity(SimpleNamespace(**found[0])))]
+        return [DeviceReport(actor, node, ids[0] if ids else "none", device_identity(SimpleNamespace(**found[0])),
+                             _gib(found[0].get("total_memory")))]
     return [DeviceReport(f"{actor}/tp{i}", node, str(w["ray_gpu"]) if w.get("ray_gpu") is not None else f"?{i}",
-                         device_identity(SimpleNamespace(**w))) for i, w in enumerate(found)]
+                         device_identity(SimpleNamespace(**w)), _gib(w.get("total_memory"))) for i, w in enumerate(found)]

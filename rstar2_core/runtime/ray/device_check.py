@@ -1,6 +1,7 @@
 """The cluster's device check: every GPU actor reports its device by identity (UUID, PCI address) and its
 Ray GPU id; `runtime/devices.device_conflicts` refuses two actors Ray gave different GPUs on one device,
-or one Ray GPU on two devices (a colocated trainer rank and engine share their id).
+or one Ray GPU on two devices (a colocated trainer rank and engine share their id), and `memory_shortfalls`
+a device with less memory than `cluster.gpu_memory_gb`, which the memory plan assumed.
 
 `check_runtime_devices` runs in `RayRuntime`'s start-up once trainer shards and engines are built
 (`DeviceConflict`, not retried). `live_device_check` serves `rstar2 plan --address`: it places the layout's
@@ -24,6 +25,7 @@ from rstar2_core.runtime.devices import (
     DeviceResolutionError,
     check_devices,
     device_conflicts,
+    memory_shortfalls,
     resolve_device,
 )
 from rstar2_core.runtime.layout import ClusterLayout, NodeResources, fit_layout
@@ -52,10 +54,12 @@ def runtime_device_reports(group: ActorGroup, trainer: Any | None, engines: Sequ
     return out
 
 
-def check_runtime_devices(group: ActorGroup, trainer: Any | None, engines: Sequence[Any]) -> list[DeviceReport]:
-    """The stage's device reports, after refusing any conflict (`DeviceConflict`, see the module docstring)."""
+def check_runtime_devices(group: ActorGroup, trainer: Any | None, engines: Sequence[Any],
+                          planned_gib: float | None = None) -> list[DeviceReport]:
+    """The stage's device reports, after refusing any conflict or a device smaller than `planned_gib`
+    (`cluster.gpu_memory_gb`; `DeviceConflict`, see the module docstring)."""
     reports = runtime_device_reports(group, trainer, engines)
-    check_devices(reports)
+    check_devices(reports, planned_gib)
     return reports
 
 
@@ -78,7 +82,8 @@ class DeviceProbe:
             return "error", f"{name} on {node_label()}: {e}"
 
 
-def probe_devices(layout: ClusterLayout, timeout_s: float = PROBE_TIMEOUT_S) -> tuple[list[str], list[str]]:
+def probe_devices(layout: ClusterLayout, timeout_s: float = PROBE_TIMEOUT_S,
+                  planned_gib: float | None = None) -> tuple[list[str], list[str]]:
     """(lines, problems) of probing every GPU bundle of `layout` on the connected cluster (see the module
     docstring); the placement groups and probes are removed before it returns. Raises `LayoutDoesNotFit` /
     `PlacementTimeout` when the groups cannot be placed."""
@@ -99,11 +104,12 @@ def probe_devices(layout: ClusterLayout, timeout_s: float = PROBE_TIMEOUT_S) -> 
         results = group.get(refs, names, timeout=timeout_s)
     finally:
         group.shutdown()
-    return _summarise(results, layout)
+    return _summarise(results, layout, planned_gib)
 
 
-def _summarise(results: list[tuple[str, Any]], layout: ClusterLayout) -> tuple[list[str], list[str]]:
-    """(lines, problems) from the probes' answers (pure)."""
+def _summarise(results: list[tuple[str, Any]], layout: ClusterLayout,
+               planned_gib: float | None = None) -> tuple[list[str], list[str]]:
+    """(lines, problems) from the probes' answers (pure); `planned_gib`: `cluster.gpu_memory_gb`."""
     ok = [v for k, v in results if k == "ok"]
     blind = [v for k, v in results if k == "no-device"]
     errors = [v for k, v in results if k == "error"]
@@ -113,7 +119,8 @@ def _summarise(results: list[tuple[str, Any]], layout: ClusterLayout) -> tuple[l
                 [("the profile computes on real GPUs (cluster.logical_gpus = false) but no probe on a GPU bundle sees a "
                  "device: set cluster.logical_gpus = true for this cluster, or run on GPU nodes")])
     reports = [r for r, _ in ok]
-    problems = errors + [f"{b}, although Ray gave it a GPU" for b in blind] + device_conflicts(reports)
+    problems = (errors + [f"{b}, although Ray gave it a GPU" for b in blind] + device_conflicts(reports)
+                + memory_shortfalls(reports, planned_gib))
     by_node: dict[str, set[str]] = {}
     for r in reports:
         by_node.setdefault(r.node, set()).add(r.device)
@@ -126,9 +133,10 @@ def _summarise(results: list[tuple[str, Any]], layout: ClusterLayout) -> tuple[l
 
 
 def live_device_check(address: str, layout: ClusterLayout, nodes: list[NodeResources],
-                      timeout_s: float = PROBE_TIMEOUT_S) -> tuple[list[str], list[str]]:
+                      timeout_s: float = PROBE_TIMEOUT_S, planned_gib: float | None = None) -> tuple[list[str], list[str]]:
     """(lines, problems) of the device check on the live cluster at `address` (`rstar2 plan --address`),
-    or one line saying why it was skipped (see the module docstring)."""
+    or one line saying why it was skipped (see the module docstring). `planned_gib`: `cluster.gpu_memory_gb`,
+    compared with each probed device's memory."""
     if layout.device != "cuda":
         return [("device check skipped: the layout computes on the CPU (no GPUs, or cluster.logical_gpus): no actor "
                 "binds a GPU")], []
@@ -140,7 +148,7 @@ def live_device_check(address: str, layout: ClusterLayout, nodes: list[NodeResou
 
     with driver_connection(address):
         try:
-            return probe_devices(layout, timeout_s)
+            return probe_devices(layout, timeout_s, planned_gib)
         except (LayoutDoesNotFit, PlacementTimeout) as e:
             return [(f"device check skipped: the layout's placement groups were not placed ({type(e).__name__}: "
                     f"{str(e)[:200]})")], []

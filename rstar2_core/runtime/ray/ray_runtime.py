@@ -129,7 +129,8 @@ class RayRuntime:
                 self.engines = start_engines(self.group, self.layout, None if engine_factory else spec.engines,
                                              threads=threads, factory=engine_factory, ready_timeout_s=timeout)
             if self.layout.device == "cuda" and (self.trainer is not None or self.engines):
-                reports = check_runtime_devices(self.group, self.trainer, self.engines)   # DeviceConflict
+                reports = check_runtime_devices(self.group, self.trainer, self.engines,     # DeviceConflict
+                                                cluster.gpu_memory_gb)
                 log.info("devices by identity: %s", "; ".join(f"{r.actor} {r.node} Ray GPU {r.ray_gpu} = {r.device}"
                                                                for r in reports))
             if spec.sandbox is not None and spec.sandbox.backend == "service":
@@ -228,12 +229,13 @@ class RayRuntime:
         for e, r in zip(engines, results):
             if isinstance(r, BaseException):
                 log.warning("%s did not close (%s: %s); its actor is killed", e.name, type(r).__name__, r)
-        if self.sandbox is not None and hasattr(self.sandbox, "aclose"):   # a tool service client: its connections
-            try:
+        try:
+            if self.sandbox is not None and hasattr(self.sandbox, "aclose"):   # a tool service client's connections
                 await self.sandbox.aclose()
-            except Exception as e:  # noqa: BLE001 - a client that fails to close must not keep the actors alive
-                log.warning("the tool service client did not close (%s: %s)", type(e).__name__, e)
-        self._shutdown(error)
+        except Exception as e:  # noqa: BLE001 - a client that fails to close must not keep the actors alive
+            log.warning("the tool service client did not close (%s: %s)", type(e).__name__, e)
+        finally:                # also when the close is cancelled: the actors and placement groups go
+            self._shutdown(error)
 
     def _shutdown(self, error: BaseException | None = None) -> None:
         """Close the sandbox pool and the grader pool, kill every actor and free the placement groups, then

@@ -213,7 +213,8 @@ def tool_service_status(app_name: str) -> dict:
     replica Serve replaced after a loss has a new name)."""
     apps = serve.status().applications
     if app_name not in apps:
-        return {"status": "NOT_DEPLOYED", "message": f"no Serve application {app_name!r} on this Ray cluster"}
+        return {"status": "NOT_DEPLOYED", "message": f"no Serve application {app_name!r} on this Ray cluster",
+                "replicas": {}, "replica_actors": []}
     app = apps[app_name]
     dep = app.deployments.get(DEPLOYMENT)
     out = {"status": str(getattr(app.status, "value", app.status)), "message": app.message or ""}

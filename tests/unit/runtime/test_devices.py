@@ -18,6 +18,7 @@ from rstar2_core.runtime.devices import (
     consistent_visibility,
     device_conflicts,
     device_identity,
+    memory_shortfalls,
     narrowed_visibility,
     resolve_device,
 )
@@ -143,6 +144,24 @@ def test_colocated_pairs_share_and_distinct_gpus_on_distinct_devices_pass():
                _r("trainer-8", "0", "d0", node=B)]      # the same PCI address on another machine is another GPU
     assert device_conflicts(reports) == []
     check_devices(reports)
+
+
+def test_devices_smaller_than_the_planned_memory_are_refused_with_the_setting_to_use():
+    """`cluster.gpu_memory_gb` is what `rstar2 plan` and the engines' KV budget were computed from: a device
+    that holds less is refused before training, naming the actors and the value to set; drivers' rounding
+    (within 1%) and an unset plan pass."""
+    mi300x, small = 191.69, 176.0      # torch's total_memory of an MI300X in GiB; a partitioned one
+    reports = [DeviceReport("trainer-0", A, "0", "d0", mi300x), DeviceReport("engine-0", A, "0", "d0", mi300x),
+               DeviceReport("trainer-9", B, "1", "d1", small), DeviceReport("engine-9/tp0", B, "1", "d1", small)]
+    (problem,) = memory_shortfalls(reports, 192.0)
+    assert problem.startswith("cluster.gpu_memory_gb = 192 but trainer-9 (node 77aa01bc") and "engine-9/tp0" in problem
+    assert "devices of 176 GiB" in problem and "set cluster.gpu_memory_gb = 176" in problem
+    assert "trainer-0" not in problem
+    assert memory_shortfalls(reports[:2], 192.0) == [] and memory_shortfalls(reports, None) == []
+    assert memory_shortfalls([DeviceReport("t", A, "0", "d0", None)], 192.0) == []    # not read: nothing to compare
+    with pytest.raises(DeviceConflict, match="set cluster.gpu_memory_gb = 176"):
+        check_devices(reports, planned_gib=192.0)
+    check_devices(reports[:2], planned_gib=192.0)
 
 
 def test_two_actors_ray_gave_different_gpus_on_one_device_are_refused_naming_node_and_actors():

@@ -135,11 +135,12 @@ def test_a_replica_killed_mid_batch_costs_no_call(service, transport):
             while _call_processes() < base + 4:
                 assert time.monotonic() < deadline, "the replicas never ran the calls"
                 await asyncio.sleep(0.05)
-            kill_one_replica(service.service.app_name)
+            killed = kill_one_replica(service.service.app_name)
             parts = await task
-            return [r for part in parts for r in part], c.stats()
+            return [r for part in parts for r in part], c.stats(), killed
 
-    res, stats = asyncio.run(go())
+    before = tool_service_status(service.service.app_name)["replica_actors"]
+    res, stats, killed = asyncio.run(go())
     assert [r.status for r in res] == [Status.OK] * 8, [(r.status, r.stderr[:120]) for r in res]
     assert [r.stdout for r in res] == [f"{i}\n" for i in range(8)]
     assert stats["sandbox/service_retried_batches"] >= 1 and stats["sandbox/service_lost_calls"] == 0
@@ -147,6 +148,8 @@ def test_a_replica_killed_mid_batch_costs_no_call(service, transport):
     while tool_service_status(service.service.app_name).get("replicas") != {"RUNNING": 2}:
         assert time.monotonic() < deadline, tool_service_status(service.service.app_name)
         time.sleep(1)
+    after = tool_service_status(service.service.app_name)["replica_actors"]     # what `rstar2 tools status` lists
+    assert killed in before and killed not in after and len(after) == 2 and len(set(after) - set(before)) == 1
 
 
 def _call_processes() -> int:

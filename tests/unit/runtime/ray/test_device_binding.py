@@ -91,14 +91,17 @@ def test_a_vllm_worker_reports_the_device_vllm_set_not_the_calling_threads(monke
 
     from rstar2_core.rollout.vllm_engine import WeightSyncExtension
 
-    props = {3: SimpleNamespace(uuid="GPU-3", pci_domain_id=0, pci_bus_id=0x3C, pci_device_id=0, name="H100")}
+    props = {3: SimpleNamespace(uuid="GPU-3", pci_domain_id=0, pci_bus_id=0x3C, pci_device_id=0, name="H100",
+                                total_memory=85_520_809_984)}
     monkeypatch.setattr(torch.cuda, "get_device_properties", props.__getitem__)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     worker = SimpleNamespace(device=torch.device("cuda", 3), local_rank=1, vllm_config=SimpleNamespace(
         parallel_config=SimpleNamespace(assigned_physical_gpu_ids=[6, 7])))
     got = WeightSyncExtension.rstar2_device(worker)
     assert got == {"pci_domain_id": 0, "pci_bus_id": 0x3C, "pci_device_id": 0, "uuid": "GPU-3", "name": "H100",
-                   "ray_gpu": "7"}
+                   "total_memory": 85_520_809_984, "ray_gpu": "7"}
+    (report,) = device_binding.engine_reports("engine-0", _VLLMLike([got]))
+    assert report.memory_gib == pytest.approx(79.65, abs=0.01)        # what the memory check compares
 
 
 def _report(name: str, gpu: str, device: str) -> tuple[str, tuple]:
