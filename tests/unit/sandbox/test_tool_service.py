@@ -1,8 +1,9 @@
 """The tool service (`sandbox.backend = "service"`): the sandbox deployed on Ray Serve, called through the
 in-cluster handle and over HTTP with the local service's answers; malformed requests refused with a 4xx
-and a reason before a sandbox sees them; a replica killed mid-batch costs no call; a service that is down
-is a named, retryable error in seconds; a host that denies the sandbox's namespaces refuses the deploy
-with the cause and the manifest fix. Local Ray, 2 CPUs, one deployment for the module (slow)."""
+and a reason before a sandbox sees them; a replica killed mid-batch costs no call; autoscaling adds a
+replica while calls queue; a service that is down is a named, retryable error in seconds; a host that
+denies the sandbox's namespaces refuses the deploy with the cause and the manifest fix. Local Ray, 2 CPUs,
+one deployment for the module (slow)."""
 
 from __future__ import annotations
 
@@ -164,6 +165,44 @@ def _call_processes() -> int:
             except psutil.NoSuchProcess:
                 pass
     return n
+
+
+def test_autoscaling_adds_a_replica_while_calls_queue(service):
+    """`sandbox.service.max_replicas` > `replicas`: Serve's autoscaler (by requests per replica, queued and
+    running) adds a replica while more calls wait than `target_ongoing_requests`; every call is answered."""
+    from ray import serve
+
+    from rstar2_core.runtime.ray.tool_service import (
+        ToolServiceHandle,
+        deploy_tool_service,
+        tool_service_status,
+    )
+
+    cfg = service.model_copy(update={"service": service.service.model_copy(update={
+        "app_name": "rstar2-tools-autoscale", "route_prefix": "/autoscale", "replicas": 1, "max_replicas": 2,
+        "target_ongoing_requests": 1.0})})
+    st = deploy_tool_service(cfg, http_host="127.0.0.1", http_port=int(service.service.url.rsplit(":", 1)[1].split("/")[0]),
+                             timeout_s=240)
+    assert st["replicas"] == {"RUNNING": 1}, st
+    try:
+        async def load() -> tuple[list, dict]:
+            results, seen = [], {}
+            async with ToolServiceHandle(cfg) as c:
+                deadline = time.monotonic() + 120         # Serve's metrics reach its controller every few seconds
+                while time.monotonic() < deadline:
+                    batch = await asyncio.gather(*(c.run_batch([ExecutionRequest(
+                        code="import time; time.sleep(1.0); print('ok')", id=str(i))]) for i in range(8)))
+                    results += [r for part in batch for r in part]
+                    seen = await asyncio.to_thread(tool_service_status, cfg.service.app_name)
+                    if seen.get("replicas", {}).get("RUNNING", 0) == 2:
+                        break
+            return results, seen
+
+        results, seen = asyncio.run(load())
+        assert seen.get("replicas") == {"RUNNING": 2}, seen                   # scaled up under queued calls
+        assert {(r.status, r.stdout) for r in results} == {(Status.OK, "ok\n")}
+    finally:
+        serve.delete(cfg.service.app_name)
 
 
 def test_a_service_that_is_down_is_a_named_retryable_error_in_seconds(service):
