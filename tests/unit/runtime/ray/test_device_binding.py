@@ -84,7 +84,7 @@ def test_engine_reports_name_each_tp_worker_with_the_gpu_vllm_bound_it_to(on_gpu
     assert (tp1.actor, tp1.ray_gpu) == ("engine-0", "5")
 
 
-def test_a_vllm_worker_reports_the_device_vllm_set_not_the_calling_threads(monkeypatch):
+def test_a_vllm_worker_reports_the_device_vllm_set_not_the_calling_threads(monkeypatch, on_gpu_5):
     """`WeightSyncExtension.rstar2_device` on a TP worker of rank 1 that vLLM put on cuda:3 (GPU 7 of its
     engine's Ray ids [6, 7]); the RPC thread's current device (0) is not asked."""
     from types import SimpleNamespace
